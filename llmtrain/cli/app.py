@@ -1,0 +1,47 @@
+"""The ``llmtrain`` typer app. Project errors print one line per problem and exit 2.
+
+``LLMTRAIN_DEBUG=1`` re-raises instead, to show the traceback. Commands register themselves
+from one module per command group; heavy imports happen inside the commands so that
+``llmtrain plan`` stays fast and never imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Callable
+
+import typer
+
+from llmtrain.errors import EXIT_USER_ERROR, LLMTrainError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Plan, launch and run 5D-parallel LLM training from one YAML recipe.")
+
+
+def report_errors(fn: Callable) -> Callable:
+    """Turn :class:`LLMTrainError` into one stderr line per problem and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except LLMTrainError as exc:
+            if os.environ.get("LLMTRAIN_DEBUG") == "1":
+                raise
+            for problem in exc.problems:
+                print(f"error: {problem.line()}", file=sys.stderr)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+
+    return wrapper
+
+
+def main() -> None:
+    from llmtrain.cli import plan as _plan  # noqa: F401  (registers commands)
+
+    app()
+
+
+if __name__ == "__main__":
+    main()

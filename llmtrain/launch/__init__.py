@@ -1,0 +1,1 @@
+"""Launching: hostfiles, torchrun command expansion, local and SSH runners. Never imports torch."""

@@ -1,0 +1,173 @@
+"""Hostfiles: which machines a run uses and how many ranks (slots) each gets.
+
+Two forms are accepted:
+
+* DeepSpeed form, one host per line, ``#`` comments::
+
+      worker-1 slots=8
+      worker-2 slots=8   # trailing comments are fine
+
+* YAML form (``.yaml``/``.yml``, or any file whose first content is ``hosts:``)::
+
+      known_hosts: ~/.ssh/cluster_known_hosts   # optional, for strict host-key checking
+      hosts:
+        - {host: worker-1, slots: 8, user: ubuntu, port: 22, identity_file: ~/.ssh/id_ed25519}
+
+Errors name the file and line. Without a hostfile, llmtrain runs on ``localhost``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.plan.placement import Node, Placement
+
+HOST_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})|\[[0-9A-Fa-f:.]+\])$")
+MAX_SLOTS = 1024
+MAX_BYTES = 1 << 20
+
+
+class HostEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    host: str = Field(pattern=HOST_RE.pattern, description="Hostname, IP, or ~/.ssh/config alias.")
+    slots: int = Field(ge=1, le=MAX_SLOTS, description="Ranks (GPUs) to start on this host.")
+    user: str | None = Field(None, min_length=1, description="SSH user (default: ssh config or current user).")
+    port: int | None = Field(None, ge=1, le=65535, description="SSH port (default: ssh config or 22).")
+    identity_file: str | None = Field(None, min_length=1, description="Private key file.")
+
+
+class HostfileYAML(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    hosts: list[HostEntry] = Field(min_length=1, description="Hosts in rank order.")
+    known_hosts: str | None = Field(None, min_length=1, description="Extra known_hosts file for host-key checking.")
+
+
+@dataclass(frozen=True)
+class Hostfile:
+    hosts: tuple[HostEntry, ...]
+    known_hosts: str | None = None
+    source: str = "<localhost>"
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(tuple(Node(h.host, h.slots) for h in self.hosts))
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    @classmethod
+    def localhost(cls, slots: int) -> Hostfile:
+        return cls((HostEntry(host="localhost", slots=slots),))
+
+
+def load_hostfile(path: str | Path) -> Hostfile:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise LLMTrainError(f"hostfile not found: {path}", "check the --hosts path (examples are in hostfiles/)") from None
+    except OSError as exc:
+        raise LLMTrainError(f"cannot read hostfile {path}: {exc.strerror or exc}", "pass a readable file") from None
+    if len(raw) > MAX_BYTES:
+        raise LLMTrainError(f"hostfile {path} is {len(raw)} bytes", "a hostfile is a short text file (< 1 MiB)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LLMTrainError(f"hostfile {path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8") from None
+    return parse_hostfile(text, str(path), yaml_form=path.suffix in (".yaml", ".yml"))
+
+
+def parse_hostfile(text: str, source: str = "hostfile", yaml_form: bool | None = None) -> Hostfile:
+    if yaml_form is None or not yaml_form:
+        first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
+        yaml_form = bool(yaml_form) or first.startswith("hosts:") or first.startswith("known_hosts:")
+    hostfile = _parse_yaml(text, source) if yaml_form else _parse_deepspeed(text, source)
+    seen: dict[str, int] = {}
+    for i, h in enumerate(hostfile.hosts):
+        key = f"{h.host}:{h.port or 22}"
+        if key in seen:
+            raise LLMTrainError(f"{source}: host {h.host} listed twice (entries {seen[key] + 1} and {i + 1})",
+                                "list each host once with its total slots")
+        seen[key] = i
+    return hostfile
+
+
+def _parse_deepspeed(text: str, source: str) -> Hostfile:
+    hosts, problems = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        content = line.split("#", 1)[0].strip()
+        if not content:
+            continue
+        parts = content.split()
+        where = f"{source}:{number}"
+        if not HOST_RE.match(parts[0]):
+            problems.append(Problem(where, f"{parts[0][:40]!r} is not a valid hostname", "write `HOSTNAME slots=N`"))
+            continue
+        slots = [p for p in parts[1:] if p.startswith("slots=")]
+        if len(parts) != 2 or len(slots) != 1:
+            problems.append(Problem(where, f"expected `HOSTNAME slots=N`, got {content[:60]!r}", "e.g. `worker-1 slots=8`"))
+            continue
+        value = slots[0].removeprefix("slots=")
+        if not value.isdigit() or not 1 <= int(value) <= MAX_SLOTS:
+            problems.append(Problem(where, f"slots={value[:20]} is not a whole number in 1..{MAX_SLOTS}", "e.g. slots=8"))
+            continue
+        hosts.append(HostEntry(host=parts[0], slots=int(value)))
+    if problems:
+        raise LLMTrainError(problems)
+    if not hosts:
+        raise LLMTrainError(f"{source}: no hosts listed", "add lines like `worker-1 slots=8`")
+    return Hostfile(tuple(hosts), None, source)
+
+
+def _parse_yaml(text: str, source: str) -> Hostfile:
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise LLMTrainError(f"{source}{line}: {getattr(exc, 'problem', None) or 'invalid YAML'}", "fix the YAML syntax") from None
+    except (RecursionError, ValueError, OverflowError):
+        raise LLMTrainError(f"{source}: cannot parse YAML", "write a `hosts:` list") from None
+    if not isinstance(data, dict):
+        raise LLMTrainError(f"{source}: expected a mapping with a `hosts:` list", "see hostfiles/example.yaml")
+    try:
+        parsed = HostfileYAML.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = list(err["loc"])
+            line = _line_of(node, loc)
+            dotted = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+            message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            problems.append(Problem(f"{source}:{line}" if line else source, f"{dotted}: {message}",
+                                    "valid keys: host, slots, user, port, identity_file" if err["type"] == "extra_forbidden"
+                                    else "see hostfiles/example.yaml"))
+        raise LLMTrainError(problems) from None
+    return Hostfile(tuple(parsed.hosts), parsed.known_hosts, source)
+
+
+def _line_of(node: Any, loc: list[Any]) -> int | None:
+    """1-based line of the YAML node at ``loc`` (or of its closest existing parent)."""
+    line = None
+    for part in loc:
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            node = None
+    if node is not None:
+        line = node.start_mark.line + 1
+    return line

@@ -1,0 +1,1 @@
+"""Planning: ParallelDims (rank layout), validation, batch math, reports. Never imports torch."""

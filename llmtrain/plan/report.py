@@ -1,0 +1,102 @@
+"""The plan as a stable JSON object (``plan --json``) and as rich text for the terminal.
+
+JSON schema (``schema_version`` 1), top level: ``valid``, ``errors`` and ``warnings`` (each
+``{path, message, hint}``), ``recipe``, ``world_size``, ``model`` (architecture and
+``params_total``/``params_active``), ``parallel`` (degrees, ``dp``, ``edp``, ``zero`` and the
+data-parallel mode), ``batch`` (``dp``, ``micro_batch_size``, ``grad_accum``, ``microbatches``,
+``global_batch_size``, ``seq_len``, ``tokens_per_step``), ``pipeline`` (``bubble_fraction``),
+``layout`` (``mesh_dims``, ``mesh_shape``, ``nodes`` with each node's ranks and coordinate
+ranges, ``rank_coords`` for every rank in ``mesh_dims`` order, ``groups`` per dimension, and
+``ep`` when EP > 1). ``batch``, ``pipeline`` and ``layout`` are null when the layout is invalid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.plan.api import Plan
+from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.dims import MESH_DIMS, ParallelDims
+from llmtrain.plan.params import count_params
+from llmtrain.plan.placement import Placement
+
+SCHEMA_VERSION = 1
+DETAIL_RANKS = 64  # print every rank's coordinates up to this world size
+
+
+def dp_mode(plan: Plan) -> str:
+    p, dims = plan.recipe.parallel, plan.validation.dims
+    if dims is None or dims.dp == 1:
+        return "none (dp = 1)"
+    names = {0: "DDP", 1: "ZeRO-1 (optimizer states sharded)", 2: "ZeRO-2 (+ gradients sharded)",
+             3: "ZeRO-3 / FSDP (+ parameters sharded)"}
+    mode = names[p.zero]
+    if p.zero > 0 and dims.dp_replicate > 1 and dims.dp_shard > 1:
+        mode = f"HSDP: replicate {dims.dp_replicate} x {mode.split(' (')[0]} over {dims.dp_shard}"
+    return mode
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    r, v = plan.recipe, plan.validation
+    m, p = r.model, r.parallel
+    params = count_params(m)
+    dims = v.dims
+    out: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "valid": v.valid,
+        "errors": [e.to_dict() for e in v.errors],
+        "warnings": [w.to_dict() for w in v.warnings],
+        "recipe": r.name,
+        "world_size": plan.placement.world_size,
+        "model": {
+            "preset": m.preset, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
+            "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "moe": m.moe.model_dump() if m.is_moe else None,
+            "params_total": params.total, "params_active": params.active,
+        },
+        "parallel": {
+            **{name: (dims.degree(name) if dims else getattr(p, name)) for name in (*MESH_DIMS, "ep")},
+            "dp": dims.dp if dims else None, "edp": dims.edp if dims else None,
+            "zero": p.zero, "dp_mode": dp_mode(plan), "reshard_after_forward": p.zero == 3 and p.pp == 1,
+            "sequence_parallel": p.sequence_parallel and p.tp > 1, "pp_schedule": p.pp_schedule if p.pp > 1 else None,
+            "pp_virtual_stages": p.pp_virtual_stages, "cp_method": p.cp_method if p.cp > 1 else None,
+        },
+        "batch": v.batch.to_dict() if v.batch else None,
+        "pipeline": None,
+        "layout": None,
+    }
+    if v.batch is not None:
+        out["pipeline"] = {"bubble_fraction": bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, v.batch.microbatches)}
+    if dims is not None:
+        out["layout"] = layout_dict(dims, plan.placement)
+    return out
+
+
+def layout_dict(dims: ParallelDims, placement: Placement) -> dict[str, Any]:
+    rank_coords = [list(dims.coords(rank)) for rank in range(dims.world_size)]
+    nodes = []
+    for index, (node, first) in enumerate(zip(placement.nodes, placement.first_ranks)):
+        coords = rank_coords[first:first + node.slots]
+        nodes.append({
+            "node": index, "host": node.host, "slots": node.slots, "ranks": [first, first + node.slots - 1],
+            "coords_range": {name: [min(c[i] for c in coords), max(c[i] for c in coords)] for i, name in enumerate(MESH_DIMS)},
+        })
+    groups = {}
+    for name in MESH_DIMS:
+        first_group = dims.group(0, name)
+        groups[name] = {"size": dims.degree(name), "count": dims.world_size // dims.degree(name), "first": first_group,
+                        "crosses_nodes": placement.spans_nodes(first_group)}
+    ep = None
+    if dims.ep > 1:
+        ep = {"size": dims.ep, "borrowed_from": "dp_shard x cp", "dp_shard_x_cp": dims.dp_shard * dims.cp,
+              "expert_dp": dims.edp, "first_ep_group": dims.ep_group(0), "first_expert_dp_group": dims.edp_group(0),
+              "explanation": ep_explanation(dims)}
+    return {"mesh_dims": list(MESH_DIMS), "mesh_shape": list(dims.mesh_shape), "nodes": nodes,
+            "rank_coords": rank_coords, "groups": groups, "ep": ep}
+
+
+def ep_explanation(dims: ParallelDims) -> str:
+    return (f"EP {dims.ep} borrows ranks, it does not multiply them: the dp_shard x cp = {dims.dp_shard} x {dims.cp} = "
+            f"{dims.dp_shard * dims.cp} ranks of each (pp, dp_replicate, tp) slice form {dims.edp} expert-parallel groups "
+            f"of {dims.ep} consecutive ranks; experts are split over each group, and each expert's weights are "
+            f"data-parallel over the {dims.edp} ranks holding it (read: 'EP {dims.ep} x expert-DP {dims.edp}'). "
+            f"Attention and dense weights stay data-parallel over all dp = {dims.dp} ranks.")

@@ -1,0 +1,232 @@
+"""Every cross-field rule of a recipe, checked in one place, all problems reported together.
+
+Each rule adds a :class:`~llmtrain.errors.Problem` with the dotted recipe path, the numbers
+involved, and the fix (the valid values when the set is small). Legal but poor choices are
+warnings. The result carries the resolved :class:`ParallelDims` and :class:`BatchMath` when the
+layout itself is consistent, so ``plan`` can still show them next to unrelated errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import gcd
+
+from llmtrain.errors import Problem
+from llmtrain.plan.batch import BatchMath
+from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.placement import Placement
+from llmtrain.recipe.schema import Recipe
+
+INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
+V_SHAPED = ("zbv", "dualpipev")
+BUBBLE_WARN = 0.2
+
+
+@dataclass
+class Validation:
+    dims: ParallelDims | None = None
+    batch: BatchMath | None = None
+    errors: list[Problem] = field(default_factory=list)
+    warnings: list[Problem] = field(default_factory=list)
+
+    @property
+    def valid(self) -> bool:
+        return not self.errors
+
+
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    out = sorted(set(small + [n // d for d in small]))
+    return [d for d in out if limit is None or d <= limit]
+
+
+def _choices(values: list[int], cap: int = 12) -> str:
+    text = ", ".join(map(str, values[:cap]))
+    return "{" + text + (", ..." if len(values) > cap else "") + "}"
+
+
+def validate(recipe: Recipe, placement: Placement) -> Validation:
+    out = Validation()
+    err, warn = out.errors.append, out.warnings.append
+    p, m, t = recipe.parallel, recipe.model, recipe.train
+    world = placement.world_size
+    min_slots = min(n.slots for n in placement.nodes)
+
+    # -- world size and dp_shard inference -------------------------------------------------
+    fixed = p.pp * p.dp_replicate * p.cp * p.tp
+    dp_shard = p.dp_shard
+    if p.dp_shard == -1:
+        if world % fixed:
+            err(Problem("parallel", f"pp x dp_replicate x cp x tp = {p.pp}x{p.dp_replicate}x{p.cp}x{p.tp} = {fixed} "
+                        f"does not divide the world size {world}",
+                        f"choose degrees whose product divides {world}, or change the number of GPUs"))
+            dp_shard = None
+        else:
+            dp_shard = world // fixed
+    elif fixed * p.dp_shard != world:
+        err(Problem("parallel", f"pp x dp_replicate x dp_shard x cp x tp = {fixed * p.dp_shard} but the world size is {world}",
+                    "set parallel.dp_shard: -1 to infer it, or make the product equal the GPUs "
+                    "(hostfile slots or cluster.nodes x cluster.gpus_per_node)"))
+        dp_shard = None
+
+    # -- expert parallelism ------------------------------------------------------------------
+    if p.ep > 1 and not m.is_moe:
+        err(Problem("parallel.ep", f"ep is {p.ep} but the model is dense (model.moe.num_experts = {m.moe.num_experts})",
+                    "set parallel.ep: 1, or use an MoE model"))
+    if dp_shard is not None and (dp_shard * p.cp) % p.ep:
+        err(Problem("parallel.ep", f"ep ({p.ep}) does not divide dp_shard x cp = {dp_shard}x{p.cp} = {dp_shard * p.cp} "
+                    "(EP borrows those ranks)", f"use ep in {_choices(divisors(dp_shard * p.cp))}"))
+    if m.is_moe and m.moe.num_experts % p.ep:
+        err(Problem("model.moe.num_experts", f"num_experts ({m.moe.num_experts}) not divisible by ep ({p.ep})",
+                    f"use parallel.ep in {_choices(divisors(m.moe.num_experts))}"))
+    _check_moe_fields(recipe, err)
+
+    # -- tensor parallelism --------------------------------------------------------------------
+    tp_sizes = [("model.heads", m.heads), ("model.kv_heads", m.kv_heads), ("model.ffn_hidden", m.ffn_hidden),
+                ("model.vocab_size", m.vocab_size)]
+    if m.is_moe:
+        tp_sizes.append(("model.moe.expert_ffn_hidden", m.expert_ffn))
+    common = 0
+    for _, value in tp_sizes:
+        common = gcd(common, value)
+    for path, value in tp_sizes:
+        if value % p.tp:
+            err(Problem("parallel.tp", f"{path.split('.')[-1]} ({value}) not divisible by tp ({p.tp})",
+                        f"use tp in {_choices(divisors(common, min_slots))}"))
+    if p.tp > min_slots:
+        err(Problem("parallel.tp", f"tp ({p.tp}) exceeds the GPUs per node ({min_slots}); a TP group must stay "
+                    "inside one node's NVLink domain (it communicates every layer)",
+                    f"use tp <= {min_slots} and move the rest to pp or dp"))
+    elif p.tp > 1 and any(n.slots % p.tp for n in placement.nodes):
+        warn(Problem("parallel.tp", f"tp ({p.tp}) does not divide every node's slots "
+                     f"({sorted({n.slots for n in placement.nodes})}): some TP groups cross nodes",
+                     "use a tp that divides the slots of every node"))
+
+    # -- model shape -------------------------------------------------------------------------
+    if m.hidden % m.heads:
+        err(Problem("model.hidden", f"hidden ({m.hidden}) not divisible by heads ({m.heads})",
+                    f"use heads in {_choices(divisors(m.hidden))}"))
+    if m.heads % m.kv_heads:
+        err(Problem("model.kv_heads", f"heads ({m.heads}) not divisible by kv_heads ({m.kv_heads})",
+                    f"use kv_heads in {_choices(divisors(m.heads))}"))
+    if m.hidden // m.heads % 2 and m.hidden % m.heads == 0:
+        err(Problem("model.heads", f"head_dim = hidden / heads = {m.hidden // m.heads} is odd; RoPE rotates pairs",
+                    "choose hidden and heads with an even quotient"))
+    if t.seq_len > m.max_seq_len:
+        err(Problem("train.seq_len", f"seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
+                    f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
+
+    # -- context parallelism and sequence splits ----------------------------------------------
+    if p.cp > 1:
+        need = 2 * p.cp if p.cp_method == "ring" else p.cp
+        if t.seq_len % need:
+            why = "2 x cp for load-balanced ring attention" if p.cp_method == "ring" else "cp"
+            err(Problem("train.seq_len", f"seq_len ({t.seq_len}) not divisible by {why} = {need}",
+                        f"use a seq_len that is a multiple of {need}"))
+        if p.cp_method == "ulysses":
+            for path, value in (("model.heads", m.heads), ("model.kv_heads", m.kv_heads)):
+                if value % (p.tp * p.cp):
+                    err(Problem("parallel.cp", f"ulysses needs {path.split('.')[-1]} ({value}) divisible by tp x cp = {p.tp * p.cp}",
+                                "use cp_method ring or allgather, or tp and cp whose product divides heads and kv_heads"))
+    if p.tp > 1 and p.sequence_parallel and (t.seq_len // max(1, p.cp)) % p.tp:
+        err(Problem("train.seq_len", f"sequence parallel splits the per-CP-rank sequence ({t.seq_len // p.cp}) over tp ({p.tp}), "
+                    "which does not divide it", f"use a seq_len that is a multiple of cp x tp = {p.cp * p.tp}, or sequence_parallel: false"))
+
+    # -- pipeline ------------------------------------------------------------------------------
+    v = p.pp_virtual_stages
+    if p.pp > 1:
+        if p.pp_schedule in INTERLEAVED and v < 2:
+            err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} needs >= 2 stages per rank, got {v}",
+                        "set pp_virtual_stages: 2 (or more)"))
+        if p.pp_schedule in V_SHAPED and v != 2:
+            err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} is V-shaped: exactly 2 stages per rank, got {v}",
+                        "set pp_virtual_stages: 2"))
+        if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
+            err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} runs one stage per rank, got {v}",
+                        "set pp_virtual_stages: 1, or pp_schedule: interleaved-1f1b"))
+    elif v != 1:
+        warn(Problem("parallel.pp_virtual_stages", f"{v} virtual stages have no effect with pp = 1", "remove it"))
+    stages = p.pp * v
+    if p.pp_layers_per_stage is not None:
+        split = p.pp_layers_per_stage
+        if len(split) != stages or sum(split) != m.layers or any(x < 0 for x in split):
+            err(Problem("parallel.pp_layers_per_stage", f"{split} must have pp x pp_virtual_stages = {stages} "
+                        f"non-negative entries summing to model.layers ({m.layers})",
+                        f"e.g. {_even_split(m.layers, stages)}"))
+    elif m.layers % stages:
+        err(Problem("model.layers", f"layers ({m.layers}) not divisible by pp x pp_virtual_stages = {p.pp}x{v} = {stages}",
+                    f"use pp x virtual stages in {_choices(divisors(m.layers))}, or give parallel.pp_layers_per_stage, "
+                    f"e.g. {_even_split(m.layers, stages)}"))
+
+    # -- batch math ------------------------------------------------------------------------------
+    if dp_shard is not None:
+        dims = ParallelDims(p.pp, p.dp_replicate, dp_shard, p.cp, p.tp, p.ep)
+        dp = dims.dp
+        gbs = t.global_batch_size or t.micro_batch_size * dp
+        per_pass = t.micro_batch_size * dp
+        if gbs % per_pass:
+            ok = [mb for mb in divisors(gbs // dp) if (gbs // dp) % mb == 0] if gbs % dp == 0 else []
+            hint = (f"use micro_batch_size in {_choices(ok)}" if ok else
+                    f"use a global_batch_size that is a multiple of micro_batch_size x dp = {per_pass}")
+            err(Problem("train.global_batch_size", f"global_batch_size ({gbs}) is not micro_batch_size x grad_accum x dp "
+                        f"(micro_batch_size {t.micro_batch_size} x dp {dp} = {per_pass} does not divide it)", hint))
+        else:
+            out.batch = BatchMath(dp, t.micro_batch_size, gbs // per_pass, gbs, t.seq_len)
+            _check_microbatches(recipe, out.batch, err, warn)
+        if p.zero > 0 and dp == 1:
+            warn(Problem("parallel.zero", f"zero {p.zero} shards over data parallelism, but dp is 1", "set zero: 0"))
+        if p.zero == 3 and p.pp > 1:
+            warn(Problem("parallel.zero", "with pp > 1 parameters are not resharded after forward (memory as zero 2): "
+                         "zero-bubble schedules need the unsharded weights for their weight-gradient pass",
+                         "nothing to do; set zero: 2 to make it explicit"))
+        if not out.errors:
+            out.dims = dims
+
+    # -- data --------------------------------------------------------------------------------------
+    if recipe.data.source == "memmap" and not recipe.data.path:
+        err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
+    if recipe.train.schedule.warmup_steps > t.steps:
+        warn(Problem("train.schedule.warmup_steps", f"warmup ({recipe.train.schedule.warmup_steps}) is longer than the run ({t.steps} steps)",
+                     "shorten the warmup"))
+    return out
+
+
+def _check_moe_fields(recipe: Recipe, err) -> None:
+    moe = recipe.model.moe
+    if not recipe.model.is_moe:
+        for name in sorted(moe.model_fields_set - {"num_experts"}):
+            err(Problem(f"model.moe.{name}", "set, but the model is dense (num_experts <= 1)",
+                        "remove it, or set model.moe.num_experts > 1"))
+        return
+    if moe.top_k > moe.num_experts:
+        err(Problem("model.moe.top_k", f"top_k ({moe.top_k}) exceeds num_experts ({moe.num_experts})",
+                    f"use top_k <= {moe.num_experts}"))
+    if moe.first_dense_layers >= recipe.model.layers:
+        err(Problem("model.moe.first_dense_layers", f"first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer "
+                    f"of {recipe.model.layers}", f"use first_dense_layers < {recipe.model.layers}"))
+
+
+def _check_microbatches(recipe: Recipe, batch: BatchMath, err, warn) -> None:
+    p = recipe.parallel
+    if p.pp == 1:
+        return
+    mb = batch.microbatches
+    need = 2 * p.pp if p.pp_schedule == "dualpipev" else p.pp
+    if mb < need:
+        err(Problem("train.global_batch_size", f"{mb} microbatches per step but {p.pp_schedule} with pp {p.pp} needs >= {need} "
+                    f"(microbatches = global_batch_size / (micro_batch_size x dp))",
+                    f"raise global_batch_size to >= {need * batch.micro_batch_size * batch.dp} or lower micro_batch_size"))
+    elif p.pp_schedule in INTERLEAVED and mb % p.pp:
+        err(Problem("train.global_batch_size", f"{p.pp_schedule} needs microbatches ({mb}) divisible by pp ({p.pp})",
+                    f"use global_batch_size = k x {p.pp * batch.micro_batch_size * batch.dp}"))
+    else:
+        bubble = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, mb)
+        if bubble > BUBBLE_WARN:
+            warn(Problem("parallel.pp", f"pipeline bubble is {bubble:.0%} of the step ({mb} microbatches for pp {p.pp}, {p.pp_schedule})",
+                         "raise global_batch_size (more microbatches), lower micro_batch_size, or use an interleaved schedule"))
+
+
+def _even_split(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if i < extra else 0) for i in range(stages)][:16]

@@ -1,0 +1,175 @@
+"""Load a recipe from YAML, apply ``--set dotted.key=value`` overrides, and report errors.
+
+Every failure is an :class:`~llmtrain.errors.LLMTrainError` listing all problems, each with
+its dotted recipe path and a fix; nothing here raises anything else for bad input.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.recipe.schema import Recipe
+
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read ``path`` and return the validated recipe (name defaults to the file's stem)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise LLMTrainError(f"recipe file not found: {path}", "check the path (shipped recipes are in recipes/)") from None
+    except (IsADirectoryError, PermissionError, OSError) as exc:
+        raise LLMTrainError(f"cannot read recipe {path}: {exc.strerror or exc}", "pass a readable YAML file") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise LLMTrainError(f"recipe {path} is {len(raw)} bytes", "a recipe is a small YAML file (< 1 MiB)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise LLMTrainError(f"recipe {path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8 YAML") from None
+    return load_recipe_text(text, overrides, default_name=_safe_name(path.stem), source=str(path))
+
+
+def load_recipe_text(text: str, overrides: list[str] | None = None, default_name: str | None = None,
+                     source: str = "recipe") -> Recipe:
+    data = parse_yaml_mapping(text, source)
+    for item in overrides or []:
+        apply_override(data, item)
+    if default_name and "name" not in data:
+        data["name"] = default_name
+    return validate_recipe_dict(data)
+
+
+def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise LLMTrainError(f"{source}:{where}: {problem}", "fix the YAML syntax there") from None
+    except (RecursionError, ValueError, OverflowError) as exc:  # absurd nesting or numbers
+        raise LLMTrainError(f"{source}: cannot parse YAML ({type(exc).__name__})", "write a plain YAML mapping") from None
+    if data is None:
+        raise LLMTrainError(f"{source} is empty", "a recipe needs at least `model: {preset: ...}`")
+    if not isinstance(data, dict):
+        raise LLMTrainError(
+            f"{source}: top level is a {type(data).__name__}, not a mapping",
+            "write `key: value` pairs such as `model: {preset: debug-dense}`",
+        )
+    return data
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` override in place; the value is parsed as YAML."""
+    key, sep, raw_value = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise LLMTrainError(f"--set {item!r} is not KEY=VALUE", "use e.g. --set parallel.tp=2", path="--set")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else raw_value
+    except yaml.YAMLError:
+        value = raw_value
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise LLMTrainError(f"--set {key}: {where} is a value, not a section", "override a leaf key", path=where)
+        node = child
+    node[parts[-1]] = value
+
+
+def validate_recipe_dict(data: dict[str, Any]) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise LLMTrainError([_problem_from_pydantic(err) for err in exc.errors()]) from None
+
+
+def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
+    loc = [str(part) for part in err.get("loc", ())]
+    path = ".".join(loc)
+    kind = err.get("type", "")
+    got = _short(err.get("input"))
+    if kind == "extra_forbidden":
+        valid = _valid_keys(loc[:-1])
+        return Problem(path, "unknown key", f"valid keys here: {', '.join(valid)}" if valid else "remove it")
+    if kind == "missing":
+        return Problem(path, "required", "add it to the recipe")
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        return Problem(path, f"{got} is not allowed", f"use one of: {expected.replace(' or ', ', ')}")
+    if kind == "value_error":
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        text, _, hint = message.partition("; ")
+        return Problem(path or "recipe", text, hint)
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return Problem(path or "recipe", f"expected a mapping, got {got}", "write `key: value` pairs under it")
+    return Problem(path or "recipe", f"{err.get('msg', 'invalid')}, got {got}", _hint_for(kind, err))
+
+
+def _hint_for(kind: str, err: dict[str, Any]) -> str:
+    ctx = err.get("ctx", {}) or {}
+    if kind.startswith(("greater", "less")) or kind.endswith("_than") or "equal" in kind:
+        return "use a value in the allowed range"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return "write a whole number without quotes"
+    if kind in ("float_type", "float_parsing"):
+        return "write a number without quotes"
+    if kind in ("bool_type", "bool_parsing"):
+        return "write true or false"
+    if kind in ("string_type", "string_pattern_mismatch"):
+        pattern = ctx.get("pattern")
+        return f"write a string matching {pattern}" if pattern else "write a string"
+    if kind in ("list_type", "too_short", "too_long"):
+        return "write a YAML list of the right length"
+    return "see `llmtrain schema` for the field's type"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _valid_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] | None = Recipe
+    for part in loc:
+        if model is None or part not in model.model_fields:
+            return []
+        model = _model_of(model.model_fields[part].annotation)
+    if model is None:
+        return []
+    return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        for arg in get_args(annotation):
+            found = _model_of(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _safe_name(stem: str) -> str | None:
+    cleaned = "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in stem).lstrip("._-")[:128]
+    return cleaned or None
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """The resolved recipe as YAML (presets expanded): what ``recipe.lock.yaml`` holds."""
+    return yaml.safe_dump(recipe.model_dump(mode="json", by_alias=True), sort_keys=False)
+
+

@@ -1,0 +1,252 @@
+"""The recipe schema (pydantic v2): one YAML file describes model, layout, batch, data, run.
+
+Key names are a public interface. Every model forbids unknown keys and is strict about types
+(YAML ``true`` is not an int, ``"8"`` is not a number) so that a typo is an error, not a
+silently ignored setting. Every field has a description: it doubles as ``--help`` text and as
+the JSON Schema written by ``llmtrain schema`` for editor completion.
+
+Cross-field rules (divisibility, batch math, world size) live in
+:mod:`llmtrain.plan.validate`, which reports all problems at once; this module only checks
+what a single field can know (types, ranges, allowed values) and merges model presets.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from llmtrain.recipe.gpus import GPUS
+from llmtrain.recipe.presets import PRESETS
+
+BIG = 1 << 24  # upper bound for counts: catches "huge number" typos without limiting real use
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class MoEConfig(Strict):
+    """Mixture-of-experts block settings; only meaningful when ``num_experts > 1``."""
+
+    num_experts: int = Field(1, ge=1, le=65536, description="Routed experts per MoE layer (1 = dense model).")
+    top_k: int = Field(2, ge=1, le=64, description="Experts each token is routed to.")
+    shared_experts: int = Field(0, ge=0, le=64, description="Always-active shared experts (DeepSeek style).")
+    expert_ffn_hidden: int | None = Field(
+        None, ge=1, le=BIG, description="Hidden size of each expert's SwiGLU MLP (default: model.ffn_hidden)."
+    )
+    first_dense_layers: int = Field(0, ge=0, le=BIG, description="Leading layers that use a dense MLP instead of MoE.")
+    router: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router score function: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
+    )
+    balance: Literal["aux_loss", "bias"] = Field(
+        "aux_loss",
+        description="Load balancing: auxiliary loss (Switch/Mixtral) or DeepSeek-V3's auxiliary-loss-free bias update.",
+    )
+    aux_loss_coef: float = Field(0.01, ge=0, le=10, description="Weight of the auxiliary load-balancing loss.")
+    bias_update_rate: float = Field(
+        0.001, ge=0, le=1, description="Step size of the bias update when balance is 'bias'."
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0, le=1024, description="Expert capacity = factor x tokens x top_k / experts; overflow tokens are dropped. None = no dropping."
+    )
+
+
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
+                "rope_theta", "norm_eps", "tie_embeddings")
+
+
+class ModelConfig(Strict):
+    """Transformer architecture: a preset, with any explicit field overriding it."""
+
+    preset: str | None = Field(None, description=f"Model preset, one of: {', '.join(PRESETS)}. Explicit fields override it.")
+    layers: int | None = Field(None, ge=1, le=BIG, description="Transformer blocks.")
+    hidden: int | None = Field(None, ge=1, le=BIG, description="Model (embedding) width.")
+    heads: int | None = Field(None, ge=1, le=BIG, description="Attention (query) heads.")
+    kv_heads: int | None = Field(None, ge=1, le=BIG, description="Key/value heads (grouped-query attention; = heads for MHA).")
+    ffn_hidden: int | None = Field(None, ge=1, le=BIG, description="Hidden size of the dense SwiGLU MLP.")
+    vocab_size: int | None = Field(None, ge=2, le=BIG, description="Vocabulary size (embedding and output rows).")
+    max_seq_len: int | None = Field(None, ge=1, le=BIG, description="Longest sequence the model supports.")
+    rope_theta: float | None = Field(None, gt=0, le=1e12, description="RoPE base frequency.")
+    norm_eps: float | None = Field(None, gt=0, le=1, description="RMSNorm epsilon.")
+    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output layer.")
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-experts settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("preset"), str):
+            return data
+        preset = PRESETS.get(data["preset"])
+        if preset is None:
+            return data  # reported by the preset field validator
+        merged = copy.deepcopy(preset)
+        user_moe = data.get("moe")
+        for key, value in data.items():
+            if key != "moe":
+                merged[key] = value
+        if isinstance(user_moe, dict):
+            overrides_to_dense = isinstance(user_moe.get("num_experts"), int) and user_moe["num_experts"] <= 1
+            if overrides_to_dense or "moe" not in preset:
+                merged["moe"] = user_moe
+            else:
+                merged["moe"] = {**preset["moe"], **user_moe}
+        elif user_moe is not None:
+            merged["moe"] = user_moe
+        return merged
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; use one of: {', '.join(PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelConfig:
+        missing = [name for name in MODEL_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise ValueError(
+                f"missing {', '.join(missing)}; set model.preset (one of: {', '.join(PRESETS)}) or give them explicitly"
+            )
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe.num_experts > 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe.expert_ffn_hidden or self.ffn_hidden
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+
+
+class ParallelConfig(Strict):
+    """The 5D layout. World size = pp x dp_replicate x dp_shard x cp x tp; ep borrows ranks from dp_shard x cp."""
+
+    tp: int = Field(1, ge=1, le=BIG, description="Tensor-parallel degree (innermost mesh dim, inside one node).")
+    pp: int = Field(1, ge=1, le=BIG, description="Pipeline-parallel degree (outermost mesh dim).")
+    cp: int = Field(1, ge=1, le=BIG, description="Context-parallel degree (sequence split across ranks).")
+    ep: int = Field(1, ge=1, le=BIG, description="Expert-parallel degree; must divide dp_shard x cp (EP borrows those ranks).")
+    dp_replicate: int = Field(1, ge=1, le=BIG, description="Data-parallel replicas (DDP; the outer HSDP dim).")
+    dp_shard: int = Field(-1, ge=-1, le=BIG, description="Data-parallel sharding degree (FSDP); -1 = whatever is left of the world size.")
+    zero: Literal[0, 1, 2, 3] = Field(
+        3, description="0 = DDP, 1 = optimizer states sharded, 2 = + gradients sharded, 3 = + parameters (FSDP full shard)."
+    )
+    sequence_parallel: bool = Field(True, description="With tp > 1, also shard norms/dropout activations along the sequence.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev"] = Field(
+        "1f1b", description="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv, dualpipev."
+    )
+    pp_virtual_stages: int = Field(
+        1, ge=1, le=BIG, description="Model chunks per pipeline rank (>= 2 for interleaved-1f1b and zero-bubble; 2 for zbv/dualpipev)."
+    )
+    pp_layers_per_stage: list[int] | None = Field(
+        None, description="Explicit uneven split: transformer layers of each stage (pp x pp_virtual_stages entries, summing to model.layers)."
+    )
+    cp_method: Literal["ring", "ulysses", "allgather"] = Field(
+        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V)."
+    )
+
+    @field_validator("dp_shard")
+    @classmethod
+    def _not_zero(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("dp_shard is 0; use a degree >= 1, or -1 for whatever is left of the world size")
+        return value
+
+
+class OptimizerConfig(Strict):
+    """AdamW settings (no weight decay on norms, biases and embeddings)."""
+
+    lr: float = Field(3e-4, gt=0, le=10, description="Peak learning rate.")
+    betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2, description="Adam beta1, beta2.")
+    weight_decay: float = Field(0.1, ge=0, le=10, description="Decoupled weight decay (matrices only).")
+    eps: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: list[float]) -> list[float]:
+        if not all(0 <= b < 1 for b in value):
+            raise ValueError(f"betas {value} must each be in [0, 1), e.g. [0.9, 0.95]")
+        return value
+
+
+class ScheduleConfig(Strict):
+    """Learning-rate schedule: linear warmup, then decay to min_lr_ratio x lr."""
+
+    warmup_steps: int = Field(0, ge=0, le=BIG, description="Linear warmup steps from 0 to lr.")
+    decay: Literal["cosine", "linear", "wsd", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine, linear, wsd (warmup-stable-decay), constant."
+    )
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak lr.")
+    wsd_decay_fraction: float = Field(0.2, gt=0, le=1, description="For wsd: fraction of steps spent in the final decay.")
+
+
+class TrainConfig(Strict):
+    """Batch, steps, precision and optimizer."""
+
+    seq_len: int = Field(2048, ge=1, le=BIG, description="Tokens per training sequence.")
+    global_batch_size: int | None = Field(
+        None, ge=1, le=BIG, description="Sequences per optimizer step = micro_batch_size x grad_accum x dp (default: micro_batch_size x dp)."
+    )
+    micro_batch_size: int = Field(1, ge=1, le=BIG, description="Sequences per forward/backward pass on one data-parallel rank.")
+    steps: int = Field(100, ge=1, le=BIG, description="Optimizer steps to train.")
+    precision: Literal["fp32", "bf16"] = Field("bf16", description="fp32, or bf16 params/compute with fp32 reductions and master weights.")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="Recompute activations in backward: none, selective (attention/matmul outputs saved), full (per block)."
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for weights, data and dropout; identical on every rank.")
+    grad_clip: float = Field(1.0, ge=0, le=1e6, description="Clip the global gradient norm to this value (0 = off).")
+    log_interval: int = Field(1, ge=1, le=BIG, description="Steps between metric lines.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
+
+
+class DataConfig(Strict):
+    """Training data."""
+
+    source: Literal["synthetic", "memmap"] = Field(
+        "synthetic", description="synthetic (seeded Markov-chain tokens with a known entropy floor) or memmap (from `llmtrain data prepare`)."
+    )
+    path: str | None = Field(None, min_length=1, description="Directory written by `llmtrain data prepare` (memmap only).")
+    tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, or bpe:VOCAB (informational for memmap data).")
+
+
+class CheckpointConfig(Strict):
+    """Distributed checkpoints."""
+
+    dir: str | None = Field(None, min_length=1, description="Checkpoint directory (default: RUN_DIR/checkpoints).")
+    interval: int = Field(0, ge=0, le=BIG, description="Save every N steps (0 = only at the end).")
+    keep: int = Field(3, ge=1, le=BIG, description="Newest checkpoints kept.")
+    async_: bool = Field(True, alias="async", description="Write checkpoints in the background while training continues.")
+
+
+class ClusterConfig(Strict):
+    """The cluster to plan for when no hostfile is given."""
+
+    nodes: int = Field(1, ge=1, le=BIG, description="Nodes.")
+    gpus_per_node: int = Field(8, ge=1, le=1024, description="GPUs (ranks) per node.")
+    gpu: Literal["h100-sxm", "h200", "a100-80g", "b200", "cpu"] = Field(
+        "h100-sxm", description=f"GPU kind from the catalog: {', '.join(GPUS)}."
+    )
+
+
+class Recipe(Strict):
+    """One training run: model, 5D layout, batch, data, checkpointing and target cluster."""
+
+    name: str | None = Field(None, pattern=NAME_PATTERN, description="Run name (default: the recipe file's stem); runs go to runs/<name>/.")
+    model: ModelConfig = Field(description="Model architecture.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="5D parallel layout.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training settings.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training data.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cluster for planning without a hostfile.")
