@@ -39,9 +39,16 @@ def report_errors(fn: Callable) -> Callable:
 
 def main() -> None:
     from llmtrain.cli import plan as _plan  # noqa: F401  (registers commands)
+    from llmtrain.cli import launch as _launch  # noqa: F401
+    from llmtrain.cli import report as _report  # noqa: F401
+    from llmtrain.cli import data as _data  # noqa: F401
 
     app()
 
 
 if __name__ == "__main__":
-    main()
+    # Under `python -m llmtrain.cli.app` this file runs as __main__, a second copy of the module,
+    # while the command modules register on `llmtrain.cli.app.app`: run that module's main.
+    from llmtrain.cli.app import main as _main
+
+    _main()

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.plan.placement import Node, Placement
+from llmtrain.recipe.load import SafeLineLoader, first_content_line, yaml_error_position
 
 HOST_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})|\[[0-9A-Fa-f:.]+\])$")
 MAX_SLOTS = 1024
@@ -73,15 +74,19 @@ def load_hostfile(path: str | Path) -> Hostfile:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise LLMTrainError(f"hostfile not found: {path}", "check the --hosts path (examples are in hostfiles/)") from None
+        raise LLMTrainError(f"hostfile not found: {path}", "check the --hosts path (examples are in hostfiles/)",
+                            path=str(path)) from None
     except OSError as exc:
-        raise LLMTrainError(f"cannot read hostfile {path}: {exc.strerror or exc}", "pass a readable file") from None
+        raise LLMTrainError(f"cannot read hostfile {path}: {exc.strerror or exc}", "pass a readable file",
+                            path=str(path)) from None
     if len(raw) > MAX_BYTES:
-        raise LLMTrainError(f"hostfile {path} is {len(raw)} bytes", "a hostfile is a short text file (< 1 MiB)")
+        raise LLMTrainError(f"hostfile {path} is {len(raw)} bytes", "a hostfile is a short text file (< 1 MiB)",
+                            path=str(path))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise LLMTrainError(f"hostfile {path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise LLMTrainError(f"not UTF-8 text (byte {exc.start})", "save it as UTF-8", path=f"{path}:{line}") from None
     return parse_hostfile(text, str(path), yaml_form=path.suffix in (".yaml", ".yml"))
 
 
@@ -89,20 +94,24 @@ def parse_hostfile(text: str, source: str = "hostfile", yaml_form: bool | None =
     if yaml_form is None or not yaml_form:
         first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
         yaml_form = bool(yaml_form) or first.startswith("hosts:") or first.startswith("known_hosts:")
-    hostfile = _parse_yaml(text, source) if yaml_form else _parse_deepspeed(text, source)
+    hostfile, lines = _parse_yaml(text, source) if yaml_form else _parse_deepspeed(text, source)
     seen: dict[str, int] = {}
+    problems = []
     for i, h in enumerate(hostfile.hosts):
         key = f"{h.host}:{h.port or 22}"
         if key in seen:
-            raise LLMTrainError(f"{source}: host {h.host} listed twice (entries {seen[key] + 1} and {i + 1})",
-                                "list each host once with its total slots")
-        seen[key] = i
+            problems.append(Problem(f"{source}:{lines[i]}", f"host {h.host} listed twice (first on line {seen[key]})",
+                                    "list each host once with its total slots"))
+        else:
+            seen[key] = lines[i]
+    if problems:
+        raise LLMTrainError(problems)
     return hostfile
 
 
-def _parse_deepspeed(text: str, source: str) -> Hostfile:
-    hosts, problems = [], []
-    for number, line in enumerate(text.splitlines(), start=1):
+def _parse_deepspeed(text: str, source: str) -> tuple[Hostfile, list[int]]:
+    hosts, lines, problems = [], [], []
+    for number, line in enumerate(text.split("\n"), start=1):  # "\n" only: line numbers as editors count them
         content = line.split("#", 1)[0].strip()
         if not content:
             continue
@@ -116,29 +125,32 @@ def _parse_deepspeed(text: str, source: str) -> Hostfile:
             problems.append(Problem(where, f"expected `HOSTNAME slots=N`, got {content[:60]!r}", "e.g. `worker-1 slots=8`"))
             continue
         value = slots[0].removeprefix("slots=")
-        if not value.isdigit() or not 1 <= int(value) <= MAX_SLOTS:
+        if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_SLOTS:
             problems.append(Problem(where, f"slots={value[:20]} is not a whole number in 1..{MAX_SLOTS}", "e.g. slots=8"))
             continue
         hosts.append(HostEntry(host=parts[0], slots=int(value)))
+        lines.append(number)
     if problems:
         raise LLMTrainError(problems)
     if not hosts:
-        raise LLMTrainError(f"{source}: no hosts listed", "add lines like `worker-1 slots=8`")
-    return Hostfile(tuple(hosts), None, source)
+        raise LLMTrainError("no hosts listed", "add lines like `worker-1 slots=8`", path=f"{source}:1")
+    return Hostfile(tuple(hosts), None, source), lines
 
 
-def _parse_yaml(text: str, source: str) -> Hostfile:
+def _parse_yaml(text: str, source: str) -> tuple[Hostfile, list[int]]:
     try:
         node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SafeLineLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark else ""
-        raise LLMTrainError(f"{source}{line}: {getattr(exc, 'problem', None) or 'invalid YAML'}", "fix the YAML syntax") from None
-    except (RecursionError, ValueError, OverflowError):
-        raise LLMTrainError(f"{source}: cannot parse YAML", "write a `hosts:` list") from None
+        line, column = yaml_error_position(exc, text)
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or "invalid YAML"
+        where = f" (column {column})" if column else ""
+        raise LLMTrainError(f"invalid YAML{where}: {problem}", "fix the YAML syntax", path=f"{source}:{line}") from None
+    except (RecursionError, ValueError, OverflowError, TypeError):
+        raise LLMTrainError("cannot parse YAML", "write a `hosts:` list", path=f"{source}:1") from None
     if not isinstance(data, dict):
-        raise LLMTrainError(f"{source}: expected a mapping with a `hosts:` list", "see hostfiles/example.yaml")
+        raise LLMTrainError("expected a mapping with a `hosts:` list", "see hostfiles/example.yaml",
+                            path=f"{source}:{first_content_line(text)}")
     try:
         parsed = HostfileYAML.model_validate(data)
     except ValidationError as exc:
@@ -148,11 +160,13 @@ def _parse_yaml(text: str, source: str) -> Hostfile:
             line = _line_of(node, loc)
             dotted = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
             message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+            keys = "hosts, known_hosts" if len(loc) == 1 else "host, slots, user, port, identity_file"
             problems.append(Problem(f"{source}:{line}" if line else source, f"{dotted}: {message}",
-                                    "valid keys: host, slots, user, port, identity_file" if err["type"] == "extra_forbidden"
+                                    f"valid keys: {keys}" if err["type"] == "extra_forbidden"
                                     else "see hostfiles/example.yaml"))
         raise LLMTrainError(problems) from None
-    return Hostfile(tuple(parsed.hosts), parsed.known_hosts, source)
+    lines = [_line_of(node, ["hosts", i]) or 1 for i in range(len(parsed.hosts))]
+    return Hostfile(tuple(parsed.hosts), parsed.known_hosts, source), lines
 
 
 def _line_of(node: Any, loc: list[Any]) -> int | None:

@@ -19,6 +19,10 @@ from llmtrain.plan.validate import Validation, validate
 from llmtrain.recipe.load import load_recipe
 from llmtrain.recipe.schema import Recipe
 
+# Largest world the planner lays out rank by rank (5x the largest GPU clusters of 2025); beyond
+# it a typo such as `nodes: 10000000` would spend minutes and gigabytes building the layout.
+MAX_WORLD = 1 << 20
+
 
 @dataclass
 class Plan:
@@ -37,11 +41,19 @@ def resolve_placement(recipe: Recipe, hostfile: Hostfile | None = None, nodes: i
     if hostfile is not None:
         if nodes is not None or gpus_per_node is not None:
             raise LLMTrainError("--hosts and --nodes/--gpus-per-node both given", "pass one of them", path="--hosts")
+        if hostfile.world_size > MAX_WORLD:
+            raise LLMTrainError(f"the hostfile gives {hostfile.world_size} ranks, more than the {MAX_WORLD} llmtrain plans for",
+                                "check the slots", path=hostfile.source)
         return hostfile.placement
     for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node)):
         if value is not None and not 1 <= value <= (1 << 24):
             raise LLMTrainError(f"{flag} {value} is out of range", "use a positive whole number", path=flag)
-    return Placement.uniform(nodes or recipe.cluster.nodes, gpus_per_node or recipe.cluster.gpus_per_node)
+    n, g = nodes or recipe.cluster.nodes, gpus_per_node or recipe.cluster.gpus_per_node
+    if n * g > MAX_WORLD:
+        where = "--nodes" if nodes else "cluster.nodes"
+        raise LLMTrainError(f"{n} nodes x {g} GPUs = {n * g} ranks, more than the {MAX_WORLD} llmtrain plans for",
+                            f"use at most {MAX_WORLD // g} nodes of {g} GPUs", path=where)
+    return Placement.uniform(n, g)
 
 
 def make_plan(recipe_path: str | Path, hosts: str | Path | None = None, nodes: int | None = None,

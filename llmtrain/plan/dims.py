@@ -78,11 +78,12 @@ class ParallelDims:
         dims = (dims,) if isinstance(dims, str) else dims
         base = list(self.coords(rank))
         free = [MESH_DIMS.index(d) for d in dims]
+        shape = self.mesh_shape  # a property that builds a tuple: hoisted out of the loop
         ranks = []
-        for flat in range(prod(self.mesh_shape[i] for i in free)):
+        for flat in range(prod(shape[i] for i in free)):
             for i in reversed(free):
-                base[i] = flat % self.mesh_shape[i]
-                flat //= self.mesh_shape[i]
+                base[i] = flat % shape[i]
+                flat //= shape[i]
             ranks.append(self.rank_of(base))
         return sorted(ranks)
 

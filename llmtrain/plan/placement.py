@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 
@@ -30,8 +31,9 @@ class Placement:
     def world_size(self) -> int:
         return sum(n.slots for n in self.nodes)
 
-    @property
+    @cached_property
     def first_ranks(self) -> list[int]:
+        # Cached: node_of() bisects it for every rank of a group (O(nodes) per call otherwise).
         return [0, *accumulate(n.slots for n in self.nodes)][:-1]
 
     def node_of(self, rank: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from llmtrain.plan.dims import MESH_DIMS
@@ -73,10 +74,10 @@ def _render_layout(layout: dict[str, Any], console: Console) -> None:
         lo, hi = node["ranks"]
         if detail:
             for rank in range(lo, hi + 1):
-                table.add_row(str(node["node"]) if rank == lo else "", node["host"] if rank == lo else "", str(rank),
+                table.add_row(str(node["node"]) if rank == lo else "", escape(node["host"]) if rank == lo else "", str(rank),
                               *map(str, layout["rank_coords"][rank]))
         else:
-            table.add_row(str(node["node"]), node["host"], f"{lo}-{hi}", *(_span(node["coords_range"][n]) for n in MESH_DIMS))
+            table.add_row(str(node["node"]), escape(node["host"]), f"{lo}-{hi}", *(_span(node["coords_range"][n]) for n in MESH_DIMS))
     console.print(table)
     groups = ", ".join(f"{name} group of rank 0 = {g['first'][:8]}{'...' if len(g['first']) > 8 else ''}"
                        + (" (crosses nodes)" if g["crosses_nodes"] else "")

@@ -229,4 +229,4 @@ def _check_microbatches(recipe: Recipe, batch: BatchMath, err, warn) -> None:
 
 def _even_split(layers: int, stages: int) -> list[int]:
     base, extra = divmod(layers, stages)
-    return [base + (1 if i < extra else 0) for i in range(stages)][:16]
+    return [base + (1 if i < extra else 0) for i in range(min(stages, 16))]  # a hint: never build 2**48 entries

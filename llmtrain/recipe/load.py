@@ -6,6 +6,7 @@ its dotted recipe path and a fix; nothing here raises anything else for bad inpu
 
 from __future__ import annotations
 
+import reprlib
 import typing
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -25,15 +26,18 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        raise LLMTrainError(f"recipe file not found: {path}", "check the path (shipped recipes are in recipes/)") from None
+        raise LLMTrainError(f"recipe file not found: {path}", "check the path (shipped recipes are in recipes/)",
+                            path=str(path)) from None
     except (IsADirectoryError, PermissionError, OSError) as exc:
-        raise LLMTrainError(f"cannot read recipe {path}: {exc.strerror or exc}", "pass a readable YAML file") from None
+        raise LLMTrainError(f"cannot read recipe {path}: {exc.strerror or exc}", "pass a readable YAML file",
+                            path=str(path)) from None
     if len(raw) > MAX_RECIPE_BYTES:
-        raise LLMTrainError(f"recipe {path} is {len(raw)} bytes", "a recipe is a small YAML file (< 1 MiB)")
+        raise LLMTrainError(f"recipe {path} is {len(raw)} bytes", "a recipe is a small YAML file (< 1 MiB)", path=str(path))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise LLMTrainError(f"recipe {path} is not UTF-8 text (byte {exc.start})", "save it as UTF-8 YAML") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise LLMTrainError(f"not UTF-8 text (byte {exc.start})", "save it as UTF-8 YAML", path=f"{path}:{line}") from None
     return load_recipe_text(text, overrides, default_name=_safe_name(path.stem), source=str(path))
 
 
@@ -49,22 +53,52 @@ def load_recipe_text(text: str, overrides: list[str] | None = None, default_name
 
 def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SafeLineLoader)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise LLMTrainError(f"{source}:{where}: {problem}", "fix the YAML syntax there") from None
-    except (RecursionError, ValueError, OverflowError) as exc:  # absurd nesting or numbers
-        raise LLMTrainError(f"{source}: cannot parse YAML ({type(exc).__name__})", "write a plain YAML mapping") from None
+        line, column = yaml_error_position(exc, text)
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or "invalid YAML"
+        where = f" (column {column})" if column else ""
+        raise LLMTrainError(f"invalid YAML{where}: {problem}", "fix the YAML syntax there", path=f"{source}:{line}") from None
+    except (RecursionError, ValueError, OverflowError, TypeError) as exc:  # absurd nesting
+        raise LLMTrainError(f"cannot parse YAML ({type(exc).__name__})", "write a plain YAML mapping",
+                            path=f"{source}:1") from None
     if data is None:
-        raise LLMTrainError(f"{source} is empty", "a recipe needs at least `model: {preset: ...}`")
+        raise LLMTrainError("the recipe is empty", "a recipe needs at least `model: {preset: ...}`", path=f"{source}:1")
     if not isinstance(data, dict):
         raise LLMTrainError(
-            f"{source}: top level is a {type(data).__name__}, not a mapping",
+            f"top level is a {type(data).__name__}, not a mapping",
             "write `key: value` pairs such as `model: {preset: debug-dense}`",
+            path=f"{source}:{first_content_line(text)}",
         )
     return data
+
+
+class SafeLineLoader(yaml.SafeLoader):
+    """SafeLoader whose value errors (``2020-13-45``, ``!!int 0x``) carry the line of the value."""
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (ValueError, OverflowError) as exc:
+            raise yaml.constructor.ConstructorError(None, None, f"cannot read value: {exc}", node.start_mark) from None
+
+
+def yaml_error_position(exc: yaml.YAMLError, text: str) -> tuple[int, int | None]:
+    """1-based (line, column) of a YAML error; column is None when only the line is known."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    if mark is not None:
+        return mark.line + 1, mark.column + 1
+    position = getattr(exc, "position", None)  # ReaderError: a character offset
+    if isinstance(position, int):
+        return text[:position].count("\n") + 1, None
+    return 1, None
+
+
+def first_content_line(text: str) -> int:
+    for number, line in enumerate(text.split("\n"), start=1):
+        if line.strip() and not line.lstrip().startswith(("#", "%", "---")):
+            return number
+    return 1
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -75,8 +109,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         raise LLMTrainError(f"--set {item!r} is not KEY=VALUE", "use e.g. --set parallel.tp=2", path="--set")
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else raw_value
-    except yaml.YAMLError:
-        value = raw_value
+    except (yaml.YAMLError, ValueError, OverflowError, RecursionError, TypeError):
+        value = raw_value  # not YAML: keep the text; the schema reports it if a string is not allowed
     node = data
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
@@ -98,7 +132,7 @@ def validate_recipe_dict(data: dict[str, Any]) -> Recipe:
 
 def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     loc = [str(part) for part in err.get("loc", ())]
-    path = ".".join(loc)
+    path = ".".join(loc) if all(loc) else ".".join(part or repr(part) for part in loc)
     kind = err.get("type", "")
     got = _short(err.get("input"))
     if kind == "extra_forbidden":
@@ -136,8 +170,13 @@ def _hint_for(kind: str, err: dict[str, Any]) -> str:
     return "see `llmtrain schema` for the field's type"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+
+
 def _short(value: Any) -> str:
-    text = repr(value)
+    # Bounded repr: YAML aliases can build "billion laughs" structures whose full repr never ends.
+    text = _REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -170,6 +209,12 @@ def _safe_name(stem: str) -> str | None:
 
 def dump_recipe(recipe: Recipe) -> str:
     """The resolved recipe as YAML (presets expanded): what ``recipe.lock.yaml`` holds."""
-    return yaml.safe_dump(recipe.model_dump(mode="json", by_alias=True), sort_keys=False)
+    data = recipe.model_dump(mode="json", by_alias=True)
+    moe = recipe.model.moe
+    if not recipe.model.is_moe:
+        # Only what differs from the defaults: reloading must not read every default MoE field of
+        # a dense model as "set" (plan.validate rejects MoE settings on a dense model).
+        data["model"]["moe"] = {"num_experts": moe.num_experts, **moe.model_dump(mode="json", exclude_defaults=True)}
+    return yaml.safe_dump(data, sort_keys=False)
 
 

@@ -1,0 +1,36 @@
+"""``llmtrain data prepare``: tokenize text into the memmap format that ``data.source: memmap`` reads.
+
+    llmtrain data prepare corpus/ extra.jsonl --out data/prepared --tokenizer bpe:8000
+    llmtrain data prepare book.txt --out data/book --tokenizer byte
+    llmtrain data prepare shards/*.parquet --out data/web --tokenizer path/to/tokenizer.json
+
+The library call is :func:`llmtrain.engine.data.prepare.prepare`; it is imported inside the
+command so that other commands (``llmtrain plan``) never pay for numpy/tokenizers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from llmtrain.cli.app import app, report_errors
+
+data_app = typer.Typer(no_args_is_help=True, help="Prepare training data (tokenize text into a memory-mapped token file).")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+@report_errors
+def prepare_cmd(
+    inputs: list[Path] = typer.Argument(..., help=".txt (one document each), .jsonl (field 'text'), .parquet (column 'text') files or directories."),
+    out: Path = typer.Option(..., "--out", help="Output directory: tokens.bin, index.npy, meta.json and the tokenizer."),
+    tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, PATH/tokenizer.json, or bpe:VOCAB (trained on the inputs)."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+) -> None:
+    """Tokenize INPUT... into --out DIR for `data: {source: memmap, path: DIR}`."""
+    from llmtrain.engine.data.prepare import prepare
+
+    meta = prepare(inputs, out, tokenizer, progress=progress)
+    print(f"prepared {meta['n_tokens']:,} tokens in {meta['n_docs']:,} documents "
+          f"({meta['dtype']}, vocab {meta['vocab_size']:,}) -> {out}")

@@ -1,0 +1,192 @@
+"""Tokenizers behind one small interface: ``byte``, a HF ``tokenizer.json``, or a trained ``bpe:VOCAB``.
+
+Every tokenizer offers ``encode(str) -> list[int]``, ``encode_batch(list[str])``,
+``decode(list[int]) -> str``, ``vocab_size``, ``eos_id`` (``None`` when it has none) and
+``save(dir)``. :func:`load_tokenizer` turns a spec string into one::
+
+    load_tokenizer("byte")                       # ids are the UTF-8 bytes, vocab 256, no EOS
+    load_tokenizer("path/to/tokenizer.json")     # any Hugging Face tokenizers file
+    load_tokenizer("data/prepared")              # a directory a tokenizer was saved to
+    load_tokenizer("bpe:8000", train_texts=it)   # train byte-level BPE on an iterable of texts
+
+Design decisions:
+
+- **byte** is implemented directly (no HF): id = byte value, so any UTF-8 text round-trips
+  exactly and the vocabulary is exactly 256. It has **no EOS id** (all 256 ids are bytes);
+  document boundaries of prepared data live in ``index.npy`` instead. ``save`` writes
+  ``tokenizer.llmtrain.json`` (not ``tokenizer.json``, which other tools would read as a HF file).
+- **bpe:VOCAB** is GPT-2-style byte-level BPE (HF ``tokenizers``): ``ByteLevel`` pre-tokenizer
+  (no prefix space) and decoder, the full 256-symbol byte alphabet as initial alphabet, and
+  ``<|endoftext|>`` as the only special token (id 0, the EOS). No normalizer, so
+  ``decode(encode(text)) == text`` for any text. VOCAB counts the special token and the 256
+  byte symbols, so it must be >= 257.
+- **HF files** are encoded with ``add_special_tokens=False``: no BOS/post-processor template is
+  inserted inside documents; the data pipeline adds only the EOS between documents. The EOS is
+  the first known end-of-text token found in the vocabulary (see ``EOS_CANDIDATES``).
+  Decoding keeps special tokens, so a literal special-token string in a text survives a round
+  trip (it is, however, encoded as that special token: the usual HF behaviour).
+- ``tokenizers`` is imported lazily so that ``byte`` works (and the CLI starts) without it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Protocol
+
+from llmtrain.errors import LLMTrainError
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+BYTE_FILE = "tokenizer.llmtrain.json"
+HF_FILE = "tokenizer.json"
+SPEC_HINT = "use byte, PATH/tokenizer.json (or a directory holding one) or bpe:VOCAB (e.g. bpe:8000)"
+
+
+class Tokenizer(Protocol):
+    """What the data pipeline needs from a tokenizer."""
+
+    spec: str
+    vocab_size: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def save(self, directory: Path) -> Path: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids: vocab 256, no EOS, exact round trip of any text."""
+
+    spec = "byte"
+    vocab_size = 256
+    eos_id: int | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        # errors="replace": a window cut mid-character still decodes (as U+FFFD) instead of raising.
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / BYTE_FILE
+        path.write_text(json.dumps({"type": "byte", "vocab_size": 256, "eos_id": None}) + "\n")
+        return path
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(vocab_size=256)"
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers.Tokenizer`` behind the common interface."""
+
+    def __init__(self, tok, spec: str):
+        self._tok = tok
+        self.spec = spec
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        self.eos_id = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save(self, directory: Path) -> Path:
+        path = Path(directory) / HF_FILE
+        self._tok.save(str(path))
+        return path
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(spec={self.spec!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise LLMTrainError("the 'tokenizers' package is not installed", "pip install tokenizers, or use --tokenizer byte") from None
+    return tokenizers
+
+
+def parse_bpe_vocab(spec: str) -> int:
+    """The VOCAB of ``bpe:VOCAB``, validated (>= 257: 256 byte symbols + EOS)."""
+    text = spec.split(":", 1)[1]
+    try:
+        vocab = int(text)
+    except ValueError:
+        raise LLMTrainError(f"tokenizer {spec!r}: vocabulary size {text!r} is not an integer", SPEC_HINT) from None
+    if not 257 <= vocab <= 1 << 24:
+        raise LLMTrainError(f"tokenizer {spec!r}: vocabulary size {vocab} out of range",
+                            "use 257 <= VOCAB <= 16777216 (256 byte symbols + <|endoftext|> are always included)")
+    return vocab
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, spec: str | None = None) -> HFTokenizer:
+    """Train a byte-level BPE on ``texts`` (any iterable of strings, consumed once)."""
+    tk = _import_tokenizers()
+    tok = tk.Tokenizer(tk.models.BPE())
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tk.decoders.ByteLevel()
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return HFTokenizer(tok, spec or f"bpe:{vocab_size}")
+
+
+def _load_hf_file(path: Path, spec: str) -> HFTokenizer:
+    tk = _import_tokenizers()
+    try:
+        tok = tk.Tokenizer.from_file(str(path))
+    except Exception as exc:  # the Rust side raises a plain Exception with a serde message
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LLMTrainError(f"{path}: not a valid Hugging Face tokenizer file ({first})",
+                            "pass the tokenizer.json of a Hugging Face tokenizer") from None
+    return HFTokenizer(tok, spec)
+
+
+def load_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Tokenizer:
+    """Build the tokenizer named by ``spec``.
+
+    ``spec`` is ``byte``, ``bpe:VOCAB`` (needs ``train_texts``), a ``.json`` tokenizer file, or a
+    directory holding ``tokenizer.json`` (HF) or ``tokenizer.llmtrain.json`` (byte) as written by
+    :meth:`save` / ``llmtrain data prepare``.
+    """
+    spec = str(spec).strip()
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec.startswith("bpe:"):
+        vocab = parse_bpe_vocab(spec)
+        if train_texts is None:
+            raise LLMTrainError(f"tokenizer {spec!r} must be trained first",
+                                "run `llmtrain data prepare ... --tokenizer bpe:VOCAB`, then use the tokenizer.json it writes")
+        return train_bpe(train_texts, vocab, spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if (path / HF_FILE).is_file():
+            return _load_hf_file(path / HF_FILE, str(path / HF_FILE))
+        if (path / BYTE_FILE).is_file():
+            return ByteTokenizer()
+        raise LLMTrainError(f"tokenizer directory {path} holds neither {HF_FILE} nor {BYTE_FILE}", SPEC_HINT)
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise LLMTrainError(f"tokenizer file {path} does not exist", SPEC_HINT)
+        if path.name == BYTE_FILE:
+            return ByteTokenizer()
+        return _load_hf_file(path, spec)
+    raise LLMTrainError(f"unknown tokenizer {spec!r}", SPEC_HINT)

@@ -1,0 +1,69 @@
+"""Engine entry point, run by torchrun on every rank::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \\
+        -m llmtrain.engine.main --recipe RUN_DIR/recipe.lock.yaml --run-dir RUN_DIR
+
+Initializes the process group (NCCL on CUDA, gloo on CPU, explicit timeout — the default of
+30 minutes would hide a hung peer), builds the mesh from the recipe's ParallelDims, trains,
+and shuts down cleanly (barrier, then destroy the group). The ``__main__`` guard matters: async
+checkpointing with a background process re-imports this module (CPU facts note, trap 7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.recipe.load import load_recipe
+
+
+def init_distributed() -> torch.device:
+    timeout = timedelta(seconds=float(os.environ.get("LLMTRAIN_PG_TIMEOUT_S", "600")))
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return device
+
+
+def shutdown() -> None:
+    """Clean exit after success: free schedules/stages first, then barrier and destroy (trap 6)."""
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="llmtrain.engine.main", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", required=True, help="Resolved recipe (RUN_DIR/recipe.lock.yaml).")
+    parser.add_argument("--run-dir", default=None, help="Run directory for metrics and checkpoints.")
+    args = parser.parse_args(argv)
+    try:
+        recipe = load_recipe(args.recipe)
+    except LLMTrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    device = init_distributed()
+    from llmtrain.engine.trainer import train
+
+    # On an exception the rank exits at once (non-zero) and torchrun stops the others; a
+    # barrier here would wait for peers that are themselves blocked in a collective.
+    train(recipe, device, run_dir=args.run_dir)
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Llama-style decoder (dense or MoE) built from a :class:`~llmtrain.recipe.schema.ModelConfig`.
+
+Pre-norm blocks ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with RMSNorm, RoPE
+(:mod:`.rope`, interleaved pairs), grouped-query attention and SwiGLU MLPs; blocks from
+``moe.first_dense_layers`` on use the MoE block (:mod:`.moe`) when ``num_experts > 1``.
+No biases anywhere. The parameter count equals :func:`llmtrain.plan.params.count_params`.
+
+Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
+checkpoints, init), so they are fixed and layout-independent:
+
+* ``tok_embeddings``, ``layers["<global layer index>"]``, ``norm``, ``output``;
+* per block ``attention_norm``, ``attention.{wq,wk,wv,wo}``, ``ffn_norm`` and either
+  ``feed_forward.{w1,w3,w2}`` (dense) or ``moe`` (router, w1/w2/w3, shared, buffers) — only
+  the one in use exists, test with ``getattr(block, "moe", None)``.
+
+Pipeline parallelism deletes ``layers`` entries and sets ``tok_embeddings`` / ``norm`` /
+``output`` to None; :meth:`Transformer.forward` skips whatever is None, so a stage takes
+token ids or hidden states and returns hidden states or logits. ``layers`` is a ModuleDict
+keyed by the global index (not a ModuleList) so that a stage's parameter names, and thus
+checkpoints, do not depend on the pipeline split.
+
+Attention derives the number of *local* heads from the projection outputs
+(``view(b, s, -1, head_dim)``), so column-wise tensor parallelism of wq/wk/wv (heads / tp
+per rank) needs no change here. KV heads are repeated ``local_q / local_kv`` times
+(``repeat_interleave``: query head ``j`` uses KV head ``j // n_rep``, which also holds on
+each TP shard) before the core attention ``self.attn_fn(q, k, v)`` ([b, heads, s, head_dim],
+causal, equal head counts). ``attn_fn`` is a plain attribute so context parallelism can swap
+in ring/Ulysses/all-gather attention; the price of repeating KV before it is that a CP
+implementation which moves K/V moves the repeated heads unless it un-repeats them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.engine.models.moe import MoE, FeedForward
+from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
+from llmtrain.recipe.schema import ModelConfig
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Default core attention: causal SDPA on [b, heads, s, head_dim] (flash/memory-efficient kernels)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
+        self.attn_fn = causal_sdpa
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        n_rep = q.shape[2] // k.shape[2]
+        if n_rep > 1:
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
+        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: attention, then a dense SwiGLU (``feed_forward``) or an MoE (``moe``)."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        if cfg.is_moe and layer_id >= cfg.moe.first_dense_layers:
+            self.moe = MoE(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        mlp = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + mlp(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder: ``tok_embeddings`` -> ``layers`` -> ``norm`` -> ``output`` (each may be None)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.tie_embeddings = cfg.tie_embeddings
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the embedding matrix when ``tie_embeddings`` (and both exist)."""
+        if self.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply (used by to_empty, to, cuda, ...) may replace each Parameter with a new
+        # object, which silently unties shared weights (it does for meta -> cpu to_empty).
+        # Re-tie afterwards; this runs even when an outer wrapper's _apply recurses into us.
+        result = super()._apply(fn, recurse)
+        self.tie_weights()
+        return result
+
+    def forward(self, tokens_or_hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [b, s] (or hidden states [b, s, hidden] without embeddings) -> logits or hidden.
+
+        ``positions``: global positions [s] or [b, s] (default ``arange(s)``), used by RoPE;
+        context parallelism passes the positions of the local, possibly non-contiguous chunks.
+        """
+        if positions is None:  # from the input: with sequence parallelism h is a sequence shard
+            positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
+        h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h

@@ -1,0 +1,67 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021, arXiv:2104.09864).
+
+Convention: **interleaved pairs**. The head dimension is read as ``d/2`` pairs
+``(x[2i], x[2i+1])`` and pair ``i`` at position ``p`` is rotated by the angle
+``p * theta ** (-2i / d)``::
+
+    out[2i]   = x[2i] * cos - x[2i+1] * sin
+    out[2i+1] = x[2i] * sin + x[2i+1] * cos
+
+This is the convention of Meta's reference Llama code and of torchtitan (which write it
+as a complex multiplication), so their checkpoints load without permuting ``wq``/``wk``.
+Hugging Face checkpoints use the "half split" convention (pairs ``(i, i + d/2)``); loading
+them needs the usual row permutation of ``wq`` and ``wk``, not a different RoPE.
+
+Design choices:
+
+* cos/sin are computed **on the fly from explicit positions**, not read from a cached
+  table sliced by ``arange(s)``. Context parallelism hands each rank a non-contiguous set
+  of global positions (e.g. the load-balanced "zigzag" chunks), and pipeline stages need no
+  shared buffer. The cost is ``O(s * d/2)`` transcendental evaluations per forward, which
+  is negligible next to attention; and there is no buffer to materialize after meta-device
+  construction.
+* Math is in fp32 (angles, cos/sin and the rotation itself), whatever the activation
+  dtype; the result is cast back to the input dtype. As in the reference implementations,
+  angles are formed in fp32, so at position ``p`` the angle carries an absolute error of
+  roughly ``p * 2**-24`` radians; that is part of the model's definition, identical on
+  every layout since it depends only on the (global) position value.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """The per-pair frequencies ``theta ** (-2i / head_dim)`` for ``i in range(head_dim // 2)`` (fp32)."""
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    return 1.0 / (theta**exponents)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles for integer ``positions`` of shape ``[..., S]``.
+
+    Returns two fp32 tensors of shape ``[..., S, head_dim // 2]``, on ``positions.device``.
+    Positions need not be contiguous or sorted (context parallel passes global positions).
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, device=positions.device)
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[b, s, heads, head_dim]`` by the interleaved-pairs convention.
+
+    ``cos``/``sin`` come from :func:`rope_cos_sin`, shaped ``[s, head_dim // 2]`` (one set of
+    positions for the whole batch) or ``[b, s, head_dim // 2]`` (per-sequence positions).
+    They broadcast over heads.
+    """
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [b|1, s, 1, d/2]
+    pairs = x.to(torch.float32).unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)

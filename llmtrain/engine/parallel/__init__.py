@@ -1,0 +1,1 @@
+"""Parallelization passes, applied by :func:`llmtrain.engine.parallelize.parallelize` in a fixed order."""

@@ -1,0 +1,82 @@
+"""Tensor parallelism (Megatron-style) with optional sequence parallelism, via DTensor.
+
+Per block: ``wq/wk/wv`` and the MLP's ``w1/w3`` are column-parallel (heads / ffn split over
+tp), ``wo`` and ``w2`` row-parallel (their partial sums reduced). With sequence parallelism the
+residual stream between those regions stays split along the sequence (dim 1): the norms run
+on sequence shards (``SequenceParallel``), the all-reduce of the row-parallel output becomes
+a reduce-scatter, and the column-parallel input an all-gather — same communication volume,
+1/tp of the norm activations. The embedding is row-parallel over the vocabulary; the output
+layer is column-parallel over the vocabulary and its logits stay sharded for the
+vocabulary-parallel cross-entropy (``loss_parallel``): the full [tokens, vocab] logits are
+never materialized on one rank.
+
+MoE blocks are not tensor-parallel: experts run replicated on the TP ranks (each computes
+the whole MoE for the gathered sequence, so weight gradients are identical and need no
+reduction). Splitting experts is the job of expert parallelism.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    sp = sequence_parallel
+    stream = Shard(1) if sp else Replicate()  # layout of the residual stream between regions
+    root_plan = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.norm is not None and sp:
+        root_plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, root_plan)
+
+    for block in model.layers.values():
+        plan = {
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+        }
+        if sp:
+            plan.update({
+                "attention_norm": SequenceParallel(),
+                "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+            })
+        if getattr(block, "moe", None) is not None:
+            if sp:
+                plan["moe"] = _replicated_region()
+        else:
+            plan.update({
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            })
+            if sp:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _replicated_region() -> PrepareModuleInputOutput:
+    """Gather the sequence before a replicated module and split it again after (MoE + SP)."""
+    return PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+    )

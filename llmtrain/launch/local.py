@@ -1,0 +1,425 @@
+"""``llmtrain launch RECIPE`` without ``--hosts``: run every rank on this machine under torchrun.
+
+What happens, in order (:func:`launch_local`):
+
+1. The recipe (with ``--set`` overrides) is validated by the same code as ``llmtrain plan``
+   for ``cluster.nodes x cluster.gpus_per_node`` ranks on ``localhost``. Any problem raises
+   :class:`~llmtrain.errors.LLMTrainError` listing all of them, *before* a directory is
+   created or a process started.
+2. A run directory is created (:mod:`llmtrain.launch.rundir`): ``recipe.lock.yaml``,
+   ``hostfile``, ``logs/``.
+3. ONE child is started, in its own session (so a Ctrl-C on the terminal reaches only the
+   launcher, which then stops the run in order)::
+
+       python -m torch.distributed.run --standalone --nproc-per-node W --redirects 3 \\
+           --log-dir RUN_DIR/logs/torchrun -m llmtrain.engine.main \\
+           --recipe RUN_DIR/recipe.lock.yaml --run-dir RUN_DIR
+
+   with the launcher's environment plus ``PYTHONUNBUFFERED=1``, ``OMP_NUM_THREADS`` =
+   ``max(1, cpus // W)`` (unless set), ``LLMTRAIN_RUN_ID`` and ``LLMTRAIN_RUN_DIR``.
+   ``LLMTRAIN_ENGINE_MODULE`` (a test/debug hook) replaces ``llmtrain.engine.main``.
+   ``--redirects`` rather than ``--tee``: see :mod:`llmtrain.launch.stream` (whole lines).
+4. Output is streamed (:mod:`llmtrain.launch.stream`): ``[localhost:R] line`` per rank,
+   ``[localhost] line`` for torchrun, one progress bar from rank 0's step events.
+5. The exit code is torchrun's. A summary follows: final loss, tokens/s, run dir, exit code;
+   on failure the failing rank(s), from torchrun's failure report, and the last lines of
+   that rank's log.
+
+Teardown (SIGINT, SIGTERM or SIGHUP to the launcher): the launcher sends SIGTERM to torchrun
+and to every process of the run, waits up to ``grace_s`` (default 5 s) while still showing
+their output, then sends SIGKILL to whatever is left, and returns 130 / 143 / 129. A second
+signal skips the rest of the grace period. "Every process of the run" is found without any
+name or pattern matching:
+
+* the process tree under torchrun, read from ``/proc/*/stat`` (ppid links), re-read every
+  0.25 s while the run lives and remembered as ``(pid, start time)``: workers that sit in
+  their own sessions, and grandchildren that were orphaned and re-parented to init, stay
+  known; the start time guards against pid reuse;
+* as a safety net, processes of the same user whose ``/proc/PID/environ`` holds exactly
+  ``LLMTRAIN_RUN_ID=<this run's id>`` (set by the launcher for this run only), which catches
+  a child that forked and exited between two scans.
+
+The same sweep runs after a normal exit, so a run never leaves processes behind. torchrun
+also gets ``PR_SET_PDEATHSIG=SIGTERM`` (Linux), so even a SIGKILLed launcher stops the run.
+Signal handlers are installed only when called from the main thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.launch.events import RunStats
+from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
+from llmtrain.launch.rundir import RunDir, create_run_dir
+from llmtrain.launch.stream import Display, LineRouter, PipeReader, WorkerLogTailer
+from llmtrain.recipe.load import apply_override, load_recipe, validate_recipe_dict
+from llmtrain.recipe.schema import Recipe
+
+ENGINE_MODULE = "llmtrain.engine.main"
+MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+POLL_S = 0.1
+SCAN_S = 0.25
+
+
+def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None, runs_root: str | Path = "runs",
+                 console: Console | None = None, grace_s: float = 5.0) -> int:
+    """Validate, create the run dir, run torchrun with all ranks here; return its exit code."""
+    recipe = resolve_recipe(recipe, overrides)
+    world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    if world > MAX_SLOTS:
+        raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
+                            f"use at most {MAX_SLOTS} locally, or --hosts for a cluster", path="cluster")
+    from llmtrain.plan.api import plan_recipe
+
+    hostfile = Hostfile.localhost(world)
+    plan = plan_recipe(recipe, hostfile)
+    if not plan.valid:
+        raise LLMTrainError(plan.validation.errors)
+    module = engine_module()
+    if importlib.util.find_spec("torch") is None:
+        raise LLMTrainError("torch is not installed in this Python environment",
+                            f"install it: {sys.executable} -m pip install torch==2.13.0")
+    console = console or Console(highlight=False, soft_wrap=True)
+    for warning in plan.validation.warnings:
+        console.print(Text(f"warning: {warning.line()}"), style="yellow")
+    run = create_run_dir(recipe, hostfile, runs_root)
+    return LocalRun(run, world, module, console, grace_s).run()
+
+
+def resolve_recipe(recipe: Recipe | str | Path, overrides: list[str] | None) -> Recipe:
+    if not isinstance(recipe, Recipe):
+        return load_recipe(recipe, overrides)
+    if not overrides:
+        return recipe
+    data = recipe.model_dump(mode="json", by_alias=True, exclude_none=True)
+    for item in overrides:
+        apply_override(data, item)
+    return validate_recipe_dict(data)
+
+
+def engine_module() -> str:
+    module = os.environ.get("LLMTRAIN_ENGINE_MODULE") or ENGINE_MODULE
+    if not MODULE_RE.match(module):
+        raise LLMTrainError(f"LLMTRAIN_ENGINE_MODULE={module[:80]!r} is not a Python module name",
+                            "unset it, or name a module like llmtrain.engine.main", path="LLMTRAIN_ENGINE_MODULE")
+    return module
+
+
+def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+            "--redirects", "3", "--log-dir", str(run.torchrun_logs),
+            "-m", module, "--recipe", str(run.recipe_lock), "--run-dir", str(run.path)]
+
+
+def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    env["PYTHONUNBUFFERED"] = "1"
+    if not env.get("OMP_NUM_THREADS"):
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cpus // world))
+    env["LLMTRAIN_RUN_ID"] = run.run_id
+    env["LLMTRAIN_RUN_DIR"] = str(run.path.resolve())
+    return env
+
+
+# --------------------------------------------------------------------------- process tree
+
+
+def _stat(pid: int) -> tuple[int, str, int] | None:
+    """(ppid, state, start time) from /proc/PID/stat, or None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            raw = fp.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
+    try:
+        return int(fields[1]), fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return []
+
+
+class ProcessTree:
+    """Remembers every descendant of ``root`` ever seen, as pid -> start time."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.known: dict[int, int] = {}
+        info = _stat(root)
+        if info:
+            self.known[root] = info[2]
+
+    def scan(self) -> None:
+        table = {pid: info for pid in _pids() if (info := _stat(pid)) is not None}
+        children: dict[int, list[int]] = {}
+        for pid, (ppid, _, _) in table.items():
+            children.setdefault(ppid, []).append(pid)
+        # descendants of the root and of every process already known (orphans included)
+        todo = [pid for pid in self.known if pid in table and table[pid][2] == self.known[pid]]
+        while todo:
+            pid = todo.pop()
+            for child in children.get(pid, ()):
+                if child not in self.known or self.known[child] != table[child][2]:
+                    self.known[child] = table[child][2]
+                    todo.append(child)
+
+    def alive(self) -> set[int]:
+        out = set()
+        for pid, start in self.known.items():
+            info = _stat(pid)
+            if info is not None and info[2] == start and info[1] != "Z":
+                out.add(pid)
+        return out
+
+
+def marked_pids(run_id: str) -> set[int]:
+    """Live processes of this user whose environment holds ``LLMTRAIN_RUN_ID=<run_id>`` exactly."""
+    needle, uid, me, out = f"LLMTRAIN_RUN_ID={run_id}".encode(), os.getuid(), os.getpid(), set()
+    for pid in _pids():
+        if pid == me:
+            continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            with open(f"/proc/{pid}/environ", "rb") as fp:
+                env = fp.read().split(b"\0")
+        except OSError:
+            continue
+        info = _stat(pid)
+        if needle in env and info is not None and info[1] != "Z":
+            out.add(pid)
+    return out
+
+
+def _signal_all(pids: set[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _pdeathsig_preexec():
+    """preexec_fn giving the child SIGTERM when the launcher dies (Linux), else None."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class LocalRun:
+    """One torchrun child, its output, its progress bar and its teardown."""
+
+    def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0):
+        self.run_dir, self.world, self.module, self.grace_s = run, world, module, grace_s
+        self.stats = RunStats()
+        self.display = Display(console, label=run.name)
+        self.router = LineRouter(run.logs, self.display, self.stats)
+        self.tailer = WorkerLogTailer(run.torchrun_logs, nproc_per_node=world)
+        self.signals: list[int] = []
+        self.leftovers = 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals.append(signum)
+
+    def run(self) -> int:
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.router.close()
+
+    def _run(self) -> int:
+        cmd = torchrun_command(self.run_dir, self.world, self.module)
+        self.display.line(f"run dir {self.run_dir.path}: {self.world} ranks on localhost")
+        (self.run_dir.logs / "command.txt").write_text(" ".join(cmd) + "\n")
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=launch_env(self.run_dir, self.world), start_new_session=True,
+                                preexec_fn=_pdeathsig_preexec())
+        self.proc, self.tree = proc, ProcessTree(proc.pid)
+        self.pipes = PipeReader({"stdout": proc.stdout, "stderr": proc.stderr})
+        self.display.start()
+        code, stopped_by = None, None
+        try:
+            last_scan, exited_at = 0.0, None
+            while True:
+                self._pump()
+                if time.monotonic() - last_scan >= SCAN_S:
+                    self.tree.scan()
+                    last_scan = time.monotonic()
+                if self.signals:
+                    stopped_by = self.signals[0]
+                    self._teardown()
+                    break
+                if proc.poll() is not None:
+                    exited_at = exited_at or time.monotonic()
+                    # drain torchrun's pipes; do not wait on them forever (a leftover may hold them)
+                    if not self.pipes.open or time.monotonic() - exited_at > 1.0:
+                        break
+            if stopped_by is None:
+                self.tree.scan()
+                leftovers = (self.tree.alive() | marked_pids(self.run_dir.run_id)) - {proc.pid}
+                if leftovers:
+                    self.leftovers = self._stop(leftovers, include_torchrun=False)
+        except BaseException:  # a bug or KeyboardInterrupt outside the handlers: never leave the run behind
+            self.tree.scan()
+            self._stop(self.tree.alive() | marked_pids(self.run_dir.run_id) | {proc.pid}, include_torchrun=True)
+            raise
+        finally:
+            self._pump(final=True)
+            for _, line in self.pipes.close():
+                self.router.launcher_line(line)
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()
+            self.router.flush()
+            self.display.stop()
+        if stopped_by is not None:
+            code = EXIT_FOR_SIGNAL.get(stopped_by, 128 + stopped_by)
+        else:
+            code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        self._summary(code, stopped_by)
+        return code
+
+    def _pump(self, final: bool = False) -> None:
+        for _, line in self.pipes.poll(0 if final else POLL_S):
+            self.router.launcher_line(line)
+        for rank, stream, line in self.tailer.poll(final=final):
+            self.router.rank_line(rank, stream, line)
+        self.router.flush()
+
+    def _teardown(self) -> None:
+        name = signal.Signals(self.signals[0]).name
+        self.display.line(f"[launcher] {name} received: stopping the run "
+                          f"(SIGTERM now, SIGKILL after {self.grace_s:g} s)")
+        self.tree.scan()
+        targets = self.tree.alive() | marked_pids(self.run_dir.run_id) | {self.proc.pid}
+        self.leftovers = self._stop(targets, include_torchrun=True)
+
+    def _stop(self, targets: set[int], include_torchrun: bool) -> int:
+        """SIGTERM ``targets`` (and newcomers), wait ``grace_s``, SIGKILL the rest; return how many."""
+        signalled = set(targets)
+        _signal_all(signalled, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        n_signals = len(self.signals)
+        while time.monotonic() < deadline and len(self.signals) <= n_signals:
+            self._pump()
+            self.proc.poll()  # reap torchrun so it does not linger as a zombie
+            self.tree.scan()
+            alive = self._alive(include_torchrun)
+            new = alive - signalled
+            if new:
+                _signal_all(new, signal.SIGTERM)
+                signalled |= new
+            if not alive:
+                return len(signalled)
+        self.tree.scan()
+        remaining = self._alive(include_torchrun)
+        if remaining:
+            self.display.line(f"[launcher] SIGKILL to {len(remaining)} process(es) still running: "
+                              f"{' '.join(map(str, sorted(remaining)))}")
+            _signal_all(remaining, signal.SIGKILL)
+            signalled |= remaining
+            gone_by = time.monotonic() + 2.0  # SIGKILL is not instant: wait until they are really gone
+            while self._alive(include_torchrun) and time.monotonic() < gone_by:
+                self.proc.poll()
+                time.sleep(0.02)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL is not ignorable
+            pass
+        return len(signalled)
+
+    def _alive(self, include_torchrun: bool) -> set[int]:
+        alive = self.tree.alive() | marked_pids(self.run_dir.run_id)
+        if self.proc.poll() is not None or not include_torchrun:
+            alive.discard(self.proc.pid)
+        return alive
+
+    # ----------------------------------------------------------------------- summary
+
+    def _summary(self, code: int, stopped_by: int | None) -> None:
+        run, stats, say = self.run_dir, self.stats, self.display.line
+        if stopped_by is not None:
+            head = f"run stopped by {signal.Signals(stopped_by).name}"
+        else:
+            head = "run finished" if code == 0 else "run failed"
+        say(f"== {head}: exit code {code}")
+        steps = f"{stats.step}/{stats.steps}" if stats.steps else str(stats.step)
+        loss = stats.final_loss if stats.final_loss is not None else stats.loss
+        parts = [f"steps {steps}"]
+        if loss is not None:
+            parts.append(f"{'final ' if stats.ended else 'last '}loss {loss:.4f}")
+        if stats.tokens_per_s is not None:
+            parts.append(f"{stats.tokens_per_s:,.0f} tokens/s")
+        say("   " + ", ".join(parts))
+        say(f"   run dir: {run.path}")
+        if self.leftovers:
+            say(f"   stopped {self.leftovers} process(es) of the run")
+        if code == 0 or stopped_by is not None:
+            return
+        failures = parse_failures(self.router.launcher_lines)
+        for rank, exitcode in failures:
+            say(f"   rank {rank} failed (exit code {exitcode}); last lines of {run.rank_log(rank)}:")
+            for line in list(self.router.rank_tails.get(rank, []))[-10:]:
+                say(f"     | {line}")
+        if not failures:
+            say(f"   torchrun failed before a rank did; last lines of {run.launcher_log}:")
+            for line in list(self.router.launcher_lines)[-10:]:
+                say(f"     | {line}")
+
+
+FAILURE_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
+FAILURE_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def parse_failures(lines) -> list[tuple[int, str]]:
+    """(rank, exit code) pairs from torchrun's ChildFailedError report, root cause first."""
+    root, others, section, rank = [], [], None, None
+    for line in lines:
+        if line.startswith("Failures:"):
+            section = others
+        elif line.startswith("Root Cause"):
+            section = root
+        elif section is not None and (m := FAILURE_RANK_RE.match(line)):
+            rank = int(m.group(1))
+        elif section is not None and rank is not None and (m := FAILURE_EXIT_RE.match(line)):
+            if all(r != rank for r, _ in root + others):
+                section.append((rank, m.group(1)))
+            rank = None
+    return root + others
+
+
+__all__ = ["launch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids", "parse_failures"]

@@ -1,0 +1,29 @@
+"""Helpers to run a multi-rank job with real torchrun and collect rank 0's results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ROOT / "tests" / "dist_worker.py"
+
+
+def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int, common: list[str] | None = None,
+              timeout: int = 600) -> dict:
+    """Run every case of ``cases`` in ONE torchrun job of ``nproc`` ranks; return rank 0's results."""
+    out = tmp / f"results-{nproc}.pt"
+    spec = tmp / f"spec-{nproc}.json"
+    spec.write_text(json.dumps({"recipe": str(ROOT / recipe), "cases": cases, "steps": steps,
+                                "set": common or [], "out": str(out)}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(spec)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return torch.load(out, weights_only=False)
