@@ -7,7 +7,8 @@ Run by torchrun exactly like the engine (``-m fake_engine --recipe R --run-dir D
 
 Hooks (environment):
   FAKE_ENGINE_STEP_S=0.02       seconds per step
-  FAKE_ENGINE_FAIL_RANK=R       rank R exits with code 3 at step FAKE_ENGINE_FAIL_STEP (default 2)
+  FAKE_ENGINE_FAIL_RANK=R       rank R writes torchrun's error file (like @record) and exits with
+                                code 3 at step FAKE_ENGINE_FAIL_STEP (default 2)
   FAKE_ENGINE_SLEEP=S           after step 1, every rank says "sleeping" and sleeps S seconds per step
   FAKE_ENGINE_IGNORE_TERM=1     ranks ignore SIGTERM (the launcher must SIGKILL them)
   FAKE_ENGINE_GRANDCHILD=1      each rank starts a grandchild in a new session that ignores
@@ -32,6 +33,15 @@ import yaml
 def event(kind: str, **fields) -> None:
     sys.stdout.write("@@llmtrain " + json.dumps({"event": kind, **fields}) + "\n")
     sys.stdout.flush()
+
+
+def record_error(message: str) -> None:
+    """Write the error file torchrun reads, as torch's ``@record`` decorator does for the real engine."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as fp:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": f"Traceback (fake)\n{message}\n",
+                                                                      "timestamp": str(int(time.time()))}}}, fp)
 
 
 def main() -> int:
@@ -67,6 +77,7 @@ def main() -> int:
     for step in range(1, steps + 1):
         if rank == fail_rank and step == fail_step:
             print(f"rank {rank} fails on purpose at step {step}", file=sys.stderr, flush=True)
+            record_error(f"FakeEngineError: rank {rank} fails on purpose at step {step}")
             return 3
         if sleep_s and step == 2:
             print(f"rank {rank} sleeping", flush=True)

@@ -91,17 +91,23 @@ def run_plan_path(recipe_path: Path, hosts: Path | None = None, nodes: int | Non
     return data, render_text(data)
 
 
-# Paths a problem may name: a dotted recipe field, a CLI flag, or a file (with :LINE).
-FIELD_PATH = re.compile(r"^(?:[A-Za-z_'][\w']*)(?:\.[\w']+)*$")
-FILE_LINE = re.compile(r":\d+$")
+FILE_LINE = re.compile(r":[1-9]\d*$")
+SECTIONS = ("name", "model", "parallel", "train", "data", "checkpoint", "cluster", "recipe")
 
 
-def assert_good_problem(problem: Problem, files: tuple[str, ...] = ()) -> None:
-    """Every problem names where (a field, --set/--flag, or file:LINE) and how to fix it."""
-    assert problem.path, problem
+def assert_good_problem(problem: Problem, files: tuple[str, ...] = (), data_keys=()) -> None:
+    """Every problem names where and how to fix it.
+
+    Where: ``file:LINE`` for problems in a file, ``--set``/``--nodes``/... for flags, else a
+    dotted recipe path whose first part is a recipe section or a key the file really has.
+    """
+    assert problem.path.strip(), problem
     assert problem.hint.strip(), problem
     assert problem.message.strip(), problem
     if any(problem.path.startswith(f) for f in files):
         assert FILE_LINE.search(problem.path), problem
-    else:
-        assert problem.path.startswith("--") or FIELD_PATH.match(problem.path), problem
+    elif not problem.path.startswith("--"):
+        assert "\n" not in problem.path, problem
+        path = problem.path
+        keys = [str(k) for k in data_keys if str(k)] + ["''"]
+        assert path.split(".", 1)[0] in SECTIONS or any(path == k or path.startswith(k + ".") for k in keys), problem

@@ -22,9 +22,9 @@ import pytest
 from rich.console import Console
 
 from llmtrain.launch.events import RunStats, format_event, parse_event
-from llmtrain.launch.local import ProcessTree, marked_pids, parse_failures
+from llmtrain.launch.local import ProcessTree, marked_pids
 from llmtrain.launch.rundir import latest_run
-from llmtrain.launch.stream import Display, LineSplitter, WorkerLogTailer, split_tee_prefix
+from llmtrain.launch.stream import Display, LineSplitter, WorkerLogTailer, parse_failures, split_tee_prefix
 from llmtrain.recipe.load import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +100,8 @@ def test_failing_rank_fails_the_launch_and_is_named(tmp_path):
     named = out[out.index("rank 1 failed (exit code 3)"):]
     assert "rank-1.log" in named.splitlines()[0]
     assert "| rank 1 fails on purpose at step 2" in named
+    assert "error: FakeEngineError: rank 1 fails on purpose at step 2" in named  # from torchrun's error file
+    assert "rank 0 was stopped by SIGTERM after the failure" in named or "rank 0" not in named
     run = latest_run(tmp_path / "runs")
     assert "rank 1 fails on purpose" in (run / "logs" / "rank-1.log").read_text()
     assert "ChildFailedError" in (run / "logs" / "launcher.log").read_text()
@@ -275,9 +277,12 @@ Root Cause (first observed failure):
   host      : localhost
   rank      : 1 (local_rank: 1)
   exitcode  : 3 (pid: 4500)
-  error_file: <N/A>
+  error_file: /tmp/e.json
+  traceback : Traceback (most recent call last):
+    rank      : 7 (local_rank: 7)
 ============================================================"""
-    assert parse_failures(report.splitlines()) == [(1, "3"), (0, "-15")]
+    failures = parse_failures(report.splitlines())
+    assert [(f.rank, f.exitcode, f.error_file) for f in failures] == [(1, "3", "/tmp/e.json"), (0, "-15", None)]
     assert parse_failures(["nothing to see"]) == []
 
 
@@ -297,3 +302,38 @@ def test_display_without_terminal_prints_plain_progress_lines():
     assert progress[0].startswith("progress: step 1/40  loss 1.0000") and progress[-1].startswith("progress: step 40/40")
     assert len(progress) == 21  # the first step, then every 5 % of the steps, not every step
     assert lines[-1] == "[localhost:0] a [bold]markup-looking[/bold] line"
+
+
+def test_api_validates_recipe_objects_and_builds_torchrun_command(tmp_path, monkeypatch):
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.launch.local import launch_env, launch_local, resolve_recipe, torchrun_command
+    from llmtrain.launch.rundir import RunDir
+
+    recipe = load_recipe(RECIPE)
+    with pytest.raises(LLMTrainError) as info:
+        launch_local(recipe, ["parallel.tp=3"], runs_root=tmp_path / "runs")
+    assert any(p.path == "train.seq_len" and "tp (3)" in p.message for p in info.value.problems)
+    assert not (tmp_path / "runs").exists()
+    assert resolve_recipe(recipe, ["train.steps=7"]).train.steps == 7
+    monkeypatch.setenv("LLMTRAIN_ENGINE_MODULE", "not a module; rm -rf /")
+    with pytest.raises(LLMTrainError, match="is not a Python module name"):
+        launch_local(recipe, runs_root=tmp_path / "runs")
+    assert not (tmp_path / "runs").exists()
+
+    run = RunDir(tmp_path / "r", "debug", "20260101-000000-abcd")
+    cmd = torchrun_command(run, 4, "llmtrain.engine.main")
+    assert cmd[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "--redirects", "3",
+                       "--log-dir", str(tmp_path / "r" / "logs" / "torchrun"), "-m", "llmtrain.engine.main",
+                       "--recipe", str(tmp_path / "r" / "recipe.lock.yaml"), "--run-dir", str(tmp_path / "r")]
+    env = launch_env(run, 4, base={"OMP_NUM_THREADS": "3", "PATH": "/bin"})
+    assert env["OMP_NUM_THREADS"] == "3" and env["PYTHONUNBUFFERED"] == "1" and env["PATH"] == "/bin"
+    assert env["LLMTRAIN_RUN_ID"] == "20260101-000000-abcd" and env["LLMTRAIN_RUN_DIR"] == str(tmp_path / "r")
+    assert int(launch_env(run, 10**6, base={})["OMP_NUM_THREADS"]) == 1
+
+
+def test_launch_and_report_layers_never_import_torch():
+    code = ("import sys, llmtrain.launch.local, llmtrain.launch.rundir, llmtrain.cli.launch, llmtrain.cli.report, "
+            "llmtrain.analysis.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

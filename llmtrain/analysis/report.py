@@ -115,6 +115,7 @@ def plot_metrics(metrics: Metrics, out: str | Path, title: str = "") -> Path:
     """Draw loss, lr and tokens/s against the step into ``out`` (PNG)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(out)
     fig = Figure(figsize=(8, 9), dpi=100)
@@ -131,6 +132,7 @@ def plot_metrics(metrics: Metrics, out: str | Path, title: str = "") -> Path:
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -50,6 +50,7 @@ import ctypes
 import importlib.util
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,7 +65,9 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.launch.rundir import RunDir, create_run_dir
-from llmtrain.launch.stream import Display, LineRouter, PipeReader, WorkerLogTailer
+from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
+                                   parse_failures)
+from llmtrain.plan.api import plan_recipe
 from llmtrain.recipe.load import apply_override, load_recipe, validate_recipe_dict
 from llmtrain.recipe.schema import Recipe
 
@@ -83,8 +86,6 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
     if world > MAX_SLOTS:
         raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
                             f"use at most {MAX_SLOTS} locally, or --hosts for a cluster", path="cluster")
-    from llmtrain.plan.api import plan_recipe
-
     hostfile = Hostfile.localhost(world)
     plan = plan_recipe(recipe, hostfile)
     if not plan.valid:
@@ -121,8 +122,8 @@ def engine_module() -> str:
 
 def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-            "--redirects", "3", "--log-dir", str(run.torchrun_logs),
-            "-m", module, "--recipe", str(run.recipe_lock), "--run-dir", str(run.path)]
+            "--redirects", "3", "--log-dir", str(run.torchrun_logs.resolve()),
+            "-m", module, "--recipe", str(run.recipe_lock.resolve()), "--run-dir", str(run.path.resolve())]
 
 
 def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -265,7 +266,8 @@ class LocalRun:
     def _run(self) -> int:
         cmd = torchrun_command(self.run_dir, self.world, self.module)
         self.display.line(f"run dir {self.run_dir.path}: {self.world} ranks on localhost")
-        (self.run_dir.logs / "command.txt").write_text(" ".join(cmd) + "\n")
+        (self.run_dir.logs / "command.txt").write_text(shlex.join(cmd) + "\n")
+        self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=launch_env(self.run_dir, self.world), start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec())
@@ -314,10 +316,13 @@ class LocalRun:
         return code
 
     def _pump(self, final: bool = False) -> None:
-        for _, line in self.pipes.poll(0 if final else POLL_S):
-            self.router.launcher_line(line)
+        # wait on torchrun's pipes, then read the workers' files; show worker lines first: what
+        # torchrun says (e.g. its failure report) is mostly a reaction to what a worker did
+        launcher_lines = self.pipes.poll(0 if final else POLL_S)
         for rank, stream, line in self.tailer.poll(final=final):
             self.router.rank_line(rank, stream, line)
+        for _, line in launcher_lines:
+            self.router.launcher_line(line)
         self.router.flush()
 
     def _teardown(self) -> None:
@@ -391,35 +396,36 @@ class LocalRun:
         if code == 0 or stopped_by is not None:
             return
         failures = parse_failures(self.router.launcher_lines)
-        for rank, exitcode in failures:
-            say(f"   rank {rank} failed (exit code {exitcode}); last lines of {run.rank_log(rank)}:")
-            for line in list(self.router.rank_tails.get(rank, []))[-10:]:
+        for n, failure in enumerate(failures):
+            signame = _signal_name(failure.exitcode)
+            if n > 0 and signame:
+                say(f"   rank {failure.rank} was stopped by {signame} after the failure")
+                continue
+            say(f"   rank {failure.rank} failed (exit code {failure.exitcode}{', ' + signame if signame else ''}); "
+                f"last lines of {run.rank_log(failure.rank)}:")
+            for line in list(self.router.rank_tails.get(failure.rank, []))[-10:]:
                 say(f"     | {line}")
+            message = error_file_message(failure.error_file)
+            if message:
+                say(f"     error: {message}")
         if not failures:
             say(f"   torchrun failed before a rank did; last lines of {run.launcher_log}:")
             for line in list(self.router.launcher_lines)[-10:]:
                 say(f"     | {line}")
 
 
-FAILURE_RANK_RE = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank")
-FAILURE_EXIT_RE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+def _signal_name(exitcode: str) -> str:
+    """"-15" -> "SIGTERM" (torchrun reports a worker killed by a signal as a negative exit code)."""
+    try:
+        number = -int(exitcode)
+    except ValueError:
+        return ""
+    if number <= 0:
+        return ""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
-def parse_failures(lines) -> list[tuple[int, str]]:
-    """(rank, exit code) pairs from torchrun's ChildFailedError report, root cause first."""
-    root, others, section, rank = [], [], None, None
-    for line in lines:
-        if line.startswith("Failures:"):
-            section = others
-        elif line.startswith("Root Cause"):
-            section = root
-        elif section is not None and (m := FAILURE_RANK_RE.match(line)):
-            rank = int(m.group(1))
-        elif section is not None and rank is not None and (m := FAILURE_EXIT_RE.match(line)):
-            if all(r != rank for r, _ in root + others):
-                section.append((rank, m.group(1)))
-            rank = None
-    return root + others
-
-
-__all__ = ["launch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids", "parse_failures"]
+__all__ = ["launch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids"]

@@ -7,6 +7,7 @@ Layout (see DESIGN.md section 3)::
       hostfile              the hosts used, DeepSpeed form (``localhost slots=4``)
       logs/rank-<R>.log     every line of rank R (stdout and stderr), as the launcher saw it
       logs/launcher.log     torchrun's own output
+      logs/command.txt      the exact torchrun command line
       logs/torchrun/        torchrun's raw per-worker stdout/stderr files (--log-dir)
       metrics.jsonl, tb/    written by the engine's rank 0
       checkpoints/          written by the engine

@@ -29,13 +29,15 @@ they drive the one progress bar of :class:`Display` instead.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import selectors
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterable
 
 from rich.console import Console
 from rich.text import Text
@@ -214,7 +216,9 @@ class Display:
 
     def line(self, text: str) -> None:
         target = self._progress.console if self._progress is not None else self.console
-        target.print(Text(text), highlight=False, soft_wrap=True, markup=False, emoji=False)
+        # from_ansi: a worker's colored log line keeps its colors on a terminal and loses the
+        # escape codes elsewhere, instead of printing them raw into a CI log
+        target.print(Text.from_ansi(text), highlight=False, soft_wrap=True, markup=False, emoji=False)
 
     def progress(self, stats: RunStats) -> None:
         if self._t0 is None and stats.step > 0:
@@ -261,6 +265,11 @@ class LineRouter:
         self.rank_tails: dict[int, deque[str]] = {}
         self.launcher_lines: deque[str] = deque(maxlen=2000)
 
+    def create_logs(self, ranks: int) -> None:
+        """Create ``launcher.log`` and every ``rank-R.log`` up front, so the layout does not depend on who printed."""
+        for name in ["launcher.log"] + [f"rank-{rank}.log" for rank in range(ranks)]:
+            self._file(name)
+
     def _file(self, name: str) -> IO[str]:
         fp = self._files.get(name)
         if fp is None:
@@ -291,3 +300,56 @@ class LineRouter:
             fp.close()
         self._files.clear()
 
+
+FAILURE_FIELD_RE = re.compile(r"^\s{2}(rank|exitcode|error_file)\s*:\s*(-?\d+|\S+)")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed worker from torchrun's ``ChildFailedError`` report."""
+
+    rank: int
+    exitcode: str
+    error_file: str | None = None  # written by a worker whose main is wrapped in torch's @record
+
+
+def parse_failures(lines: Iterable[str]) -> list[Failure]:
+    """The failed workers in torchrun's failure report (``Failures:``, ``Root Cause``), root cause first."""
+    root: list[Failure] = []
+    others: list[Failure] = []
+    section: list[Failure] | None = None
+    entry: dict[str, str] | None = None
+
+    def close() -> None:
+        if section is None or not entry or not entry.get("rank", "").isdigit():
+            return
+        rank, error_file = int(entry["rank"]), entry.get("error_file")
+        if all(f.rank != rank for f in root + others):
+            section.append(Failure(rank, entry.get("exitcode", "?"), None if error_file == "<N/A>" else error_file))
+
+    for line in lines:
+        if line.startswith(("Failures:", "Root Cause", "====")):
+            close()
+            section = others if line.startswith("Failures:") else root if line.startswith("Root Cause") else None
+            entry = None
+        elif section is not None and re.match(r"^\[\d+\]:\s*$", line):
+            close()
+            entry = {}
+        elif entry is not None and (m := FAILURE_FIELD_RE.match(line)):
+            entry.setdefault(m.group(1), m.group(2))
+    close()
+    return root + others
+
+
+def error_file_message(path: str | None) -> str | None:
+    """First line of the message in a torchelastic error file (``{"message": {"message": ...}}``)."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fp:
+            data = json.load(fp)
+        message = data["message"]
+        message = message["message"] if isinstance(message, dict) else message
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return str(message).strip().splitlines()[0][:500] if str(message).strip() else None

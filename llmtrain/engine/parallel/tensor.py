@@ -78,5 +78,6 @@ def _replicated_region() -> PrepareModuleInputOutput:
     """Gather the sequence before a replicated module and split it again after (MoE + SP)."""
     return PrepareModuleInputOutput(
         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        use_local_input=True,  # the experts are plain tensors
         output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
     )
