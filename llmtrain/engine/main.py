@@ -19,6 +19,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.load import load_recipe
@@ -45,6 +46,7 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+@record  # writes torchelastic's error.json, which the launcher's failure summary quotes
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtrain.engine.main", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="Resolved recipe (RUN_DIR/recipe.lock.yaml).")

@@ -131,13 +131,18 @@ def validate_recipe_dict(data: dict[str, Any]) -> Recipe:
 
 
 def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
-    loc = [str(part) for part in err.get("loc", ())]
-    path = ".".join(loc) if all(loc) else ".".join(part or repr(part) for part in loc)
+    loc = [_key_text(part) for part in err.get("loc", ())]
+    path = ".".join(loc)
     kind = err.get("type", "")
     got = _short(err.get("input"))
     if kind == "extra_forbidden":
         valid = _valid_keys(loc[:-1])
         return Problem(path, "unknown key", f"valid keys here: {', '.join(valid)}" if valid else "remove it")
+    if kind == "invalid_key":  # a YAML key that is not a string (true, 1, null); loc holds it mangled
+        key = err.get("input")
+        valid = _valid_keys(loc[:-1])
+        return Problem(".".join([*loc[:-1], _key_text(key)]), f"key {_short(key)} is not a name",
+                       f"valid keys here: {', '.join(valid)}" if valid else "remove it")
     if kind == "missing":
         return Problem(path, "required", "add it to the recipe")
     if kind == "literal_error":
@@ -150,6 +155,13 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return Problem(path or "recipe", f"expected a mapping, got {got}", "write `key: value` pairs under it")
     return Problem(path or "recipe", f"{err.get('msg', 'invalid')}, got {got}", _hint_for(kind, err))
+
+
+def _key_text(part: Any) -> str:
+    """A path segment as the user can read it: odd keys ('', ' x', 'a.b', tabs) are quoted."""
+    text = str(part)
+    plain = text and text.isprintable() and "." not in text and not any(ch.isspace() for ch in text)
+    return text if plain else repr(text)
 
 
 def _hint_for(kind: str, err: dict[str, Any]) -> str:
