@@ -29,10 +29,18 @@ def main() -> None:
     for case in spec["cases"]:
         recipe = load_recipe(spec["recipe"], spec.get("set", []) + case["set"])
         res = train(recipe, device, steps=spec["steps"], verbose=False)
-        state = get_model_state_dict(res.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        results[case["name"]] = {"losses": res.losses, "grad_norms": res.grad_norms,
-                                 "state": {k: v.detach().clone() for k, v in state.items()}}
-        del res, state
+        state = {}
+        for part in res.parts.parts:  # PP: each rank holds its stages; gather them all on rank 0
+            full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+            state.update({k: v.detach().clone() for k, v in full.items()})
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(state, gathered, dst=0)
+        if dist.get_rank() == 0:
+            merged = {}
+            for part_state in gathered:
+                merged.update(part_state)
+            results[case["name"]] = {"losses": res.losses, "grad_norms": res.grad_norms, "state": merged}
+        del res, state, gathered
         gc.collect()
     if dist.get_rank() == 0:
         torch.save(results, spec["out"])

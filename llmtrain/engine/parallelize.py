@@ -1,5 +1,7 @@
 """Apply the recipe's parallelism to a model built on the meta device, in a fixed order.
 
+0. pipeline split (PP > 1): one model chunk per local stage (:mod:`.parallel.pipeline`);
+then for each chunk:
 1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh;
 2. activation checkpointing (none / selective / full) per block;
 3. ``torch.compile`` per block (optional);
@@ -7,20 +9,43 @@
 
 Each step is a free function over (model, mesh, narrow arguments) so the order is visible
 here and each pass can be tested alone. Weights are materialized and initialized afterwards
-(:func:`materialize`), from the seed, identically for every layout.
+(:func:`materialize`), from the seed and each parameter's global name, identically for every
+layout.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.models.init import init_weights
+from llmtrain.engine.models.llama import Transformer
 from llmtrain.engine.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from llmtrain.engine.parallel.data_parallel import apply_fsdp
+from llmtrain.engine.parallel.pipeline import layer_ranges, local_stage_ids, prune_to_stage
 from llmtrain.engine.parallel.tensor import apply_tensor_parallel
 from llmtrain.recipe.schema import Recipe
+
+
+@dataclass
+class ModelParts:
+    parts: list[nn.Module]  # one per local pipeline stage (exactly one without PP)
+    stage_ids: list[int]
+    n_stages: int
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters() if p.requires_grad]
 
 
 def uses_fsdp(recipe: Recipe, meshes: Meshes) -> bool:
@@ -43,3 +68,22 @@ def materialize(model: nn.Module, device: torch.device, seed: int) -> nn.Module:
     model.to_empty(device=device)
     init_weights(model, seed)
     return model
+
+
+def build_parts(recipe: Recipe, meshes: Meshes, device: torch.device) -> ModelParts:
+    dims, p = meshes.dims, recipe.parallel
+    if dims.pp == 1:
+        stage_ids, n_stages, ranges = [0], 1, [range(recipe.model.layers)]
+    else:
+        n_stages = dims.pp * p.pp_virtual_stages
+        ranges = layer_ranges(recipe.model.layers, n_stages, p.pp_layers_per_stage)
+        stage_ids = local_stage_ids(meshes.pp.get_local_rank(), dims.pp, p.pp_virtual_stages, p.pp_schedule)
+    parts = []
+    for sid in stage_ids:
+        with torch.device("meta"):
+            model = Transformer(recipe.model)
+        if n_stages > 1:
+            prune_to_stage(model, sid, n_stages, ranges[sid])
+        parallelize(model, meshes, recipe)
+        parts.append(materialize(model, device, recipe.train.seed))
+    return ModelParts(parts, stage_ids, n_stages)

@@ -1,5 +1,5 @@
-"""The training loop: data -> forward/backward with gradient accumulation -> gradient sync ->
-clip with the global norm -> AdamW step -> MoE bias update -> metrics.
+"""The training loop: data -> forward/backward (accumulation or pipeline schedule) -> gradient
+sync -> clip with the global norm -> AdamW step -> MoE bias update -> metrics.
 
 :func:`train` is callable repeatedly inside one process group (the parity tests run many
 layouts in one job); :mod:`llmtrain.engine.main` wraps it for torchrun.
@@ -14,26 +14,23 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from llmtrain.engine.data import BatchSampler, build_data, microbatches
 from llmtrain.engine.mesh import Meshes, build_meshes
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
-from llmtrain.engine.models.llama import Transformer
 from llmtrain.engine.models.moe import set_aux_loss_scale, update_expert_bias
 from llmtrain.engine.optim import lr_multiplier, make_adamw, param_groups, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
+from llmtrain.engine.parallel.pipeline import build_schedule
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
-from llmtrain.engine.parallelize import materialize, parallelize, uses_fsdp
+from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
+from llmtrain.engine.step import accumulation_step, cross_entropy, pipelined_step
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.flops import flops_per_token
 from llmtrain.plan.placement import Placement
 from llmtrain.plan.validate import validate
-from llmtrain.plan.flops import flops_per_token
 from llmtrain.recipe.schema import Recipe
 
 
@@ -42,8 +39,9 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_s: float = 0.0
-    model: nn.Module | None = None
+    parts: ModelParts | None = None
     meshes: Meshes | None = None
+    schedule: object | None = None
 
 
 def resolve_dims(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> ParallelDims:
@@ -56,14 +54,7 @@ def resolve_dims(recipe: Recipe, world_size: int, local_world_size: int | None =
     return validation.dims
 
 
-def build_model(recipe: Recipe, meshes: Meshes, device: torch.device) -> nn.Module:
-    with torch.device("meta"):
-        model = Transformer(recipe.model)
-    parallelize(model, meshes, recipe)
-    return materialize(model, device, recipe.train.seed)
-
-
-def _dp_rank(dims: ParallelDims, rank: int) -> int:
+def dp_rank_of(dims: ParallelDims, rank: int) -> int:
     c = dims.coord_dict(rank)
     return c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
 
@@ -75,12 +66,14 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     meshes = build_meshes(dims, device.type)
     t = recipe.train
     torch.manual_seed(t.seed)
-    model = build_model(recipe, meshes, device)
-    model.train()
+    parts = build_parts(recipe, meshes, device)
+    for part in parts.parts:
+        part.train()
 
     dp_group, dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = param_groups(model, t.optimizer.weight_decay)
+    pp_group = meshes.pp.get_group() if dims.pp > 1 else None
+    params = parts.parameters()
+    groups = [g for part in parts.parts for g in param_groups(part, t.optimizer.weight_decay)]
     fsdp = uses_fsdp(recipe, meshes)
     grad_sync = None if fsdp else GradientAllReduce(dp_group, dp_size)
     if recipe.parallel.zero == 1 and dp_size > 1:
@@ -90,9 +83,14 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
 
     dataset = build_data(recipe.data, t.seq_len, recipe.model.vocab_size, t.seed)
     gbs = t.global_batch_size or t.micro_batch_size * dims.dp
-    sampler = BatchSampler(getattr(dataset, "length", None), gbs, t.micro_batch_size, _dp_rank(dims, rank), dims.dp, t.seed)
+    sampler = BatchSampler(getattr(dataset, "length", None), gbs, t.micro_batch_size, dp_rank_of(dims, rank), dims.dp, t.seed)
     grad_accum = gbs // (t.micro_batch_size * dims.dp)
-    set_aux_loss_scale(model, 1.0 / grad_accum)  # the aux loss is scaled like the main loss
+    schedule = None
+    if dims.pp > 1:
+        schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule, grad_accum,
+                                     cross_entropy, device, pp_group)
+    for part in parts.parts:  # the aux loss is scaled like the main loss (PP: the schedule scales grads)
+        set_aux_loss_scale(part, 1.0 if schedule else 1.0 / grad_accum)
 
     total_steps = steps or t.steps
     flops_token = flops_per_token(recipe.model, t.seq_len)
@@ -100,8 +98,9 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16" and not fsdp
                 else contextlib.nullcontext())
-    tp_loss = dims.tp > 1
-    result = TrainResult(model=model, meshes=meshes)
+    tp = dims.tp > 1
+    result = TrainResult(parts=parts, meshes=meshes, schedule=schedule)
+    bias_reduce = (lambda x: dist.all_reduce(x, group=dp_group)) if dp_size > 1 else None
     if rank == 0 and verbose:
         emit("start", steps=total_steps, world_size=world)
     t_start = time.perf_counter()
@@ -109,27 +108,23 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         t0 = time.perf_counter()
         lr = t.optimizer.lr * lr_multiplier(step, total_steps, t.schedule)
         set_lr(optimizer, lr)
-        loss_sum = torch.zeros((), device=device)
         batches = microbatches(dataset, sampler)
-        for i, (inputs, labels) in enumerate(batches):
-            inputs, labels = inputs.to(device), labels.to(device)
-            if fsdp:
-                model.set_requires_gradient_sync(i == len(batches) - 1)
-            with loss_parallel() if tp_loss else contextlib.nullcontext():
-                with autocast:
-                    logits = model(inputs)
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1)) / grad_accum
-                loss.backward()
-            loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        if schedule is None:
+            loss = accumulation_step(parts, batches, device, fsdp, tp, autocast)
+        else:
+            loss = pipelined_step(parts, schedule, batches, device, tp)
+            loss = loss if loss is not None else torch.zeros((), device=device)
+            dist.all_reduce(loss, group=pp_group)  # only the last stage holds a non-zero loss
         if grad_sync is not None:
             grad_sync(params)
-        norm = clip_grads(params, t.grad_clip, meshes.pp.get_group() if dims.pp > 1 else None)
+        norm = clip_grads(params, t.grad_clip, pp_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        update_expert_bias(model, all_reduce=lambda x: dist.all_reduce(x, group=dp_group) if dp_size > 1 else None)
+        for part in parts.parts:
+            update_expert_bias(part, all_reduce=bias_reduce)
         sampler.advance()
-        dist.all_reduce(loss_sum, group=dp_group)
-        loss_value = loss_sum.item() / dp_size
+        dist.all_reduce(loss, group=dp_group)
+        loss_value = loss.item() / dp_size
         dt = time.perf_counter() - t0
         tokens_per_s = gbs * t.seq_len / dt
         result.losses.append(loss_value)

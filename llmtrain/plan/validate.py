@@ -148,6 +148,9 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     elif v != 1:
         warn(Problem("parallel.pp_virtual_stages", f"{v} virtual stages have no effect with pp = 1", "remove it"))
     stages = p.pp * v
+    if p.pp > 1 and m.tie_embeddings:
+        err(Problem("model.tie_embeddings", "tied embeddings with pp > 1: the embedding (first stage) and the output "
+                    "layer (last stage) live on different ranks", "set model.tie_embeddings: false, or pp: 1"))
     if p.pp_layers_per_stage is not None:
         split = p.pp_layers_per_stage
         if len(split) != stages or sum(split) != m.layers or any(x < 0 for x in split):

@@ -73,7 +73,7 @@ def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
     return data
 
 
-class SafeLineLoader(yaml.SafeLoader):
+class SafeLineLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser: ~8x faster
     """SafeLoader whose value errors (``2020-13-45``, ``!!int 0x``) carry the line of the value."""
 
     def construct_object(self, node, deep=False):

@@ -103,6 +103,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        # Positions used when forward() gets none: set by the trainer for pipeline stages that
+        # receive (possibly sequence-sharded) hidden states and for context parallelism.
+        self.positions: torch.Tensor | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -124,7 +127,9 @@ class Transformer(nn.Module):
         ``positions``: global positions [s] or [b, s] (default ``arange(s)``), used by RoPE;
         context parallelism passes the positions of the local, possibly non-contiguous chunks.
         """
-        if positions is None:  # from the input: with sequence parallelism h is a sequence shard
+        if positions is None:
+            positions = self.positions
+        if positions is None:  # from the input ids (with sequence parallelism h is a sequence shard)
             positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)

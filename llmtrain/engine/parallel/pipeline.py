@@ -1,0 +1,92 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``.
+
+The model is split by layers into ``pp x pp_virtual_stages`` stages (``parallel.pp_layers_per_stage``
+for an uneven split, else as even as possible). Stage 0 also holds the token embedding; the last
+stage holds the final norm and the output layer, and computes the loss. Stage placement:
+
+- looped schedules (gpipe, 1f1b, interleaved-1f1b, zero-bubble): stage ``s`` on pp rank ``s % pp``;
+- V-shaped schedules (zbv, dualpipev): pp rank ``r`` holds stages ``r`` and ``2 pp - 1 - r`` (so the
+  first and last stage share rank 0).
+
+Each local stage is its own model chunk (a :class:`Transformer` with the other layers removed);
+parameter names keep their global layer index, so checkpoints and initialization do not depend
+on the split. The schedule splits each rank's batch into ``grad_accum`` microbatches and scales
+gradients by ``1 / n_microbatches`` (``scale_grads``), which with a per-microbatch mean loss gives
+the mean over the whole batch, as without PP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("gpipe", "1f1b")
+
+
+def layer_ranges(layers: int, n_stages: int, explicit: list[int] | None) -> list[range]:
+    counts = explicit or [layers // n_stages + (1 if i < layers % n_stages else 0) for i in range(n_stages)]
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    return [range(s, s + c) for s, c in zip(starts, counts)]
+
+
+def local_stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def prune_to_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -> nn.Module:
+    """Keep only this stage's blocks (and embeddings / head on the first / last stage)."""
+    for key in list(model.layers.keys()):
+        if int(key) not in layers:
+            del model.layers[key]
+    if stage != 0:
+        model.tok_embeddings = None
+    if stage != n_stages - 1:
+        model.norm = None
+        model.output = None
+    return model
+
+
+def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, schedule: str, n_microbatches: int,
+                   loss_fn, device: torch.device, group: dist.ProcessGroup):
+    stages = [PipelineStage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
+    cls = SCHEDULES[schedule]
+    if schedule in SINGLE_STAGE:
+        return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True), stages
+    return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True), stages
+
+
+def pipeline_step(schedule, has_first: bool, has_last: bool, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """One optimizer step's forward and backward; returns the mean microbatch loss on the last stage."""
+    losses: list[torch.Tensor] = []
+    if has_first:
+        schedule.step(inputs, target=labels if has_last else None, losses=losses if has_last else None)
+    elif has_last:
+        schedule.step(target=labels, losses=losses)
+    else:
+        schedule.step()
+    if not has_last:
+        return None
+    values = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
+    return torch.stack([v.detach().float() for v in values]).mean()
