@@ -35,6 +35,10 @@ class Meshes:
     def pp(self) -> DeviceMesh:
         return self.root["pp"]
 
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.root["cp"]
+
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D (dp_shard_cp) mesh for FSDP, or 2-D (dp_replicate, dp_shard_cp) for HSDP."""
         if self.dims.dp_replicate > 1:

@@ -3,9 +3,10 @@
 0. pipeline split (PP > 1): one model chunk per local stage (:mod:`.parallel.pipeline`);
 then for each chunk:
 1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh;
-2. activation checkpointing (none / selective / full) per block;
-3. ``torch.compile`` per block (optional);
-4. data parallel by ``parallel.zero`` (FSDP2 for 2/3, gradient all-reduce for 0/1).
+2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh;
+3. activation checkpointing (none / selective / full) per block;
+4. ``torch.compile`` per block (optional);
+5. data parallel by ``parallel.zero`` (FSDP2 for 2/3, gradient all-reduce for 0/1).
 
 Each step is a free function over (model, mesh, narrow arguments) so the order is visible
 here and each pass can be tested alone. Weights are materialized and initialized afterwards
@@ -24,6 +25,7 @@ from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.models.init import init_weights
 from llmtrain.engine.models.llama import Transformer
 from llmtrain.engine.parallel.checkpointing import apply_activation_checkpointing, apply_compile
+from llmtrain.engine.parallel.context import apply_context_parallel
 from llmtrain.engine.parallel.data_parallel import apply_fsdp
 from llmtrain.engine.parallel.pipeline import layer_ranges, local_stage_ids, prune_to_stage
 from llmtrain.engine.parallel.tensor import apply_tensor_parallel
@@ -56,6 +58,8 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
     p, t = recipe.parallel, recipe.train
     if meshes.dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=p.sequence_parallel, loss_parallel=True)
+    if meshes.dims.cp > 1:
+        apply_context_parallel(model, meshes.cp, p.cp_method, t.seq_len)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)

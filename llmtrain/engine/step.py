@@ -47,9 +47,6 @@ def accumulation_step(parts: ModelParts, batches, device, fsdp: bool, tp: bool, 
 def pipelined_step(parts: ModelParts, schedule, batches, device, tp: bool) -> torch.Tensor | None:
     inputs = torch.cat([b[0] for b in batches]).to(device)
     labels = torch.cat([b[1] for b in batches]).to(device)
-    positions = torch.arange(inputs.shape[1], device=device)
-    for part in parts.parts:
-        part.positions = positions
     with loss_context(tp):
         loss = pipeline_step(schedule, parts.has_first, parts.has_last, inputs, labels)
     if loss is not None and isinstance(loss, DTensor):

@@ -21,6 +21,7 @@ from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
 from llmtrain.engine.models.moe import set_aux_loss_scale, update_expert_bias
 from llmtrain.engine.optim import lr_multiplier, make_adamw, param_groups, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
+from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
 from llmtrain.engine.parallel.pipeline import build_schedule
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
@@ -91,6 +92,13 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
                                      cross_entropy, device, pp_group)
     for part in parts.parts:  # the aux loss is scaled like the main loss (PP: the schedule scales grads)
         set_aux_loss_scale(part, 1.0 if schedule else 1.0 / grad_accum)
+    # Global RoPE positions of this rank's tokens: CP shards the sequence (zigzag for ring);
+    # PP stages after the first get hidden states, possibly sequence-sharded, so they are told.
+    positions = None
+    if dims.cp > 1 or dims.pp > 1:
+        positions = cp_positions(t.seq_len, dims.cp, meshes.cp.get_local_rank(), recipe.parallel.cp_method).to(device)
+        for part in parts.parts:
+            part.positions = positions
 
     total_steps = steps or t.steps
     flops_token = flops_per_token(recipe.model, t.seq_len)
@@ -109,6 +117,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         lr = t.optimizer.lr * lr_multiplier(step, total_steps, t.schedule)
         set_lr(optimizer, lr)
         batches = microbatches(dataset, sampler)
+        if dims.cp > 1:
+            batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
         if schedule is None:
             loss = accumulation_step(parts, batches, device, fsdp, tp, autocast)
         else:

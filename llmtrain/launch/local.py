@@ -46,7 +46,6 @@ Signal handlers are installed only when called from the main thread.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import os
 import re
@@ -64,6 +63,7 @@ from rich.text import Text
 from llmtrain.errors import LLMTrainError
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
+from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids
 from llmtrain.launch.rundir import RunDir, create_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
                                    parse_failures)
@@ -135,102 +135,6 @@ def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None) -> d
     env["LLMTRAIN_RUN_ID"] = run.run_id
     env["LLMTRAIN_RUN_DIR"] = str(run.path.resolve())
     return env
-
-
-# --------------------------------------------------------------------------- process tree
-
-
-def _stat(pid: int) -> tuple[int, str, int] | None:
-    """(ppid, state, start time) from /proc/PID/stat, or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            raw = fp.read()
-    except OSError:
-        return None
-    fields = raw[raw.rfind(b")") + 2:].split()  # after "pid (comm) "; comm may hold spaces
-    try:
-        return int(fields[1]), fields[0].decode(), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def _pids() -> list[int]:
-    try:
-        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
-
-
-class ProcessTree:
-    """Remembers every descendant of ``root`` ever seen, as pid -> start time."""
-
-    def __init__(self, root: int):
-        self.root = root
-        self.known: dict[int, int] = {}
-        info = _stat(root)
-        if info:
-            self.known[root] = info[2]
-
-    def scan(self) -> None:
-        table = {pid: info for pid in _pids() if (info := _stat(pid)) is not None}
-        children: dict[int, list[int]] = {}
-        for pid, (ppid, _, _) in table.items():
-            children.setdefault(ppid, []).append(pid)
-        # descendants of the root and of every process already known (orphans included)
-        todo = [pid for pid in self.known if pid in table and table[pid][2] == self.known[pid]]
-        while todo:
-            pid = todo.pop()
-            for child in children.get(pid, ()):
-                if child not in self.known or self.known[child] != table[child][2]:
-                    self.known[child] = table[child][2]
-                    todo.append(child)
-
-    def alive(self) -> set[int]:
-        out = set()
-        for pid, start in self.known.items():
-            info = _stat(pid)
-            if info is not None and info[2] == start and info[1] != "Z":
-                out.add(pid)
-        return out
-
-
-def marked_pids(run_id: str) -> set[int]:
-    """Live processes of this user whose environment holds ``LLMTRAIN_RUN_ID=<run_id>`` exactly."""
-    needle, uid, me, out = f"LLMTRAIN_RUN_ID={run_id}".encode(), os.getuid(), os.getpid(), set()
-    for pid in _pids():
-        if pid == me:
-            continue
-        try:
-            if os.stat(f"/proc/{pid}").st_uid != uid:
-                continue
-            with open(f"/proc/{pid}/environ", "rb") as fp:
-                env = fp.read().split(b"\0")
-        except OSError:
-            continue
-        info = _stat(pid)
-        if needle in env and info is not None and info[1] != "Z":
-            out.add(pid)
-    return out
-
-
-def _signal_all(pids: set[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _pdeathsig_preexec():
-    """preexec_fn giving the child SIGTERM when the launcher dies (Linux), else None."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    return lambda: prctl(1, int(signal.SIGTERM), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 # --------------------------------------------------------------------------- the run

@@ -256,18 +256,21 @@ def _progress_info(stats: RunStats) -> str:
 class LineRouter:
     """Sends every line to its log file and to the display; feeds rank 0's events to the stats."""
 
-    def __init__(self, logs: Path, display: Display, stats: RunStats, host: str = "localhost"):
+    def __init__(self, logs: Path, display: Display, stats: RunStats, host: str = "localhost",
+                 launcher_log: str = "launcher.log"):
         self.logs = Path(logs)
         self.display = display
         self.stats = stats
         self.host = host
+        self.launcher_log = launcher_log  # the SSH launcher has one router per node: node-<i>.log
         self._files: dict[str, IO[str]] = {}
         self.rank_tails: dict[int, deque[str]] = {}
         self.launcher_lines: deque[str] = deque(maxlen=2000)
 
-    def create_logs(self, ranks: int) -> None:
-        """Create ``launcher.log`` and every ``rank-R.log`` up front, so the layout does not depend on who printed."""
-        for name in ["launcher.log"] + [f"rank-{rank}.log" for rank in range(ranks)]:
+    def create_logs(self, ranks: int | Iterable[int]) -> None:
+        """Create the launcher log and every ``rank-R.log`` up front, so the layout does not depend on who printed."""
+        ranks = range(ranks) if isinstance(ranks, int) else ranks
+        for name in [self.launcher_log] + [f"rank-{rank}.log" for rank in ranks]:
             self._file(name)
 
     def _file(self, name: str) -> IO[str]:
@@ -287,7 +290,7 @@ class LineRouter:
         self.display.line(f"[{self.host}:{rank}] {text}")
 
     def launcher_line(self, text: str) -> None:
-        self._file("launcher.log").write(text + "\n")
+        self._file(self.launcher_log).write(text + "\n")
         self.launcher_lines.append(text)
         self.display.line(f"[{self.host}] {text}")
 
