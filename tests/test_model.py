@@ -251,7 +251,7 @@ def test_update_expert_bias_direction_and_reset():
 
 
 def expert_mlp(moe: MoE, e: int, x: torch.Tensor) -> torch.Tensor:
-    return (F.silu(x @ moe.w1[e].T) * (x @ moe.w3[e].T)) @ moe.w2[e].T
+    return (F.silu(x @ moe.experts.w1[e].T) * (x @ moe.experts.w3[e].T)) @ moe.experts.w2[e].T
 
 
 def test_moe_forward_equals_per_token_reference():
@@ -363,7 +363,7 @@ def test_meta_init_equals_eager_and_seeds():
     # fp32 sample std of 65536 normals has ~0.3% relative error: 3% tolerance
     assert eager.tok_embeddings.weight.std().item() == pytest.approx(0.02, rel=0.03)
     assert eager.layers["0"].attention.wo.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
-    assert eager.layers["1"].moe.w2.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
+    assert eager.layers["1"].moe.experts.w2.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.03)
 
 
 def test_init_is_layout_independent():
@@ -400,7 +400,7 @@ def check_dtensor_init() -> None:
         init_weights(full, seed=5)
         model = Transformer(cfg)
         plan = {"layers.0.attention.wq.weight": Shard(0), "layers.0.attention.wo.weight": Shard(1),
-                "layers.1.moe.w1": Shard(0), "tok_embeddings.weight": Replicate()}
+                "layers.1.moe.experts.w1": Shard(0), "tok_embeddings.weight": Replicate()}
         for name, placement in plan.items():
             mod_name, leaf = name.rsplit(".", 1)
             mod = model.get_submodule(mod_name)

@@ -8,6 +8,9 @@ The root mesh has the five dimensions of :data:`llmtrain.plan.dims.MESH_DIMS` in
   ranks hold the same weights and see different tokens of the same samples), as torchtitan.
 - ``dp_cp``: every rank that holds a replica or shard of the same weights and sees different
   tokens: gradients and the logged loss are averaged over it.
+- with EP, a second root ``(pp, dp_replicate, edp, ep, tp)`` over the same ranks (``dp_shard x cp``
+  re-cut as ``edp x ep``, EP inner, exactly :meth:`ParallelDims.ep_group`): experts are sharded
+  over ``ep`` and data-parallel over ``edp``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ class Meshes:
     root: DeviceMesh
     dp_shard_cp: DeviceMesh  # 1-D
     dp_cp: DeviceMesh  # 1-D, all data/context-parallel ranks
+    ep_root: DeviceMesh | None = None  # (pp, dp_replicate, edp, ep, tp) when ep > 1
+
+    @property
+    def ep(self) -> DeviceMesh:
+        return self.ep_root["ep"]
+
+    def edp_fsdp_mesh(self) -> DeviceMesh:
+        """FSDP mesh of the expert weights: edp, or (dp_replicate, edp) with HSDP."""
+        return self.ep_root["dp_replicate", "edp"] if self.dims.dp_replicate > 1 else self.ep_root["edp"]
+
+    def edp_group(self):
+        """Ranks holding the same experts: gradients of expert weights are averaged over them."""
+        return self.ep_root["dp_replicate", "edp"]._flatten("edp_full").get_group()
 
     @property
     def tp(self) -> DeviceMesh:
@@ -50,7 +66,13 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     root = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
     dp_shard_cp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-    return Meshes(dims, root, dp_shard_cp, dp_cp)
+    ep_root = None
+    if dims.ep > 1:
+        # The same ranks in the same row-major order, with (dp_shard, cp) re-cut as (edp, ep):
+        # a second root mesh, so that expert DTensors (ep) and their FSDP mesh (edp) share a root.
+        shape = (dims.pp, dims.dp_replicate, dims.edp, dims.ep, dims.tp)
+        ep_root = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp_replicate", "edp", "ep", "tp"))
+    return Meshes(dims, root, dp_shard_cp, dp_cp, ep_root)
 
 
 def hsdp_mesh(meshes: Meshes) -> DeviceMesh:

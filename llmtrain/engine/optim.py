@@ -22,13 +22,18 @@ from torch.distributed.tensor import DTensor
 from llmtrain.recipe.schema import ScheduleConfig, TrainConfig
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def is_expert_param(name: str) -> bool:
+    """Routed-expert weights: sharded by EP, data-parallel over the expert-DP group only."""
+    return ".experts." in name
+
+
+def param_groups(model: nn.Module, weight_decay: float, select=None) -> list[dict]:
     """Decay / no-decay groups, further split by tensor kind (plain, or DTensor per mesh and
     placements): the foreach AdamW kernels cannot mix plain tensors and DTensors (e.g. TP
     without sequence parallelism leaves norm weights plain), so each group is homogeneous."""
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or (select is not None and not select(name)):
             continue
         no_decay = p.ndim < 2 or "tok_embeddings" in name or name.endswith(".bias")
         kind = (id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None

@@ -3,7 +3,8 @@
 0. pipeline split (PP > 1): one model chunk per local stage (:mod:`.parallel.pipeline`);
 then for each chunk:
 1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh;
-2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh;
+2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh, and expert
+   parallelism (experts sharded over ``ep``, all-to-all dispatch);
 3. activation checkpointing (none / selective / full) per block;
 4. ``torch.compile`` per block (optional);
 5. data parallel by ``parallel.zero`` (FSDP2 for 2/3, gradient all-reduce for 0/1).
@@ -27,6 +28,7 @@ from llmtrain.engine.models.llama import Transformer
 from llmtrain.engine.parallel.checkpointing import apply_activation_checkpointing, apply_compile
 from llmtrain.engine.parallel.context import apply_context_parallel
 from llmtrain.engine.parallel.data_parallel import apply_fsdp
+from llmtrain.engine.parallel.expert import apply_expert_parallel
 from llmtrain.engine.parallel.pipeline import layer_ranges, local_stage_ids, prune_to_stage
 from llmtrain.engine.parallel.tensor import apply_tensor_parallel
 from llmtrain.recipe.schema import Recipe
@@ -60,11 +62,15 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=p.sequence_parallel, loss_parallel=True)
     if meshes.dims.cp > 1:
         apply_context_parallel(model, meshes.cp, p.cp_method, t.seq_len)
+    if meshes.dims.ep > 1:
+        apply_expert_parallel(model, meshes.ep)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)
     if uses_fsdp(recipe, meshes):
-        apply_fsdp(model, meshes.fsdp_mesh(), p.zero, pp_enabled=meshes.dims.pp > 1, precision=t.precision)
+        expert_mesh = meshes.edp_fsdp_mesh() if meshes.dims.ep > 1 else None
+        apply_fsdp(model, meshes.fsdp_mesh(), p.zero, pp_enabled=meshes.dims.pp > 1, precision=t.precision,
+                   expert_mesh=expert_mesh, expert_divide_factor=meshes.dims.dp * meshes.dims.cp)
     return model
 
 

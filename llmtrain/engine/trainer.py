@@ -19,12 +19,11 @@ from llmtrain.engine.data import BatchSampler, build_data, microbatches
 from llmtrain.engine.mesh import Meshes, build_meshes
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
 from llmtrain.engine.models.moe import set_aux_loss_scale, update_expert_bias
-from llmtrain.engine.optim import lr_multiplier, make_adamw, param_groups, set_lr
+from llmtrain.engine.dp_optimizer import build_optimizer
+from llmtrain.engine.optim import lr_multiplier, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
-from llmtrain.engine.parallel.data_parallel import GradientAllReduce
 from llmtrain.engine.parallel.pipeline import build_schedule
-from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
 from llmtrain.engine.step import accumulation_step, cross_entropy, pipelined_step
 from llmtrain.errors import LLMTrainError
@@ -74,13 +73,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     dp_group, dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
     pp_group = meshes.pp.get_group() if dims.pp > 1 else None
     params = parts.parameters()
-    groups = [g for part in parts.parts for g in param_groups(part, t.optimizer.weight_decay)]
     fsdp = uses_fsdp(recipe, meshes)
-    grad_sync = None if fsdp else GradientAllReduce(dp_group, dp_size)
-    if recipe.parallel.zero == 1 and dp_size > 1:
-        optimizer = ZeRO1Optimizer(groups, make_adamw(t), dp_group, meshes.dp_cp.get_local_rank(), dp_size)
-    else:
-        optimizer = make_adamw(t)(groups)
+    optimizer, grad_sync = build_optimizer(parts, recipe, meshes, fsdp)
 
     dataset = build_data(recipe.data, t.seq_len, recipe.model.vocab_size, t.seed)
     gbs = t.global_batch_size or t.micro_batch_size * dims.dp

@@ -10,8 +10,12 @@ Two forms are accepted:
 * YAML form (``.yaml``/``.yml``, or any file whose first content is ``hosts:``)::
 
       known_hosts: ~/.ssh/cluster_known_hosts   # optional, for strict host-key checking
+      ssh_config: ~/.ssh/config                 # optional (this is the default)
+      python: /opt/venv/bin/python              # optional, absolute; default: launch.python
+      workdir: /home/ubuntu/llmtrain            # optional, absolute; default: launch.workdir
       hosts:
         - {host: worker-1, slots: 8, user: ubuntu, port: 22, identity_file: ~/.ssh/id_ed25519}
+        - {host: worker-2, slots: 8, addr: 10.0.0.2, python: /usr/bin/python3}
 
 Errors name the file and line. Without a hostfile, llmtrain runs on ``localhost``.
 """
@@ -31,6 +35,8 @@ from llmtrain.plan.placement import Node, Placement
 from llmtrain.recipe.load import SafeLineLoader, first_content_line, yaml_error_position
 
 HOST_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})|\[[0-9A-Fa-f:.]+\])$")
+ADDR_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,253}$")
+ABS_PATH_RE = re.compile(r"^/[^\x00\n]{0,4095}$")
 MAX_SLOTS = 1024
 MAX_BYTES = 1 << 20
 
@@ -42,12 +48,24 @@ class HostEntry(BaseModel):
     user: str | None = Field(None, min_length=1, description="SSH user (default: ssh config or current user).")
     port: int | None = Field(None, ge=1, le=65535, description="SSH port (default: ssh config or 22).")
     identity_file: str | None = Field(None, min_length=1, description="Private key file.")
+    addr: str | None = Field(None, pattern=ADDR_RE.pattern,
+                             description="Address the other nodes reach this host at (rendezvous, --local-addr); "
+                                         "default: its SSH HostName.")
+    python: str | None = Field(None, pattern=ABS_PATH_RE.pattern,
+                               description="Absolute path of the Python that runs torchrun on this host.")
+    workdir: str | None = Field(None, pattern=ABS_PATH_RE.pattern,
+                                description="Absolute working directory on this host.")
 
 
 class HostfileYAML(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     hosts: list[HostEntry] = Field(min_length=1, description="Hosts in rank order.")
     known_hosts: str | None = Field(None, min_length=1, description="Extra known_hosts file for host-key checking.")
+    ssh_config: str | None = Field(None, min_length=1, description="SSH config file for host aliases (default ~/.ssh/config).")
+    python: str | None = Field(None, pattern=ABS_PATH_RE.pattern,
+                               description="Absolute path of the Python on every host (a host's own `python` wins).")
+    workdir: str | None = Field(None, pattern=ABS_PATH_RE.pattern,
+                                description="Absolute working directory on every host (a host's own `workdir` wins).")
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,9 @@ class Hostfile:
     hosts: tuple[HostEntry, ...]
     known_hosts: str | None = None
     source: str = "<localhost>"
+    ssh_config: str | None = None
+    python: str | None = None
+    workdir: str | None = None
 
     @property
     def placement(self) -> Placement:
@@ -160,13 +181,15 @@ def _parse_yaml(text: str, source: str) -> tuple[Hostfile, list[int]]:
             line = _line_of(node, loc)
             dotted = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
             message = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
-            keys = "hosts, known_hosts" if len(loc) == 1 else "host, slots, user, port, identity_file"
+            keys = ("hosts, known_hosts, ssh_config, python, workdir" if len(loc) == 1
+                    else "host, slots, user, port, identity_file, addr, python, workdir")
             problems.append(Problem(f"{source}:{line}" if line else source, f"{dotted}: {message}",
                                     f"valid keys: {keys}" if err["type"] == "extra_forbidden"
                                     else "see hostfiles/example.yaml"))
         raise LLMTrainError(problems) from None
     lines = [_line_of(node, ["hosts", i]) or 1 for i in range(len(parsed.hosts))]
-    return Hostfile(tuple(parsed.hosts), parsed.known_hosts, source), lines
+    return Hostfile(tuple(parsed.hosts), parsed.known_hosts, source, parsed.ssh_config, parsed.python,
+                    parsed.workdir), lines
 
 
 def _line_of(node: Any, loc: list[Any]) -> int | None:

@@ -41,7 +41,7 @@ import zlib
 import torch
 from torch import nn
 
-from llmtrain.engine.models.moe import MoE
+from llmtrain.engine.models.moe import GroupedExperts
 
 INIT_STD = 0.02
 WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -78,7 +78,7 @@ def _init_kind(module: nn.Module, leaf: str) -> str:
         return "ones"
     if isinstance(module, (nn.Linear, nn.Embedding)) and leaf == "weight":
         return "normal"
-    if isinstance(module, MoE) and leaf in ("w1", "w2", "w3"):
+    if isinstance(module, GroupedExperts) and leaf in ("w1", "w2", "w3"):
         return "normal"
     return "unknown"
 

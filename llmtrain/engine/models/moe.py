@@ -162,6 +162,34 @@ def grouped_swiglu(
     return torch.cat(outputs, dim=0)
 
 
+class GroupedExperts(nn.Module):
+    """The routed experts' stacked SwiGLU weights ``w1``/``w3`` [E, ffn, hidden], ``w2`` [E, hidden, ffn].
+
+    A module of their own so that expert parallelism can shard exactly these (dim 0) and FSDP
+    can wrap them on the expert-data-parallel mesh, apart from the router and shared experts,
+    which are data-parallel over all ranks. ``dispatcher`` (None = all experts local) is set by
+    expert parallelism: it moves token rows to the ranks owning their experts and back, calling
+    :meth:`local_forward` in between.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
+        self.dispatcher = None
+
+    def local_forward(self, x_grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        return grouped_swiglu(x_grouped, counts, w1, w2, w3)
+
+    def forward(self, x_grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows of ``x_grouped`` [N, H] grouped by global expert id, ``counts`` [E] rows each."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x_grouped, counts)
+        return self.local_forward(x_grouped, counts.tolist())
+
+
 class AuxLossAutoScaler(torch.autograd.Function):
     """Identity on the MoE output whose backward also seeds ``d aux_loss = scale``.
 
@@ -195,9 +223,7 @@ class MoE(nn.Module):
         self.bias_update_rate = m.bias_update_rate
         self.capacity_factor = m.capacity_factor
         self.router = nn.Linear(hidden, m.num_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(m.num_experts, ffn, hidden))
-        self.w3 = nn.Parameter(torch.empty(m.num_experts, ffn, hidden))
-        self.w2 = nn.Parameter(torch.empty(m.num_experts, hidden, ffn))
+        self.experts = GroupedExperts(m.num_experts, hidden, ffn)
         self.shared = FeedForward(hidden, m.shared_experts * ffn) if m.shared_experts > 0 else None
         # Persistent: the bias is learned state and must survive checkpoint/resume.
         self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=True)
@@ -219,7 +245,7 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts.to(self.tokens_per_expert.dtype))
         capacity = expert_capacity(x_flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)
         token_ids, slot_ids, counts = dispatch_order(routing.expert_idx, self.num_experts, capacity)
-        y = grouped_swiglu(x_flat.index_select(0, token_ids), counts.tolist(), self.w1, self.w2, self.w3)
+        y = self.experts(x_flat.index_select(0, token_ids), counts)
         y = y * routing.weights[token_ids, slot_ids].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(x_flat).index_add(0, token_ids, y)
         if self.shared is not None:

@@ -1,0 +1,229 @@
+"""Activation memory: Korthikanti et al.'s formula, and the engine's real per-layer bytes.
+
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+(arXiv:2205.05198), sec. 4 and Table 2, count the bytes one GPT layer keeps for backward with
+16-bit activations, sequence ``s``, micro batch ``b``, hidden ``h``, ``a`` heads, TP degree ``t``:
+``sbh(34 + 5as/h)`` without parallelism; ``sbh(10 + 24/t + 5as/(ht))`` with TP;
+``sbh/t (34 + 5as/h)`` with TP + sequence parallelism; the ``5as/h`` term (the s x s softmax,
+its dropout mask and output) disappears with selective recomputation; full recomputation keeps
+only the layer input, ``2sbh``. :func:`korthikanti_layer_bytes` is that formula.
+
+The engine's block differs (``engine/models/llama.py``), so :func:`layer_terms` counts what it
+really saves, term by term (each verified with ``saved_tensors_hooks`` on CPU, see
+tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4 fp32),
+``r`` = bytes of the residual stream (4 under autocast, whose residual stays fp32), ``n`` =
+``t`` with sequence parallelism else 1, ``s`` = the sequence per context-parallel rank
+(``seq_len / cp``: every per-token tensor is divided by CP):
+
+- no dropout (no masks), no biases;
+- RMSNorm instead of LayerNorm: its input ``bsh r / n`` and the fp32 ``rstd`` ``4bs/n``. On CUDA
+  the fused kernel saves nothing else; on CPU the composite op also saves the normalized input
+  (``bsh r / n``);
+- the input of the q/k/v (and w1/w3) projections, ``bsh e``, gathered to the full sequence
+  even with SP (DTensor saves the all-gathered input; Megatron re-gathers in backward instead).
+  Under autocast each projection saves its own bf16 cast of it: 3 copies for q/k/v, 2 for w1/w3;
+- SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
+  never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
+  and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``;
+- SwiGLU with ``ffn_hidden`` f: w1 and w3 outputs, silu output, product: ``4 bsf e / t``;
+- MoE (replicated over TP: the full sequence on every TP rank): router input, the ``k`` token
+  copies gathered per expert, each expert's SwiGLU, the weighted outputs, shared experts and
+  the fp32 routing tensors (:func:`moe_terms`);
+- selective recomputation (``engine/parallel/checkpointing.py``) keeps the block input and the
+  outputs of every matmul and of SDPA; full recomputation keeps the block input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LSE = 4  # fp32 log-sum-exp / rstd bytes
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes per transformer layer, Korthikanti et al. 2022, Table 2 (16-bit activations)."""
+    if recompute == "full":
+        return 2.0 * s * b * h
+    attn = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    if sp:
+        return s * b * h / t * (34.0 + attn)
+    return s * b * h * (10.0 + 24.0 / t + attn / t)
+
+
+@dataclass(frozen=True)
+class ActShape:
+    """Everything the per-layer activation count needs, for one micro batch on one rank."""
+
+    b: int  # micro batch (sequences)
+    s: int  # tokens per sequence on this rank (seq_len / cp)
+    h: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tp: int = 1
+    sp: bool = False
+    e: int = 2  # compute dtype bytes
+    r: int = 2  # residual-stream bytes
+    autocast: bool = False
+    fused_norm: bool = True
+    experts: int = 1
+    top_k: int = 1
+    expert_ffn: int = 0
+    shared_ffn: int = 0  # shared_experts x expert_ffn
+
+    @property
+    def head_dim(self) -> int:
+        return self.h // self.heads
+
+    @property
+    def n(self) -> int:
+        return self.tp if self.sp and self.tp > 1 else 1
+
+
+def _norm(x: ActShape) -> dict[str, int]:
+    rows = x.b * x.s // x.n
+    out = {"norm_input": rows * x.h * x.r, "norm_rstd": rows * LSE}
+    if not x.fused_norm:
+        out["norm_normalized"] = rows * x.h * x.r
+    return out
+
+
+def _add(total: dict[str, int], part: dict[str, int]) -> dict[str, int]:
+    for k, v in part.items():
+        total[k] = total.get(k, 0) + v
+    return total
+
+
+def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
+    bs, t, e = x.b * x.s, x.tp, x.e
+    q = bs * x.heads * x.head_dim // t
+    kv = bs * x.kv_heads * x.head_dim // t
+    lse = LSE * x.b * (x.heads // t) * x.s
+    if recompute == "selective":  # outputs of wq, wk, wv, SDPA (out + lse), wo (the full-size partial sum)
+        return {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h}
+    out = _norm(x)
+    out["attn_input"] = (3 if x.autocast else 1) * bs * x.h * e
+    out["qkv_attn_out"] = 4 * e * q  # q, k and v repeated to the query heads, SDPA output
+    out["attn_lse"] = lse
+    return out
+
+
+def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
+    bs, e = x.b * x.s, x.e
+    f = bs * x.ffn // x.tp
+    if recompute == "selective":  # outputs of w1, w3, w2
+        return {"mlp_proj_out": e * (2 * f + bs * x.h)}
+    out = _norm(x)
+    out["mlp_input"] = (2 if x.autocast else 1) * bs * x.h * e
+    out["swiglu"] = 4 * e * f
+    return out
+
+
+def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
+    """MoE block (``engine/models/moe.py``): T tokens, k copies each, E experts of width F."""
+    t_tok, k, e, h = x.b * x.s, x.top_k, x.e, x.h  # the full sequence: MoE is replicated over TP
+    slots = t_tok * k
+    if recompute == "selective":  # outputs of router, each expert's gate/up/down, shared w1/w3/w2
+        return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * x.expert_ffn + h)
+                                     + t_tok * (2 * x.shared_ffn + h) * (1 if x.shared_ffn else 0))}
+    out = _norm(x)
+    out["moe_input"] = (3 if x.autocast else 1) * t_tok * h * e  # router (+ shared experts') input
+    out["moe_dispatch"] = (2 if x.autocast else 1) * slots * h * e  # tokens gathered per expert
+    out["moe_experts"] = 4 * slots * x.expert_ffn * e
+    out["moe_combine"] = 2 * slots * h * e  # expert outputs, weighted outputs
+    out["moe_routing"] = t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8
+    if x.shared_ffn:
+        out["moe_shared"] = 4 * t_tok * x.shared_ffn * e
+    return out
+
+
+def layer_terms(x: ActShape, moe: bool, recompute: str) -> dict[str, int]:
+    """Bytes one transformer block keeps for backward for one micro batch, by term."""
+    if recompute == "full":
+        return {"block_input": x.b * x.s * x.h * x.r // x.n}
+    out: dict[str, int] = {}
+    if recompute == "selective":
+        out["block_input"] = x.b * x.s * x.h * x.r // x.n
+    _add(out, attention_terms(x, recompute))
+    _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
+    return out
+
+
+def layer_bytes(x: ActShape, moe: bool, recompute: str) -> int:
+    return sum(layer_terms(x, moe, recompute).values())
+
+
+def recompute_working_bytes(x: ActShape, moe: bool, recompute: str) -> int:
+    """Extra bytes while one block is recomputed in backward (its activations exist again)."""
+    if recompute == "none":
+        return 0
+    return layer_bytes(x, moe, "none") - layer_bytes(x, moe, recompute)
+
+
+def first_stage_terms(x: ActShape) -> dict[str, int]:
+    """Per micro batch on the stage holding the embedding: the token ids (int64) the lookup keeps."""
+    return {"token_ids": 8 * x.b * x.s}
+
+
+def stage_terms(x: ActShape) -> dict[str, int]:
+    """Per micro batch on every stage: RoPE cos/sin (fp32 [s, head_dim/2] each, shared by its layers)."""
+    return {"rope": 2 * LSE * x.s * (x.head_dim // 2)}
+
+
+def last_stage_terms(x: ActShape) -> dict[str, int]:
+    """Final norm, the output layer's (gathered) input and the fp32 log-probabilities of the loss."""
+    out = _norm(x)
+    out["output_input"] = x.b * x.s * x.h * x.e
+    out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
+    return out
+
+
+def logits_bytes(x: ActShape) -> int:
+    """Logits alive from the forward to the end of backward (``[b, s, vocab/tp]`` in compute dtype)."""
+    return x.b * x.s * x.vocab // x.tp * x.e
+
+
+def loss_backward_bytes(x: ActShape) -> int:
+    """Transient fp32 gradients of the log-softmax and of the upcast logits during loss backward."""
+    return 2 * 4 * x.b * x.s * x.vocab // x.tp
+
+
+# ---- micro batches in flight per schedule --------------------------------------------------------
+def inflight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int) -> list[int]:
+    """Micro batches whose activations pipeline rank ``pp_rank`` holds at its peak, per local chunk
+    (chunks in :func:`llmtrain.plan.shards.rank_stages` order).
+
+    - pp = 1: one (gradient accumulation runs micro batches one after another);
+    - GPipe (Huang et al. 2019): all ``m`` forwards run before any backward;
+    - 1F1B (Narayanan et al. 2021): stage ``r`` warms up with ``p - r`` forwards;
+    - interleaved 1F1B: ``(v-1) p + 2 (p - 1 - r)`` warm-up forwards plus one (Megatron-LM and
+      torch ``ScheduleInterleaved1F1B``), so rank 0 holds ``L (1 + (p-1)/(p v))`` layers' worth
+      (Korthikanti et al. 2022, sec. 4.2.3); zero-bubble (looped ZB1P, torch
+      ``ScheduleInterleavedZeroBubble``) warms up with ``(v-1) p + (p - 1 - r)``;
+    - ZBV (Qi et al. 2023, sec. 6; torch ``ScheduleZBVZeroBubble``): chunk 0 runs
+      ``2p - r - 1`` forwards and chunk 1 ``p`` before the first backward;
+    - DualPipeV (torch ``ScheduleDualPipeV`` after deepseek-ai/DualPipe): chunk 0 ``2p - r - 1``
+      forwards plus the one overlapped with the first backward, chunk 1 ``r + 1``: ``2p + 1``
+      chunks in all, the "PP + 1" of DeepSeek-V3's Table 2 with PP = 2p stages.
+    """
+    m, p, r = microbatches, pp, pp_rank
+    if p <= 1:
+        return [1]
+    if schedule == "gpipe":
+        return [m]
+    if schedule == "1f1b":
+        return [min(p - r, m)]
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        factor = 2 if schedule == "interleaved-1f1b" else 1
+        n = min((virtual - 1) * p + factor * (p - 1 - r) + 1, m * virtual)
+        counts = [0] * virtual
+        for k in range(n):
+            counts[(k // p) % virtual] += 1
+        return counts
+    if schedule == "zbv":
+        return [min(2 * p - r - 1, m), min(p, m)]
+    if schedule == "dualpipev":
+        return [min(2 * p - r, m), min(r + 1, m)]
+    raise ValueError(f"unknown schedule {schedule}")

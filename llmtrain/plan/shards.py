@@ -1,0 +1,162 @@
+"""What one rank holds: its pipeline stages, their layers, and the local shape of every parameter.
+
+This is the inventory the memory model (:mod:`llmtrain.plan.memory`) prices. It follows the
+engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tensor.py``,
+``parallel/data_parallel.py``, ``parallel/zero1.py``):
+
+- **Pipeline stages.** ``pp x pp_virtual_stages`` stages, each a run of consecutive layers
+  (``parallel.pp_layers_per_stage`` or an even split). Looped schedules (gpipe, 1f1b,
+  interleaved-1f1b, zero-bubble) put stages ``r, r + pp, r + 2 pp, ...`` on pipeline rank
+  ``r``; V-shaped ones (zbv, dualpipev) put stages ``r`` and ``2 pp - 1 - r`` on it (torch's
+  ``generate_rank_to_stage_mapping(style="v")``). Stage 0 holds ``tok_embeddings``, the last
+  stage ``norm`` and ``output`` (the engine sets the others to None).
+- **Tensor parallelism** (Megatron layout): ``wq/wk/wv`` and ``w1/w3`` split their output rows
+  over ``tp``, ``wo`` and ``w2`` their input columns; the embedding and the output layer split
+  the vocabulary; norms are replicated; MoE blocks (router, experts, shared experts) are
+  **replicated** on the TP ranks (the engine does not shard experts over TP).
+- **Expert parallelism** (not yet in the engine; modelled as torchtitan): the stacked expert
+  weights ``[E, ...]`` keep ``E / ep`` experts per rank and are data-parallel over
+  ``edp = dp_shard x cp / ep``.
+- **FSDP2** (zero 2/3 with ``dp x cp > 1``) shards every parameter on dim 0 over
+  ``dp_shard x cp`` with ``torch.chunk`` semantics: chunks of ``ceil(rows / n)`` rows, so the
+  last ranks may hold fewer or none. This is exactly ``p._local_tensor.numel()``.
+- **ZeRO-1** (``zero 1`` with ``dp x cp > 1``) keeps full parameters and gradients and assigns
+  each *whole* parameter's AdamW states to one data-parallel rank, largest first onto the
+  least-loaded rank (ties: lowest rank). :func:`zero1_loads` replays that greedy; the loads do
+  not depend on how equal-sized parameters are ordered, so only the sizes are needed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from math import prod
+
+from llmtrain.recipe.schema import ModelConfig
+
+V_SHAPED = ("zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    name: str
+    shape: tuple[int, ...]  # local shape after TP and EP
+    kind: str  # "matmul" (2-D weight used by a matmul), "norm", "embedding", "expert" (EP-sharded)
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+# ---- pipeline stages ------------------------------------------------------------------------
+def stage_layers(layers: int, pp: int, virtual: int, split: list[int] | None = None) -> list[list[int]]:
+    """Global layer indices of each pipeline stage (``pp x virtual`` stages; one stage if pp = 1)."""
+    stages = pp * virtual if pp > 1 else 1
+    if pp > 1 and split is not None and len(split) == stages:
+        counts = list(split)
+    else:
+        base, extra = divmod(layers, stages)
+        counts = [base + (1 if i < extra else 0) for i in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """Stage indices held by pipeline rank ``pp_rank``, in execution (chunk) order."""
+    if pp <= 1:
+        return [0]
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+# ---- parameter inventory ------------------------------------------------------------------------
+def block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> list[ParamShape]:
+    """Local parameter shapes of transformer block ``layer`` on one TP/EP rank (engine order)."""
+    h, hd = m.hidden, m.head_dim
+    p = f"layers.{layer}."
+    out = [
+        ParamShape(p + "attention_norm.weight", (h,), "norm"),
+        ParamShape(p + "attention.wq.weight", (m.heads * hd // tp, h), "matmul"),
+        ParamShape(p + "attention.wk.weight", (m.kv_heads * hd // tp, h), "matmul"),
+        ParamShape(p + "attention.wv.weight", (m.kv_heads * hd // tp, h), "matmul"),
+        ParamShape(p + "attention.wo.weight", (h, m.heads * hd // tp), "matmul"),
+        ParamShape(p + "ffn_norm.weight", (h,), "norm"),
+    ]
+    if is_moe_layer(m, layer):
+        e, f = m.moe.num_experts, m.expert_ffn
+        local_e = e // ep
+        kind = "expert" if ep > 1 else "matmul"
+        out += [
+            ParamShape(p + "moe.router.weight", (e, h), "matmul"),
+            ParamShape(p + "moe.w1", (local_e, f, h), kind),
+            ParamShape(p + "moe.w3", (local_e, f, h), kind),
+            ParamShape(p + "moe.w2", (local_e, h, f), kind),
+        ]
+        if m.moe.shared_experts:
+            s = m.moe.shared_experts * f
+            out += [ParamShape(p + "moe.shared.w1.weight", (s, h), "matmul"),
+                    ParamShape(p + "moe.shared.w3.weight", (s, h), "matmul"),
+                    ParamShape(p + "moe.shared.w2.weight", (h, s), "matmul")]
+    else:
+        f = m.ffn_hidden
+        out += [ParamShape(p + "feed_forward.w1.weight", (f // tp, h), "matmul"),
+                ParamShape(p + "feed_forward.w3.weight", (f // tp, h), "matmul"),
+                ParamShape(p + "feed_forward.w2.weight", (h, f // tp), "matmul")]
+    return out
+
+
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    return m.is_moe and layer >= m.moe.first_dense_layers
+
+
+def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp: int, ep: int) -> list[ParamShape]:
+    """Every parameter of one pipeline stage (embedding on the first, norm + output on the last)."""
+    out: list[ParamShape] = []
+    if first:
+        out.append(ParamShape("tok_embeddings.weight", (m.vocab_size // tp, m.hidden), "embedding"))
+    for layer in layers:
+        out += block_params(m, layer, tp, ep)
+    if last:
+        out.append(ParamShape("norm.weight", (m.hidden,), "norm"))
+        if not (m.tie_embeddings and first):  # tied: one parameter, counted once
+            out.append(ParamShape("output.weight", (m.vocab_size // tp, m.hidden), "matmul"))
+    return out
+
+
+def rank_params(m: ModelConfig, stages: list[list[int]], held: list[int], tp: int, ep: int) -> list[ParamShape]:
+    out: list[ParamShape] = []
+    n = len(stages)
+    for s in held:
+        out += stage_params(m, stages[s], s == 0, s == n - 1, tp, ep)
+    return out
+
+
+# ---- data-parallel sharding -----------------------------------------------------------------------
+def chunk_rows(rows: int, shards: int, index: int) -> int:
+    """Rows of ``torch.chunk(t, shards)[index]`` (0 when that chunk does not exist), as FSDP2 shards."""
+    if shards <= 1:
+        return rows
+    size = -(-rows // shards)
+    return max(0, min(size, rows - index * size))
+
+
+def fsdp_numel(p: ParamShape, shards: int, index: int) -> int:
+    rest = prod(p.shape[1:])
+    return chunk_rows(p.shape[0], shards, index) * rest
+
+
+def zero1_loads(numels: list[int], ranks: int) -> list[tuple[int, int]]:
+    """(elements, parameters) owned by each rank under the engine's greedy ZeRO-1 partition."""
+    load = [(0, r) for r in range(ranks)]  # (load, rank): heap order = least loaded, then lowest rank
+    heapq.heapify(load)
+    owned = [[0, 0] for _ in range(ranks)]
+    for n in sorted(numels, reverse=True):
+        current, r = heapq.heappop(load)
+        owned[r][0] += n
+        owned[r][1] += 1
+        heapq.heappush(load, (current + n, r))
+    return [(a, b) for a, b in owned]
