@@ -180,3 +180,17 @@ def test_plan_does_not_import_torch_or_fabric(args):
     assert probe["heavy"] == [], probe["heavy"]
     if "--json" in args:
         assert json.loads(out.stdout)["valid"] is True
+
+
+def test_plan_json_doc_lists_every_key():
+    """docs/plan-json.md documents every key the JSON object has (checked on an MoE plan)."""
+    from llmtrain.plan.api import make_plan
+    from llmtrain.plan.report import plan_to_dict
+
+    doc = (REPO / "docs" / "plan-json.md").read_text()
+    d = plan_to_dict(make_plan(REPO / "recipes" / "mixtral-8x7b.yaml"))
+    keys = set(d) | set(d["parallel"]) | set(d["batch"]) | set(d["pipeline"]) | set(d["layout"])
+    keys |= set(d["layout"]["nodes"][0]) | set(d["layout"]["groups"]["tp"]) | set(d["layout"]["ep"])
+    keys |= set(d["model"]) - {"layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size"}
+    missing = sorted(k for k in keys if f"`{k}`" not in doc)
+    assert not missing, f"undocumented keys in docs/plan-json.md: {missing}"

@@ -325,3 +325,23 @@ def test_json_schema_describes_every_property():
             count += 1
     assert count > 60
     assert "async" in defs["CheckpointConfig"]["properties"]
+
+
+def test_recipe_doc_lists_every_key():
+    """docs/recipe.md documents every recipe key and every preset."""
+    from pydantic import BaseModel
+
+    from tests.helpers_plan import REPO
+
+    doc = (REPO / "docs" / "recipe.md").read_text()
+    todo = [Recipe]
+    while todo:
+        model = todo.pop()
+        for name, field in model.model_fields.items():
+            assert f"`{field.alias or name}`" in doc, f"{model.__name__}.{name} missing from docs/recipe.md"
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                todo.append(field.annotation)
+    from llmtrain.recipe.schema import MoEConfig, OptimizerConfig, ScheduleConfig
+    for model in (MoEConfig, OptimizerConfig, ScheduleConfig):
+        assert all(f"`{f.alias or n}`" in doc for n, f in model.model_fields.items())
+    assert all(f"`{preset}`" in doc for preset in PRESETS)

@@ -49,9 +49,7 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
     edp_size = meshes.dims.dp_replicate * meshes.dims.edp
     syncs = [(GradientAllReduce(dp_group, dp_size), [p for g in dense for p in g["params"]])]
     if ep:
-        # an expert's gradient already sums the tokens its EP group sent it: average over all
-        # data ranks (edp x ep), not only over the edp ranks that reduce it
-        syncs.append((GradientAllReduce(edp_group, edp_size, divide_by=dp_size), [p for g in expert for p in g["params"]]))
+        syncs.append((GradientAllReduce(edp_group, edp_size), [p for g in expert for p in g["params"]]))
 
     def grad_sync(_params=None) -> None:
         for sync, params in syncs:

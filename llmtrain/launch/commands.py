@@ -199,12 +199,14 @@ def node_command(spec: LaunchSpec, node: NodeSpec, masked: bool = False) -> str:
     return f"cd {shlex.quote(node.workdir)} && exec " + " ".join(words)
 
 
-def kill_command(spec: LaunchSpec, node: NodeSpec, pgid: int | None, grace_s: float) -> str:
+def kill_command(spec: LaunchSpec, node: NodeSpec, pgid: int | None = None, pgid_start: int | None = None,
+                 grace_s: float | None = None) -> str:
     """Stop everything of this run on ``node``: its recorded process group, descendants, marked processes."""
+    grace = spec.launch.grace_s if grace_s is None else grace_s
     argv = [node.python, "-m", HELPER_MODULE, "kill", "--run-id", spec.run_id, "--node-rank", str(node.node_rank),
-            "--grace", f"{grace_s:g}"]
+            "--grace", f"{grace:g}"]
     if pgid:
-        argv += ["--pgid", str(pgid)]
+        argv += ["--pgid", str(pgid), "--pgid-start", str(pgid_start or 0)]
     return shlex.join(argv)
 
 

@@ -162,6 +162,26 @@ def grouped_swiglu(
     return torch.cat(outputs, dim=0)
 
 
+class GradScale(torch.autograd.Function):
+    """Identity in forward; multiplies the gradient by ``scale`` in backward.
+
+    With expert parallelism an expert's weight gradient sums the tokens of its whole EP group
+    (they were sent to it), while the data-parallel reduction afterwards averages only over the
+    ``edp`` ranks holding the same expert. Scaling by ``1 / ep`` here makes the result the mean
+    over all data ranks, like every other weight, on any backend (gloo has no pre-multiplied
+    reduce-scatter for FSDP's divide factor).
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 class GroupedExperts(nn.Module):
     """The routed experts' stacked SwiGLU weights ``w1``/``w3`` [E, ffn, hidden], ``w2`` [E, hidden, ffn].
 
@@ -178,9 +198,12 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
         self.dispatcher = None
+        self.grad_scale = 1.0  # set by expert parallelism, see GradScale
 
     def local_forward(self, x_grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
         w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (GradScale.apply(w, self.grad_scale) for w in (w1, w2, w3))
         return grouped_swiglu(x_grouped, counts, w1, w2, w3)
 
     def forward(self, x_grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, precision: str,
-               expert_mesh: DeviceMesh | None = None, expert_divide_factor: int = 1) -> None:
+               expert_mesh: DeviceMesh | None = None) -> None:
     """FSDP2 per block and on the root; with EP the experts get their own FSDP unit on the
     expert-data-parallel mesh first (the block's unit then skips their parameters)."""
     reshard = zero == 3 and not pp_enabled
@@ -40,9 +40,6 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
             experts = getattr(getattr(block, "moe", None), "experts", None)
             if expert_mesh is not None and experts is not None:
                 fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
-                # An expert's gradient already sums the tokens of its whole EP group (they were
-                # sent to it), so averaging over all data ranks means dividing by edp x ep.
-                experts.set_gradient_divide_factor(float(expert_divide_factor))
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
     # The root wraps embeddings, final norm and output. It is never resharded after forward:
     # backward starts with the output layer, so a reshard would be gathered again at once.
@@ -65,12 +62,11 @@ class GradientAllReduce:
     TP shard layout.
     """
 
-    def __init__(self, group: dist.ProcessGroup, size: int, bucket_bytes: int = 32 << 20, divide_by: int | None = None):
+    def __init__(self, group: dist.ProcessGroup, size: int, bucket_bytes: int = 32 << 20):
         self.group, self.size, self.bucket_bytes = group, size, bucket_bytes
-        self.divide_by = divide_by or size
 
     def __call__(self, params: list[nn.Parameter]) -> None:
-        if self.size == 1 and self.divide_by == 1:
+        if self.size == 1:
             return
         grads = [g for g in (local_grad(p) for p in params) if g is not None]
         bucket: list[torch.Tensor] = []
@@ -90,9 +86,8 @@ class GradientAllReduce:
             by_dtype.setdefault(g.dtype, []).append(g)
         for tensors in by_dtype.values():
             flat = torch.cat([t.reshape(-1) for t in tensors])
-            if self.size > 1:
-                dist.all_reduce(flat, group=self.group)
-            flat /= self.divide_by
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.size
             offset = 0
             for t in tensors:
                 n = t.numel()

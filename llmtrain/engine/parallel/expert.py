@@ -64,3 +64,4 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
                 param = getattr(module, name)
                 module.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
             module.dispatcher = AllToAllDispatcher(group, ep, module.w1.shape[0])
+            module.grad_scale = 1.0 / ep  # see GradScale: the mean over all data ranks

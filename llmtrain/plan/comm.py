@@ -1,0 +1,244 @@
+"""Communication per step and per parallel dimension, and the link that carries it.
+
+Collective cost (Thakur et al. 2005; the NCCL "bus bandwidth" convention, nccl-tests
+PERFORMANCE.md): for a message of ``M`` bytes over ``n`` ranks,
+all-reduce moves ``2 (n-1)/n M`` per rank, all-gather / reduce-scatter / all-to-all
+``(n-1)/n M`` (``M`` = the full, unsharded size), a broadcast ``(n-1)/n M`` (pipelined), a P2P
+send ``M``; time = that volume / bus bandwidth + a latency per step of the algorithm.
+
+Link: a group whose ranks sit on one node talks over NVLink, otherwise over the inter-node
+network (one NIC per GPU). Decided from the real layout: rank 0's group of the dimension
+(:meth:`ParallelDims.group`) and :meth:`Placement.spans_nodes`; :func:`spans_nodes_fast`
+computes the same from the group's largest rank (the search uses it; a test checks they agree).
+Bandwidths come from ``recipe/gpus.py`` (datasheets): NVLink's figure is both directions, so
+one direction is half of it; the NIC figure (400 Gb/s) is per direction. NCCL reaches about
+:data:`LINK_EFFICIENCY` of either.
+
+Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens per CP rank,
+``h`` hidden, ``e`` compute bytes, ``P`` the rank's parameters, ``m`` micro batches):
+
+- DP, zero 0: all-reduce of the fp32 gradients (``4P``) over dp x cp, once per step, after
+  backward (``GradientAllReduce``). zero 1: the same, plus each owner broadcasting its updated
+  fp32 parameters (``4P`` in all). FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
+  (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
+  forward), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
+  accumulate unsharded), and for HSDP an all-reduce of the sharded gradients over
+  dp_replicate. With pp > 1 parameters are gathered once per step.
+- TP, per layer and micro batch: 2 all-reduces forward and 2 backward of ``bshe``; with
+  sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
+  recomputation re-runs the forward ones (the engine's selective policy saves matmul and
+  SDPA outputs, not collective outputs). Plus one all-reduce each way for the embedding and
+  for the output layer's input.
+- PP: per micro batch and stage boundary, the activation ``bshe`` forward and its gradient
+  backward (``/t`` with sequence parallelism: each TP rank sends its shard).
+- CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
+  gradients backward; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
+  gathered forward, their gradients reduce-scattered backward. The engine repeats K/V to the
+  query heads before its attention function, so K/V are counted with ``heads``.
+- EP, per MoE layer and micro batch: dispatch and combine all-to-alls of ``top_k x tokens x h``
+  forward, and the same backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import ceil, log2
+
+from llmtrain.plan.dims import MESH_DIMS, ParallelDims
+from llmtrain.plan.placement import Placement
+from llmtrain.recipe.gpus import GPUSpec
+
+LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth for large messages (nccl-tests on DGX)
+LATENCY_S = {"nvlink": 5e-6, "network": 15e-6}  # per algorithm step
+
+
+@dataclass(frozen=True)
+class Link:
+    kind: str  # "nvlink" or "network"
+    bandwidth: float  # bytes/s NCCL reaches, one direction
+
+
+def link(gpu: GPUSpec, spans_nodes: bool) -> Link:
+    if spans_nodes:
+        return Link("network", gpu.internode_bytes_per_s * LINK_EFFICIENCY)
+    return Link("nvlink", gpu.nvlink_bytes_per_s / 2 * LINK_EFFICIENCY)
+
+
+FACTOR = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: (n - 1) / n,
+    "p2p": lambda n: 1.0,
+}
+
+
+def collective_time(op: str, message: float, n: int, lk: Link) -> float:
+    """Seconds for one collective of ``message`` bytes over ``n`` ranks on ``lk``."""
+    if n <= 1 or message <= 0:
+        return 0.0
+    steps = 1 if op == "p2p" else ceil(log2(n)) * (2 if op == "all-reduce" else 1)
+    return FACTOR[op](n) * message / lk.bandwidth + steps * LATENCY_S[lk.kind]
+
+
+# ---- which link ------------------------------------------------------------------------------------
+def spans_nodes_fast(dims: ParallelDims, placement: Placement, names: tuple[str, ...]) -> bool:
+    """Whether rank 0's group over ``names`` crosses nodes, from its largest member: ranks fill
+    nodes in order, so the group (which contains rank 0) leaves node 0 iff its largest rank does."""
+    shape = dims.mesh_shape
+    stride, largest = 1, 0
+    for i in reversed(range(len(MESH_DIMS))):
+        if MESH_DIMS[i] in names:
+            largest += (shape[i] - 1) * stride
+        stride *= shape[i]
+    return largest >= placement.nodes[0].slots
+
+
+def spans_nodes_ep_fast(dims: ParallelDims, placement: Placement) -> bool:
+    last = dims.ep - 1  # dp_shard x cp index of the last member of rank 0's EP group
+    cp_stride = dims.tp
+    shard_stride = dims.cp * dims.tp
+    largest = (last // dims.cp) * shard_stride + (last % dims.cp) * cp_stride
+    return largest >= placement.nodes[0].slots
+
+
+def spans_nodes(dims: ParallelDims, placement: Placement, names: tuple[str, ...] | str, fast: bool = False) -> bool:
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if names == ("ep",):
+        if fast:
+            return spans_nodes_ep_fast(dims, placement)
+        return placement.spans_nodes(dims.ep_group(0))
+    if fast:
+        return spans_nodes_fast(dims, placement, names)
+    return placement.spans_nodes(dims.group(0, names))
+
+
+# ---- volumes ---------------------------------------------------------------------------------------
+@dataclass
+class Comm:
+    """One kind of collective of one dimension, per step, as seen by one rank."""
+
+    dim: str
+    op: str
+    group: int  # ranks in the collective
+    message_bytes: float  # one collective's (unsharded) message
+    count: float  # collectives per step
+    link: str
+    seconds: float  # all of them, if nothing overlapped
+    phase: str  # "step" (once per step), "microbatch" (per micro batch, on the critical path), "pipeline"
+    exposed_s: float = 0.0  # filled by the step-time model
+    note: str = ""
+    per_item_s: float = field(default=0.0, repr=False)
+
+    def to_dict(self) -> dict:
+        return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
+                "count": self.count, "bytes_per_step": self.message_bytes * self.count, "link": self.link,
+                "seconds": self.seconds, "exposed_s": self.exposed_s, "note": self.note}
+
+
+def make(dim: str, op: str, group: int, message: float, count: float, lk: Link, phase: str, note: str = "") -> Comm:
+    one = collective_time(op, message, group, lk)
+    return Comm(dim, op, group, message, count, lk.kind, one * count, phase, note=note, per_item_s=one)
+
+
+@dataclass(frozen=True)
+class CommSpec:
+    """The numbers the volumes need, for one pipeline rank."""
+
+    dims: ParallelDims
+    dp_kind: str  # DPMode.kind
+    zero: int
+    e: int  # compute bytes
+    params: int  # the rank's parameters (TP/EP-local, before DP sharding), non-expert
+    expert_params: int  # EP-sharded expert parameters of the rank
+    largest_block: int  # parameters of its largest transformer block (one FSDP unit)
+    microbatches: int
+    tokens: int  # b x s per micro batch on this rank (s = seq_len / cp)
+    hidden: int
+    heads: int
+    head_dim: int
+    top_k: int
+    layers: int  # transformer blocks on this rank
+    moe_layers: int
+    embedding: bool
+    output: bool
+    sp: bool
+    recompute: str
+    cp_method: str
+    chunks: int  # pipeline chunks on this rank (virtual stages)
+
+
+def step_comms(c: CommSpec, gpu: GPUSpec, placement: Placement, fast: bool = False) -> list[Comm]:
+    d = c.dims
+    out: list[Comm] = []
+    m = c.microbatches
+
+    def lk(names) -> Link:
+        return link(gpu, spans_nodes(d, placement, names, fast))
+
+    # -- data parallel -------------------------------------------------------------------------------
+    dpcp = d.dp * d.cp
+    if c.dp_kind == "fsdp":
+        shard = d.dp_shard * d.cp
+        g = lk(("dp_shard", "cp"))
+        total = c.params + c.expert_params
+        passes = 1 if d.pp > 1 else (2 * m if c.zero == 3 else m)
+        out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
+                        f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
+        out.append(make("dp", "reduce-scatter", shard, 4 * total, 1, g, "fsdp-reduce", "fp32 gradients, last micro batch"))
+        if d.dp_replicate > 1:
+            out.append(make("dp", "all-reduce", d.dp_replicate, 4 * total / shard, 1, lk("dp_replicate"), "fsdp-reduce",
+                            "HSDP: sharded gradients across replicas"))
+    elif dpcp > 1:
+        g = lk(("dp_replicate", "dp_shard", "cp"))
+        out.append(make("dp", "all-reduce", dpcp, 4 * c.params, 1, g, "step", "fp32 gradients after backward"))
+        if c.expert_params:
+            eg = d.dp_replicate * d.edp
+            out.append(make("dp", "all-reduce", eg, 4 * c.expert_params, 1, g, "step", "expert gradients over expert-DP"))
+        if c.dp_kind == "zero1":
+            out.append(make("dp", "broadcast", dpcp, 4 * (c.params + c.expert_params), 1, g, "step",
+                            "ZeRO-1: owners broadcast updated fp32 parameters"))
+
+    # -- tensor parallel -------------------------------------------------------------------------------
+    if d.tp > 1:
+        g = lk("tp")
+        act = c.e * c.tokens * c.hidden
+        per_layer = 4 + (2 if c.recompute != "none" else 0)
+        count = m * (per_layer * c.layers + 2 * (int(c.embedding) + int(c.output)))
+        if c.sp:
+            out.append(make("tp", "all-gather", d.tp, act, count / 2, g, "microbatch", "sequence parallel"))
+            out.append(make("tp", "reduce-scatter", d.tp, act, count / 2, g, "microbatch", "sequence parallel"))
+        else:
+            out.append(make("tp", "all-reduce", d.tp, act, count, g, "microbatch"))
+
+    # -- pipeline --------------------------------------------------------------------------------------
+    if d.pp > 1:
+        g = lk("pp")
+        act = c.e * c.tokens * c.hidden / (d.tp if c.sp else 1)
+        out.append(make("pp", "p2p", 2, act, 2 * m * c.chunks, g, "pipeline", "activations forward, gradients backward"))
+
+    # -- context parallel ------------------------------------------------------------------------------
+    if d.cp > 1:
+        g = lk("cp")
+        kv = 2 * c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # local K and V (heads repeated)
+        fwd = 1 + (1 if c.recompute != "none" else 0)
+        if c.cp_method == "ring":
+            out.append(make("cp", "p2p", 2, kv, m * c.layers * (d.cp - 1) * (fwd + 2), g, "cp-ring",
+                            "K/V blocks around the ring (backward: K, V and their gradients)"))
+        elif c.cp_method == "ulysses":
+            one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or k, v, out) each rank re-shards
+            out.append(make("cp", "all-to-all", d.cp, one, m * c.layers * 4 * (fwd + 1), g, "microbatch",
+                            "q, k, v, output re-sharded from sequence to heads"))
+        else:
+            out.append(make("cp", "all-gather", d.cp, kv * d.cp, m * c.layers * fwd, g, "microbatch", "K/V gathered"))
+            out.append(make("cp", "reduce-scatter", d.cp, kv * d.cp, m * c.layers, g, "microbatch", "dK/dV"))
+
+    # -- expert parallel -------------------------------------------------------------------------------
+    if d.ep > 1 and c.moe_layers:
+        g = lk(("ep",))
+        msg = c.e * c.tokens * c.top_k * c.hidden
+        fwd = 2 * (1 + (1 if c.recompute != "none" else 0))
+        out.append(make("ep", "all-to-all", d.ep, msg, m * c.moe_layers * (fwd + 2), g, "ep",
+                        "token dispatch and combine"))
+    return out
