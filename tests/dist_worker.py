@@ -22,6 +22,26 @@ from llmtrain.engine.trainer import train
 from llmtrain.recipe.load import load_recipe
 
 
+def check_layout(meshes) -> list[str]:
+    """This rank's mesh coordinates and groups must be exactly what ParallelDims (and so
+    ``llmtrain plan``) says; returns the mismatches."""
+    dims, rank, errors = meshes.dims, dist.get_rank(), []
+    if tuple(meshes.root.get_coordinate()) != dims.coords(rank):
+        errors.append(f"rank {rank}: mesh coordinate {meshes.root.get_coordinate()} != plan {dims.coords(rank)}")
+    for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        ranks = dist.get_process_group_ranks(meshes.root[name].get_group())
+        if sorted(ranks) != dims.group(rank, name):
+            errors.append(f"rank {rank}: {name} group {sorted(ranks)} != plan {dims.group(rank, name)}")
+    if dims.ep > 1:
+        ep_ranks = sorted(dist.get_process_group_ranks(meshes.ep.get_group()))
+        if ep_ranks != dims.ep_group(rank):
+            errors.append(f"rank {rank}: ep group {ep_ranks} != plan {dims.ep_group(rank)}")
+        edp_ranks = sorted(dist.get_process_group_ranks(meshes.ep_root["edp"].get_group()))
+        if edp_ranks != dims.edp_group(rank):
+            errors.append(f"rank {rank}: edp group {edp_ranks} != plan {dims.edp_group(rank)}")
+    return errors
+
+
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     device = init_distributed()
@@ -29,17 +49,20 @@ def main() -> None:
     for case in spec["cases"]:
         recipe = load_recipe(spec["recipe"], spec.get("set", []) + case["set"])
         res = train(recipe, device, steps=spec["steps"], verbose=False)
+        layout_errors = check_layout(res.meshes)
         state = {}
         for part in res.parts.parts:  # PP: each rank holds its stages; gather them all on rank 0
             full = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
             state.update({k: v.detach().clone() for k, v in full.items()})
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(state, gathered, dst=0)
+        dist.gather_object((state, layout_errors), gathered, dst=0)
         if dist.get_rank() == 0:
-            merged = {}
-            for part_state in gathered:
+            merged, errors = {}, []
+            for part_state, part_errors in gathered:
                 merged.update(part_state)
-            results[case["name"]] = {"losses": res.losses, "grad_norms": res.grad_norms, "state": merged}
+                errors += part_errors
+            results[case["name"]] = {"losses": res.losses, "grad_norms": res.grad_norms, "state": merged,
+                                     "layout_errors": errors}
         del res, state, gathered
         gc.collect()
     if dist.get_rank() == 0:

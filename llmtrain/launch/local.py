@@ -66,7 +66,7 @@ from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids
 from llmtrain.launch.rundir import RunDir, create_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
-                                   parse_failures)
+                                   failure_lines, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
 from llmtrain.recipe.load import apply_override, load_recipe, validate_recipe_dict
 from llmtrain.recipe.schema import Recipe
@@ -286,50 +286,20 @@ class LocalRun:
         else:
             head = "run finished" if code == 0 else "run failed"
         say(f"== {head}: exit code {code}")
-        steps = f"{stats.step}/{stats.steps}" if stats.steps else str(stats.step)
-        loss = stats.final_loss if stats.final_loss is not None else stats.loss
-        parts = [f"steps {steps}"]
-        if loss is not None:
-            parts.append(f"{'final ' if stats.ended else 'last '}loss {loss:.4f}")
-        if stats.tokens_per_s is not None:
-            parts.append(f"{stats.tokens_per_s:,.0f} tokens/s")
-        say("   " + ", ".join(parts))
+        say("   " + stats_summary(stats))
         say(f"   run dir: {run.path}")
         if self.leftovers:
             say(f"   stopped {self.leftovers} process(es) of the run")
         if code == 0 or stopped_by is not None:
             return
         failures = parse_failures(self.router.launcher_lines)
-        for n, failure in enumerate(failures):
-            signame = _signal_name(failure.exitcode)
-            if n > 0 and signame:
-                say(f"   rank {failure.rank} was stopped by {signame} after the failure")
-                continue
-            say(f"   rank {failure.rank} failed (exit code {failure.exitcode}{', ' + signame if signame else ''}); "
-                f"last lines of {run.rank_log(failure.rank)}:")
-            for line in list(self.router.rank_tails.get(failure.rank, []))[-10:]:
-                say(f"     | {line}")
-            message = error_file_message(failure.error_file)
-            if message:
-                say(f"     error: {message}")
+        for line in failure_lines(failures, self.router.rank_tails, run.rank_log,
+                                  lambda failure: error_file_message(failure.error_file)):
+            say(line)
         if not failures:
             say(f"   torchrun failed before a rank did; last lines of {run.launcher_log}:")
             for line in list(self.router.launcher_lines)[-10:]:
                 say(f"     | {line}")
-
-
-def _signal_name(exitcode: str) -> str:
-    """"-15" -> "SIGTERM" (torchrun reports a worker killed by a signal as a negative exit code)."""
-    try:
-        number = -int(exitcode)
-    except ValueError:
-        return ""
-    if number <= 0:
-        return ""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 __all__ = ["launch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids"]

@@ -33,11 +33,12 @@ import json
 import os
 import re
 import selectors
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Callable, Iterable
 
 from rich.console import Console
 from rich.text import Text
@@ -356,3 +357,49 @@ def error_file_message(path: str | None) -> str | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return str(message).strip().splitlines()[0][:500] if str(message).strip() else None
+
+
+def signal_name(exitcode: str) -> str:
+    """"-15" -> "SIGTERM" (torchrun reports a worker killed by a signal as a negative exit code)."""
+    try:
+        number = -int(exitcode)
+    except ValueError:
+        return ""
+    if number <= 0:
+        return ""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def stats_summary(stats: RunStats) -> str:
+    """``steps 12/12, final loss 1.2345, 5,400 tokens/s``: the summary's progress line."""
+    steps = f"{stats.step}/{stats.steps}" if stats.steps else str(stats.step)
+    loss = stats.final_loss if stats.final_loss is not None else stats.loss
+    parts = [f"steps {steps}"]
+    if loss is not None:
+        parts.append(f"{'final ' if stats.ended else 'last '}loss {loss:.4f}")
+    if stats.tokens_per_s is not None:
+        parts.append(f"{stats.tokens_per_s:,.0f} tokens/s")
+    return ", ".join(parts)
+
+
+def failure_lines(failures: list[Failure], rank_tails: dict[int, deque[str]], rank_log: Callable[[int], Path],
+                  error_message: Callable[[Failure], str | None], host: str | None = None) -> list[str]:
+    """Summary lines for torchrun's failed workers: the root cause with its last log lines and
+    error-file message, then the ranks that were only stopped (by a signal) because of it."""
+    out = []
+    where = f" on {host}" if host else ""
+    for n, failure in enumerate(failures):
+        signame = signal_name(failure.exitcode)
+        if n > 0 and signame:
+            out.append(f"   rank {failure.rank}{where} was stopped by {signame} after the failure")
+            continue
+        out.append(f"   rank {failure.rank}{where} failed (exit code {failure.exitcode}{', ' + signame if signame else ''}); "
+                   f"last lines of {rank_log(failure.rank)}:")
+        out += [f"     | {line}" for line in list(rank_tails.get(failure.rank, []))[-10:]]
+        message = error_message(failure)
+        if message:
+            out.append(f"     error: {message}")
+    return out

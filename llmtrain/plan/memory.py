@@ -87,6 +87,7 @@ class StateBytes:
     optimizer: int
     local_numel: int  # parameter elements this rank stores
     full_numel: int  # parameter elements of its stages (TP/EP-local, before DP sharding)
+    stepped: int  # parameter elements whose AdamW update this rank computes
 
 
 def model_state_bytes(params: list[ParamShape], mode: DPMode, index: int = 0) -> StateBytes:
@@ -96,9 +97,11 @@ def model_state_bytes(params: list[ParamShape], mode: DPMode, index: int = 0) ->
     if mode.kind == "fsdp":
         local = 0
         for p in params:
-            shards = mode.expert_shards if p.kind == "expert" else mode.shards
-            local += fsdp_numel(p, shards, index % shards)
-        return StateBytes(FP32 * local, FP32 * local, ADAM_BYTES * local + STEP_BYTES * count, local, full)
+            if p.kind == "expert":  # EP is not in the engine yet: assume an even split (torchtitan shards
+                local += -(-p.numel // mode.expert_shards)  # experts on dim 1 when dim 0 is too short)
+            else:
+                local += fsdp_numel(p, mode.shards, index % mode.shards)
+        return StateBytes(FP32 * local, FP32 * local, ADAM_BYTES * local + STEP_BYTES * count, local, full, local)
     if mode.kind == "zero1":
         dense = [p.numel for p in params if p.kind != "expert"]
         owned, owned_count = zero1_loads(dense, mode.shards)[index % mode.shards]
@@ -106,8 +109,8 @@ def model_state_bytes(params: list[ParamShape], mode: DPMode, index: int = 0) ->
         if experts:  # EP is not in the engine yet: expert states split evenly over expert-DP ranks
             owned += sum(experts) // mode.expert_shards
             owned_count += len(experts)
-        return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * owned + STEP_BYTES * owned_count, full, full)
-    return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * full + STEP_BYTES * count, full, full)
+        return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * owned + STEP_BYTES * owned_count, full, full, owned)
+    return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * full + STEP_BYTES * count, full, full, full)
 
 
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
@@ -116,6 +119,16 @@ def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
         return 0
     loads = zero1_loads([p.numel for p in params if p.kind != "expert"], mode.shards)
     return max(range(len(loads)), key=lambda r: (ADAM_BYTES * loads[r][0] + STEP_BYTES * loads[r][1], -r))
+
+
+def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
+    """The data-parallel index with the least model state (FSDP: the last shard)."""
+    if mode.kind == "fsdp":
+        return mode.shards - 1
+    if mode.kind != "zero1":
+        return 0
+    loads = zero1_loads([p.numel for p in params if p.kind != "expert"], mode.shards)
+    return min(range(len(loads)), key=lambda r: (ADAM_BYTES * loads[r][0] + STEP_BYTES * loads[r][1], r))
 
 
 def compute_bytes(precision: str) -> int:
@@ -169,9 +182,10 @@ def grad_buffer_bytes(params: list[ParamShape], mode: DPMode, precision: str, la
 
 
 def optimizer_step_bytes(stepped_numel: int, mode: DPMode, params_numel: int) -> int:
-    """Transient memory of the optimizer step: foreach AdamW intermediates (~2 fp32 temporaries
-    per stepped element) and, for ZeRO-1, the flat broadcast copy of one owner's parameters."""
-    extra = 2 * FP32 * stepped_numel
+    """Transient memory of the optimizer step: foreach AdamW's ``sqrt(v)`` intermediate (one fp32
+    temporary per stepped element, ``torch.optim.adamw._multi_tensor_adamw``) and, for ZeRO-1, the
+    flat broadcast copy of one owner's parameters."""
+    extra = FP32 * stepped_numel
     if mode.kind == "zero1":
         extra += FP32 * -(-params_numel // mode.shards)
     return extra

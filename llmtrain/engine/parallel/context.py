@@ -119,20 +119,21 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group, cp: int, seq_len: int):
         rank = dist.get_rank(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float()
+        acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        qf = q.to(acc)
         q_pos = cp_positions(seq_len, cp, rank, "ring").to(q.device)
         out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=torch.float32)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device, dtype=acc)
         kv = [k, v]
         for step in range(cp):
             src = (rank - step) % cp
             k_pos = cp_positions(seq_len, cp, src, "ring").to(q.device)
             mask = q_pos[:, None] >= k_pos[None, :]
-            scores = (qf @ kv[0].float().transpose(-1, -2)) * scale
+            scores = (qf @ kv[0].to(acc).transpose(-1, -2)) * scale
             scores = scores.masked_fill(~mask, float("-inf"))
             blk_lse = torch.logsumexp(scores, dim=-1)
             probs = torch.exp(scores - _finite(blk_lse)[..., None])
-            blk_out = probs @ kv[1].float()
+            blk_out = probs @ kv[1].to(acc)
             new_lse = torch.logaddexp(lse, blk_lse)
             out = out * _weight(lse, new_lse)[..., None] + blk_out * _weight(blk_lse, new_lse)[..., None]
             lse = new_lse
@@ -147,22 +148,23 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, cp, seq_len, scale = ctx.group, ctx.cp, ctx.seq_len, ctx.scale
         rank = dist.get_rank(group)
-        qf, dout = q.float(), dout.float()
+        acc = out.dtype
+        qf, dout = q.to(acc), dout.to(acc)
         q_pos = cp_positions(seq_len, cp, rank, "ring").to(q.device)
         delta = (dout * out).sum(-1, keepdim=True)
         dq = torch.zeros_like(qf)
-        travel = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        travel = [k, v, torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)]
         for step in range(cp):
             src = (rank - step) % cp
             kb, vb, dk_acc, dv_acc = travel
             k_pos = cp_positions(seq_len, cp, src, "ring").to(q.device)
             mask = q_pos[:, None] >= k_pos[None, :]
-            scores = (qf @ kb.float().transpose(-1, -2)) * scale
+            scores = (qf @ kb.to(acc).transpose(-1, -2)) * scale
             probs = torch.exp(scores.masked_fill(~mask, float("-inf")) - lse[..., None])
             dv_acc = dv_acc + probs.transpose(-1, -2) @ dout
-            dprobs = dout @ vb.float().transpose(-1, -2)
+            dprobs = dout @ vb.to(acc).transpose(-1, -2)
             dscores = probs * (dprobs - delta)
-            dq = dq + (dscores @ kb.float()) * scale
+            dq = dq + (dscores @ kb.to(acc)) * scale
             dk_acc = dk_acc + (dscores.transpose(-1, -2) @ qf) * scale
             travel = [kb, vb, dk_acc, dv_acc]
             if step < cp - 1:

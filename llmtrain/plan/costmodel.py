@@ -1,0 +1,294 @@
+"""The cost model's glue: memory per rank, FLOPs, communication, bubble and step time of a layout.
+
+:func:`estimate` takes a validated recipe (its :class:`ParallelDims` and :class:`BatchMath`) and
+the node placement and returns a :class:`CostModel`; :func:`cost_to_dict` is its ``plan --json``
+form. Each concept lives in its own module (sources in their docstrings, the whole model in
+docs/planner.md):
+
+- what each rank holds: :mod:`llmtrain.plan.shards`; model state and buffers:
+  :mod:`llmtrain.plan.memory`; activations and micro batches in flight:
+  :mod:`llmtrain.plan.activations`;
+- FLOPs: :mod:`llmtrain.plan.flops`; communication: :mod:`llmtrain.plan.comm`; bubble:
+  :mod:`llmtrain.plan.bubble`; step time and MFU: :mod:`llmtrain.plan.steptime`.
+
+Memory is evaluated for every pipeline rank at its largest data-parallel shard (FSDP index 0,
+the most loaded ZeRO-1 owner) and its smallest, at two moments: the start of the last
+backward (states + activations in flight + working buffers) and the optimizer step (states +
+foreach temporaries); the peak is the larger. A fixed framework reserve (CUDA context, NCCL
+buffers) and allocator fragmentation are added on GPUs (:data:`RESERVE_BYTES`,
+:data:`FRAGMENTATION`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmtrain.plan import activations as act
+from llmtrain.plan.batch import BatchMath
+from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.comm import Comm, CommSpec, step_comms
+from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.flops import block_flops_per_token, flops_per_token, head_flops_per_token, recompute_flops_per_token
+from llmtrain.plan.memory import (
+    DPMode, best_dp_index, compute_bytes, dp_mode, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
+    param_buffer_bytes, worst_dp_index,
+)
+from llmtrain.plan.placement import Placement
+from llmtrain.plan.shards import ParamShape, is_moe_layer, rank_params, rank_stages, stage_layers
+from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
+from llmtrain.recipe.gpus import GPUS, GPUSpec
+from llmtrain.recipe.schema import Recipe
+
+GIB = float(1 << 30)
+RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
+DEFAULT_RESERVE = int(1.5 * GIB)  # CUDA context (~0.5 GiB) + NCCL communicators and buffers (~1 GiB)
+FRAGMENTATION = 0.05  # caching-allocator fragmentation on GPUs, as a share of the allocated bytes
+
+
+@dataclass
+class RankMemory:
+    pp_rank: int
+    dp_index: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    other: int
+    phase: str  # "backward" or "optimizer step": when the peak happens
+    other_detail: dict[str, int] = field(default_factory=dict)
+    activation_detail: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+
+@dataclass
+class CostModel:
+    gpu: GPUSpec
+    mode: DPMode
+    worst: RankMemory
+    per_pp: list[tuple[RankMemory, RankMemory, list[int], int]]  # (worst, best, stages, layers) per pp rank
+    flops: dict
+    comms: list[Comm]  # of the slowest pipeline rank
+    bubble: float
+    time: StepTime
+    worst_rank: int
+    hints: list[dict] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.peak <= self.gpu.memory_bytes
+
+
+def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) -> act.ActShape:
+    m, t = recipe.model, recipe.train
+    e = compute_bytes(t.precision)
+    autocast = t.precision == "bf16" and mode.kind != "fsdp"
+    return act.ActShape(
+        b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
+        ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
+        e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
+        experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
+        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0)
+
+
+def _block_numel(params: list[ParamShape]) -> tuple[int, int]:
+    """(largest block, root = embedding/norm/output) parameter counts of one rank."""
+    blocks: dict[str, int] = {}
+    root = 0
+    for p in params:
+        if p.name.startswith("layers."):
+            key = p.name.split(".")[1]
+            blocks[key] = blocks.get(key, 0) + p.numel
+        else:
+            root += p.numel
+    return max(blocks.values(), default=0), root
+
+
+def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
+                gpu: GPUSpec | None = None, stages: list[list[int]] | None = None) -> RankMemory:
+    """Memory of pipeline rank ``pp_rank`` at data-parallel index ``dp_index`` (None: the largest)."""
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    gpu = gpu or GPUS[recipe.cluster.gpu]
+    mode = dp_mode(p.zero, dims)
+    v = p.pp_virtual_stages if dims.pp > 1 else 1
+    stages = stages or stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
+    held = rank_stages(pp_rank, dims.pp, v, p.pp_schedule)
+    params = rank_params(m, stages, held, dims.tp, dims.ep)
+    index = worst_dp_index(params, mode) if dp_index is None else dp_index
+    state = model_state_bytes(params, mode, index)
+    x = act_shape(recipe, dims, mode, gpu)
+    counts = act.inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
+    detail: dict[str, int] = {}
+    last = len(stages) - 1
+    moe_any = False
+    for chunk, count in zip(held, counts):
+        terms: dict[str, int] = {}
+        for layer in stages[chunk]:
+            moe = is_moe_layer(m, layer)
+            moe_any |= moe
+            for k, val in act.layer_terms(x, moe, t.activation_checkpointing).items():
+                terms[k] = terms.get(k, 0) + val
+        terms.update(act.stage_terms(x))
+        if chunk == 0:
+            terms.update(act.first_stage_terms(x))
+        if chunk == last:
+            terms.update(act.last_stage_terms(x))
+        for k, val in terms.items():
+            detail[k] = detail.get(k, 0) + count * val
+    layers_held = [layer for s in held for layer in stages[s]]
+    working = max((act.recompute_working_bytes(x, is_moe_layer(m, layer), t.activation_checkpointing)
+                   for layer in layers_held), default=0)
+    if working:
+        detail["recompute_working_set"] = working
+    activations = sum(detail.values())
+
+    largest_block, root = _block_numel(params)
+    other = {
+        "weight_buffers": param_buffer_bytes(params, mode, t.precision, largest_block, root, t.activation_checkpointing),
+        "grad_buffers": grad_buffer_bytes(params, mode, t.precision, largest_block, batch.grad_accum),
+    }
+    if last in held:
+        last_count = counts[held.index(last)]
+        other["logits"] = last_count * act.logits_bytes(x) + act.loss_backward_bytes(x)
+    if moe_any:
+        moe_layers = sum(1 for layer in layers_held if is_moe_layer(m, layer))
+        other["moe_buffers"] = 8 * m.moe.num_experts * moe_layers
+        if dims.ep > 1:
+            other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
+    states = state.params + state.grads + state.optimizer
+    step_extra = optimizer_step_bytes(state.stepped, mode, state.full_numel)
+    backward = states + activations + sum(other.values())
+    reserve = RESERVE_BYTES.get(gpu.name, DEFAULT_RESERVE)
+    if backward >= states + step_extra:
+        phase, acts = "backward", activations
+    else:
+        phase, acts, other, detail = "optimizer step", 0, {"optimizer_step_temporaries": step_extra}, {}
+    if reserve:
+        other["framework_reserve"] = reserve
+        other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
+    return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
+                      other, detail)
+
+
+def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
+             fast: bool = False, hints: bool = True) -> CostModel:
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    gpu = GPUS[recipe.cluster.gpu]
+    mode = dp_mode(p.zero, dims)
+    v = p.pp_virtual_stages if dims.pp > 1 else 1
+    stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
+    per_pp = []
+    for r in range(dims.pp):
+        worst = rank_memory(recipe, dims, batch, r, None, gpu, stages)
+        best = worst
+        if mode.kind != "plain" and not fast:
+            params = rank_params(m, stages, rank_stages(r, dims.pp, v, p.pp_schedule), dims.tp, dims.ep)
+            best = rank_memory(recipe, dims, batch, r, best_dp_index(params, mode), gpu, stages)
+        held = rank_stages(r, dims.pp, v, p.pp_schedule)
+        per_pp.append((worst, best, held, sum(len(stages[s]) for s in held)))
+    worst = max((w for w, *_ in per_pp), key=lambda w: w.peak)
+
+    # -- FLOPs ---------------------------------------------------------------------------------------
+    seq, tokens_step = t.seq_len, batch.tokens_per_step
+    model_tok = flops_per_token(m, seq)
+    recompute = t.activation_checkpointing
+    hw_tok = head_flops_per_token(m)
+    works: list[RankWork] = []
+    comm_by_rank: list[list[Comm]] = []
+    tokens_mb = t.micro_batch_size * seq // dims.cp
+    for r, (_, _, held, _) in enumerate(per_pp):
+        fwd = bwd = attn = 0.0
+        layers = [layer for s in held for layer in stages[s]]
+        for layer in layers:
+            split, rep = block_flops_per_token(m, layer, seq)
+            rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
+            fwd += (split / dims.tp + rep) / 3
+            bwd += (split / dims.tp + rep) * 2 / 3 + rs / dims.tp + rr
+            attn += 12.0 * m.hidden * seq / dims.tp
+        last = len(stages) - 1 in held
+        if last:
+            head = head_flops_per_token(m) / dims.tp
+            fwd, bwd = fwd + head / 3, bwd + head * 2 / 3
+        params = rank_params(m, stages, held, dims.tp, dims.ep)
+        largest, _ = _block_numel(params)
+        dense = sum(q.numel for q in params if q.kind != "expert")
+        experts = sum(q.numel for q in params if q.kind == "expert")
+        spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), dense, experts, largest, batch.microbatches,
+                        tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k, len(layers),
+                        sum(1 for layer in layers if is_moe_layer(m, layer)), 0 in held, last,
+                        p.sequence_parallel and dims.tp > 1, recompute, p.cp_method, len(held))
+        comms = step_comms(spec, gpu, placement, fast)
+        comm_by_rank.append(comms)
+        stepped = model_state_bytes(params, mode, per_pp[r][0].dp_index).stepped
+        works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, attn * tokens_mb, comms,
+                              largest / max(1, dense + experts), stepped))
+    for layer in range(m.layers):
+        split, rep = block_flops_per_token(m, layer, seq)
+        rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
+        hw_tok += split + rs + (rep + rr) * dims.tp
+    world = dims.world_size
+    bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
+    st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
+                   model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap)
+    flops = {
+        "model_flops_per_token": model_tok, "model_flops_per_step": model_tok * tokens_step,
+        "model_flops_per_gpu_per_step": model_tok * tokens_step / world,
+        "hardware_flops_per_step": hw_tok * tokens_step, "hardware_flops_per_gpu_per_step": hw_tok * tokens_step / world,
+        "recompute_overhead": hw_tok / model_tok - 1.0,
+        "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
+                      "hardware FLOPs add recomputation and MoE blocks replicated over TP",
+    }
+    cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st,
+                   _global_rank(dims, mode, worst))
+    if hints and not cm.fits:
+        from llmtrain.plan.hints import memory_hints  # noqa: PLC0415  (imports validate; avoids a cycle)
+
+        cm.hints = memory_hints(recipe, placement, cm)
+    return cm
+
+
+def _global_rank(dims: ParallelDims, mode: DPMode, mem: RankMemory) -> int:
+    j = mem.dp_index
+    if mode.kind == "fsdp":
+        rep, shard, cp = 0, j // dims.cp, j % dims.cp
+    elif mode.kind == "zero1":
+        rep, rest = divmod(j, dims.dp_shard * dims.cp)
+        shard, cp = divmod(rest, dims.cp)
+    else:
+        rep = shard = cp = 0
+    return dims.rank_of((mem.pp_rank, rep, shard, cp, 0))
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 3)
+
+
+def memory_dict(mem: RankMemory) -> dict:
+    return {"params": _gib(mem.params), "grads": _gib(mem.grads), "optimizer": _gib(mem.optimizer),
+            "activations": _gib(mem.activations), "other": _gib(mem.other)}
+
+
+def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
+    w = cm.worst
+    per_rank = []
+    for worst, best, held, layers in cm.per_pp:
+        per_rank.append({"pp": worst.pp_rank, "ranks": dims.world_size // dims.pp, "stages": held, "layers": layers,
+                         "peak_gib": _gib(worst.peak), "peak_gib_min": _gib(best.peak),
+                         "worst_dp_index": worst.dp_index, **{f"{k}_gib": v for k, v in memory_dict(worst).items()}})
+    return {
+        "memory": {
+            "gpu": cm.gpu.name, "capacity_gib": _gib(cm.gpu.memory_bytes), "peak_gib": _gib(w.peak), "fits": cm.fits,
+            "headroom_gib": _gib(cm.gpu.memory_bytes - w.peak), "phase": w.phase, "dp_state": cm.mode.label,
+            "worst_rank": {"rank": cm.worst_rank, "pp": w.pp_rank, "dp_index": w.dp_index},
+            "breakdown_gib": memory_dict(w),
+            "other_gib": {k: _gib(v) for k, v in w.other_detail.items()},
+            "activations_gib": {k: _gib(v) for k, v in sorted(w.activation_detail.items(), key=lambda kv: -kv[1])},
+            "per_rank": per_rank, "hints": cm.hints,
+        },
+        "flops": cm.flops,
+        "comm": [c.to_dict() for c in cm.comms],
+        "bubble_fraction": cm.bubble,
+        "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12},
+    }
