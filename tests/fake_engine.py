@@ -12,8 +12,15 @@ Hooks (environment):
   FAKE_ENGINE_SLEEP=S           after step 1, every rank says "sleeping" and sleeps S seconds per step
   FAKE_ENGINE_IGNORE_TERM=1     ranks ignore SIGTERM (the launcher must SIGKILL them)
   FAKE_ENGINE_GRANDCHILD=1      each rank starts a grandchild in a new session that ignores
-                                SIGTERM and sleeps 300 s (orphaned when the rank dies)
+                                SIGTERM and sleeps 300 s (orphaned when the rank dies);
+                                =polite: the same grandchild, but SIGTERM stops it
   FAKE_ENGINE_MARKER=PATH       each rank creates PATH.<rank> on start (proves a process ran)
+  FAKE_ENGINE_HANG_RANK=R       rank R prints "rank R hangs at step N" at step FAKE_ENGINE_HANG_STEP (default 2)
+                                and then sleeps silently; the other ranks stop stepping there too (as if
+                                blocked in a collective) but print "rank X waits for rank R" every 0.5 s
+  FAKE_ENGINE_ENV_DUMP=PATH     each rank writes its whole environment, its network namespace and its cwd
+                                as JSON to PATH.<rank>.json
+  FAKE_ENGINE_PRINT_ENV=NAME    rank 0 prints "env NAME=<value>" (to test masking of secrets in output)
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ def main() -> int:
     env = os.environ.get
     if env("FAKE_ENGINE_MARKER"):
         open(f"{env('FAKE_ENGINE_MARKER')}.{rank}", "w").close()
+    if env("FAKE_ENGINE_ENV_DUMP"):
+        try:
+            netns = os.readlink("/proc/self/ns/net")
+        except OSError:
+            netns = None
+        with open(f"{env('FAKE_ENGINE_ENV_DUMP')}.{rank}.json", "w") as fp:
+            json.dump({"env": dict(os.environ), "netns": netns, "cwd": os.getcwd()}, fp)
+    if env("FAKE_ENGINE_PRINT_ENV") and rank == 0:
+        name = env("FAKE_ENGINE_PRINT_ENV")
+        print(f"env {name}={os.environ.get(name, '<unset>')}", flush=True)
     if env("FAKE_ENGINE_IGNORE_TERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with open(args.recipe) as fp:
@@ -62,11 +79,14 @@ def main() -> int:
     fail_rank = int(env("FAKE_ENGINE_FAIL_RANK", "-1"))
     fail_step = int(env("FAKE_ENGINE_FAIL_STEP", "2"))
     sleep_s = float(env("FAKE_ENGINE_SLEEP", "0"))
+    hang_rank = int(env("FAKE_ENGINE_HANG_RANK", "-1"))
+    hang_step = int(env("FAKE_ENGINE_HANG_STEP", "2"))
     print(f"fake engine rank {rank}/{world} starting, run id {env('LLMTRAIN_RUN_ID')}", flush=True)
     print(f"rank {rank} stderr hello", file=sys.stderr, flush=True)
-    if env("FAKE_ENGINE_GRANDCHILD") == "1":
+    if env("FAKE_ENGINE_GRANDCHILD") in ("1", "polite"):
+        ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if env("FAKE_ENGINE_GRANDCHILD") == "1" else ""
         child = subprocess.Popen(
-            [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"],
+            [sys.executable, "-c", f"import signal, time; {ignore}time.sleep(300)"],
             start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(f"rank {rank} started grandchild {child.pid}", flush=True)
     tokens = 2048
@@ -79,6 +99,13 @@ def main() -> int:
             print(f"rank {rank} fails on purpose at step {step}", file=sys.stderr, flush=True)
             record_error(f"FakeEngineError: rank {rank} fails on purpose at step {step}")
             return 3
+        if hang_rank >= 0 and step == hang_step:
+            if rank == hang_rank:
+                print(f"rank {rank} hangs at step {step}", flush=True)
+                time.sleep(3600)
+            while True:
+                print(f"rank {rank} waits for rank {hang_rank} at step {step}", flush=True)
+                time.sleep(0.5)
         if sleep_s and step == 2:
             print(f"rank {rank} sleeping", flush=True)
         time.sleep(sleep_s if sleep_s and step >= 2 else step_s)

@@ -169,14 +169,14 @@ def test_invalid_recipe_exits_2_before_anything_starts(tmp_path):
     assert not list(tmp_path.glob("engine-ran*"))
 
 
-def test_hosts_is_refused_until_multi_node_exists(tmp_path):
-    (tmp_path / "hosts").write_text("a slots=1\n")
-    result = subprocess.run([*CLI, "launch", str(RECIPE), "--hosts", str(tmp_path / "hosts"), "--runs",
-                             str(tmp_path / "runs")], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("error: --hosts: multi-node launch over SSH is not implemented yet; "
-                                     "omit --hosts to run every rank on this machine")
+def test_hosts_goes_to_the_ssh_launcher(tmp_path):
+    # multi-node launch is tested against real sshd hosts in test_launch_ssh.py; here: the flag is wired
+    (tmp_path / "hosts").write_text("a slots=2\nb slots=2\n")
+    result = subprocess.run([*CLI, "launch", str(RECIPE), "--hosts", str(tmp_path / "hosts"), "--dry-run", "--runs",
+                             str(tmp_path / "runs")], cwd=tmp_path, env=cli_env(HOME=str(tmp_path)),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^# node 1: \S+@b:22, ranks 2-3$", result.stdout, re.M) and "--node-rank 1" in result.stdout
     assert not (tmp_path / "runs").exists()
 
 

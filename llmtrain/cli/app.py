@@ -42,6 +42,7 @@ def main() -> None:
     from llmtrain.cli import launch as _launch  # noqa: F401
     from llmtrain.cli import report as _report  # noqa: F401
     from llmtrain.cli import data as _data  # noqa: F401
+    from llmtrain.cli import hosts as _hosts  # noqa: F401
 
     app()
 

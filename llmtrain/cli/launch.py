@@ -1,12 +1,16 @@
-"""``llmtrain launch``: run a recipe (on this machine for now) and stream its progress.
+"""``llmtrain launch``: run a recipe on this machine, or on a cluster over SSH, and stream its progress.
 
 Examples::
 
     llmtrain launch recipes/debug.yaml                       # 4 ranks on localhost, runs/debug/<run id>/
     llmtrain launch recipes/debug.yaml --set train.steps=10 --runs /tmp/runs
+    llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes --dry-run     # print each node's command
+    llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes               # preflight, then run
+    llmtrain launch recipes/llama3-8b.yaml --hosts hosts --include 'worker-1@worker-2:0,1'
 
-The command exits with the run's exit code (torchrun's; 130/143 after Ctrl-C/SIGTERM); a
-recipe that does not validate exits 2 before anything is created or started.
+The command exits with the run's exit code (torchrun's; 130/143 after Ctrl-C/SIGTERM; over
+SSH also 124 for a hang and 255 for a lost node); a recipe that does not validate, or a host
+that fails preflight, exits 2 before anything is created or started.
 """
 
 from __future__ import annotations
@@ -28,13 +32,26 @@ def launch(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Root of the run directories (runs/<name>/<run id>/)."),
-    hosts: Optional[Path] = typer.Option(None, "--hosts", help="Hostfile for a multi-node run (not implemented yet)."),
+    hosts: Optional[Path] = typer.Option(None, "--hosts", help="Hostfile: run on these hosts over SSH (docs/launch.md)."),
+    include: Optional[str] = typer.Option(None, "--include", help="Only these hosts/GPUs: host1@host2:0,2 (with --hosts)."),
+    exclude: Optional[str] = typer.Option(None, "--exclude", help="All but these hosts/GPUs: host1@host2:0,2 (with --hosts)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's exact command (secrets masked); start nothing."),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help="Do not run `llmtrain hosts check` first."),
+    accept_new_host_keys: bool = typer.Option(
+        False, "--accept-new-host-keys", help="Trust unknown SSH host keys on first use (warns; changed keys are still refused)."),
 ) -> None:
-    """Validate a recipe, then train it with torchrun on this machine, showing one progress bar."""
-    if hosts is not None:
-        raise LLMTrainError("multi-node launch over SSH is not implemented yet",
-                            "omit --hosts to run every rank on this machine", path="--hosts")
-    from llmtrain.launch.local import launch_local
+    """Validate a recipe, then train it with torchrun: on this machine, or on every host of --hosts over SSH."""
+    if hosts is None:
+        for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
+                            ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
+            if value:
+                raise LLMTrainError(f"{flag} needs --hosts", "pass a hostfile, or drop the flag", path=flag)
+        from llmtrain.launch.local import launch_local
 
-    code = launch_local(recipe, set_, runs_root=runs)
+        code = launch_local(recipe, set_, runs_root=runs)
+        raise typer.Exit(code)
+    from llmtrain.launch.sshlaunch import launch_ssh
+
+    code = launch_ssh(recipe, hosts, set_, runs_root=runs, include=include, exclude=exclude, dry_run=dry_run,
+                      skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys)
     raise typer.Exit(code)

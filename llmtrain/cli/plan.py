@@ -24,13 +24,24 @@ def plan(
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="GPUs per node (instead of cluster.gpus_per_node)."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as a JSON object (see docs/plan-json.md)."),
+    search: bool = typer.Option(False, "--search", help="Search every valid layout for this cluster and rank those that fit "
+                                "by modeled throughput (docs/planner.md)."),
+    top: int = typer.Option(5, "--top", min=1, max=100, help="With --search: how many layouts to show."),
+    schedule: bool = typer.Option(False, "--schedule", help="Draw the pipeline schedule's timeline in the terminal."),
+    schedule_png: Optional[Path] = typer.Option(None, "--schedule-png", help="Write the pipeline schedule's timeline as a PNG."),
+    layout_png: Optional[Path] = typer.Option(None, "--layout-png", help="Write the rank layout over nodes and GPUs as a PNG."),
 ) -> None:
-    """Validate a recipe and show layout, batch math and model size, before anything starts."""
+    """Validate a recipe and show layout, batch math, memory, step time and MFU, before anything starts."""
     from llmtrain.plan.api import make_plan
-    from llmtrain.plan.report import plan_to_dict
 
     result = make_plan(recipe, hosts, nodes, gpus_per_node, set_)
+    if search:
+        _search(result, top, as_json)
+        return
+    from llmtrain.plan.report import plan_to_dict
+
     data = plan_to_dict(result)
+    _pictures(result, schedule_png, layout_png)
     if as_json:
         # dumps + one write: json.dump streams one tiny write per token (~3x slower at 16,384 ranks)
         sys.stdout.write(json.dumps(data, separators=(",", ":") if data["world_size"] > 4096 else (", ", ": ")) + "\n")
@@ -40,7 +51,67 @@ def plan(
         from llmtrain.plan.render import render_plan
 
         render_plan(data, Console(highlight=False, soft_wrap=True))
+        if schedule:
+            print(_schedule_text(result))
     if not data["valid"]:
+        raise typer.Exit(EXIT_USER_ERROR)
+
+
+def _timeline(result):
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.plan.schedule import DRAWN, simulate
+
+    p, v = result.recipe.parallel, result.validation
+    if v.batch is None or v.dims is None:
+        raise LLMTrainError("the layout is invalid, so there is no schedule to draw", "fix the errors first", path="--schedule")
+    if p.pp == 1:
+        return None
+    if p.pp_schedule not in DRAWN:
+        raise LLMTrainError(f"the {p.pp_schedule} timeline is not drawn", f"use one of {', '.join(DRAWN)}",
+                            path="parallel.pp_schedule")
+    return simulate(p.pp_schedule, p.pp, p.pp_virtual_stages, v.batch.microbatches)
+
+
+def _schedule_text(result) -> str:
+    from llmtrain.plan.pictures import schedule_text
+
+    timeline = _timeline(result)
+    if timeline is None:
+        return "Schedule: pp = 1, no pipeline (micro batches run one after another with gradient accumulation)"
+    return "Schedule " + schedule_text(timeline)
+
+
+def _pictures(result, schedule_png: Optional[Path], layout_png: Optional[Path]) -> None:
+    if schedule_png is not None:
+        from llmtrain.plan.pictures import schedule_png as draw
+
+        timeline = _timeline(result)
+        if timeline is None:
+            from llmtrain.errors import LLMTrainError
+
+            raise LLMTrainError("pp = 1: there is no pipeline schedule to draw", "set parallel.pp > 1", path="--schedule-png")
+        print(f"wrote {draw(timeline, schedule_png)}", file=sys.stderr)
+    if layout_png is not None:
+        from llmtrain.errors import LLMTrainError
+        from llmtrain.plan.pictures import layout_png as draw
+
+        if result.validation.dims is None:
+            raise LLMTrainError("the layout is invalid, so there is no rank layout to draw", "fix the errors first",
+                                path="--layout-png")
+        print(f"wrote {draw(result.validation.dims, result.placement, layout_png)}", file=sys.stderr)
+
+
+def _search(result, top: int, as_json: bool) -> None:
+    from llmtrain.plan.search import search
+
+    found = search(result.recipe, result.placement, top=top)
+    if as_json:
+        sys.stdout.write(json.dumps(found.to_dict()) + "\n")
+    else:
+        from llmtrain.plan.search import format_result
+
+        print(format_result(found, result.recipe, result.placement))
+    if not found.top:
         raise typer.Exit(EXIT_USER_ERROR)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from functools import partial
 import time
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ from llmtrain.engine.dp_optimizer import build_optimizer
 from llmtrain.engine.optim import lr_multiplier, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
-from llmtrain.engine.parallel.pipeline import build_schedule
+from llmtrain.engine.parallel.pipeline import build_schedule, stage_io_shapes
 from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
 from llmtrain.engine.step import accumulation_step, cross_entropy, pipelined_step
 from llmtrain.errors import LLMTrainError
@@ -82,8 +83,13 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     grad_accum = gbs // (t.micro_batch_size * dims.dp)
     schedule = None
     if dims.pp > 1:
-        schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule, grad_accum,
-                                     cross_entropy, device, pp_group)
+        p, m = recipe.parallel, recipe.model
+        sp_shards = dims.tp if dims.tp > 1 and p.sequence_parallel else 1
+        act_dtype = torch.bfloat16 if t.precision == "bf16" and fsdp else torch.float32
+        shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=t.micro_batch_size, seq=t.seq_len // dims.cp,
+                         hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards)
+        schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
+                                     cross_entropy, device, pp_group, shapes=shapes, dtype=act_dtype)
     for part in parts.parts:  # the aux loss is scaled like the main loss (PP: the schedule scales grads)
         set_aux_loss_scale(part, 1.0 if schedule else 1.0 / grad_accum)
     # Global RoPE positions of this rank's tokens: CP shards the sequence (zigzag for ring);

@@ -7,7 +7,7 @@ Two forms are accepted:
       worker-1 slots=8
       worker-2 slots=8   # trailing comments are fine
 
-* YAML form (``.yaml``/``.yml``, or any file whose first content is ``hosts:``)::
+* YAML form (``.yaml``/``.yml``, or any file whose first content is one of its top-level keys)::
 
       known_hosts: ~/.ssh/cluster_known_hosts   # optional, for strict host-key checking
       ssh_config: ~/.ssh/config                 # optional (this is the default)
@@ -38,6 +38,7 @@ HOST_RE = re.compile(r"^(?:[A-Za-z0-9_](?:[A-Za-z0-9._-]{0,252})|\[[0-9A-Fa-f:.]
 ADDR_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,253}$")
 ABS_PATH_RE = re.compile(r"^/[^\x00\n]{0,4095}$")
 MAX_SLOTS = 1024
+YAML_KEYS = ("hosts:", "known_hosts:", "ssh_config:", "python:", "workdir:")  # a first line like these: YAML form
 MAX_BYTES = 1 << 20
 
 
@@ -114,7 +115,7 @@ def load_hostfile(path: str | Path) -> Hostfile:
 def parse_hostfile(text: str, source: str = "hostfile", yaml_form: bool | None = None) -> Hostfile:
     if yaml_form is None or not yaml_form:
         first = next((ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")), "")
-        yaml_form = bool(yaml_form) or first.startswith("hosts:") or first.startswith("known_hosts:")
+        yaml_form = bool(yaml_form) or first.startswith(YAML_KEYS)
     hostfile, lines = _parse_yaml(text, source) if yaml_form else _parse_deepspeed(text, source)
     seen: dict[str, int] = {}
     problems = []

@@ -65,9 +65,15 @@ try:
         r["torch"], r["cuda"] = ns.get("__version__"), ns.get("cuda")
 except Exception as e:
     r["torch"] = meta("torch")
-for name in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
-    r["nccl"] = meta(name)
-    if r["nccl"]:
+r["nccl"] = None
+for entry in sys.path:  # pip's NCCL wheel: nvidia_nccl_cu12-2.21.5.dist-info (a listdir, not a metadata scan)
+    try:
+        names = os.listdir(entry or ".")
+    except OSError:
+        continue
+    found = [n for n in names if n.startswith("nvidia_nccl_cu") and n.endswith(".dist-info")]
+    if found:
+        r["nccl"] = found[0][:-len(".dist-info")].split("-", 1)[-1]
         break
 smi = shutil.which("nvidia-smi")
 r["gpus"] = None
@@ -105,11 +111,16 @@ sys.stdout.write("@@probe " + json.dumps(r) + "\n")
 class Check:
     name: str
     status: str  # ok, warn, fail, skip
-    value: str
+    value: str  # the full sentence
     hint: str = ""
+    short: str = ""  # what the table cell shows (default: value)
 
     def to_dict(self) -> dict[str, str]:
         return {"name": self.name, "status": self.status, "value": self.value, "hint": self.hint}
+
+    def cell(self) -> str:
+        mark = {"fail": "✗ ", "warn": "! "}.get(self.status, "")
+        return mark + (self.short or self.value)
 
 
 @dataclass
@@ -119,8 +130,8 @@ class HostReport:
     conn: Any = None  # the open fabric Connection, when ssh passed
     probe: dict[str, Any] = field(default_factory=dict)
 
-    def add(self, name: str, status: str, value: str, hint: str = "") -> None:
-        self.checks[name] = Check(name, status, value, hint)
+    def add(self, name: str, status: str, value: str, hint: str = "", short: str = "") -> None:
+        self.checks[name] = Check(name, status, value, hint, short)
 
     @property
     def failed(self) -> list[Check]:
@@ -161,9 +172,9 @@ def check_host(spec: LaunchSpec, node: NodeSpec, opts: Any, local: dict[str, str
     try:
         report.conn = ssh.connect(node.target, opts)
     except ssh.SSHError as exc:
-        report.add("ssh", "fail", exc.message, exc.hint)
+        report.add("ssh", "fail", exc.message, exc.hint, exc.kind.replace("_", " "))
         return report
-    report.add("ssh", "ok", f"{node.target.address}{node.target.route}")
+    report.add("ssh", "ok", f"{node.target.address}{node.target.route}", short="ok" + node.target.route)
     t0 = time.time()
     try:
         code, out, err = ssh.run_capture(report.conn, probe_command(spec, node), PROBE_TIMEOUT_S)
@@ -184,7 +195,8 @@ def check_host(spec: LaunchSpec, node: NodeSpec, opts: Any, local: dict[str, str
         else:
             message = f"{node.python} could not run the probe ({detail})"
         report.add("python", "fail", message,
-                   "install Python >= 3.10 there, or set `python:` for this host in the hostfile (or launch.python)")
+                   "install Python >= 3.10 there, or set `python:` for this host in the hostfile (or launch.python)",
+                   "not found" if code == 127 else "broken")
         return report
     probe = report.probe = json.loads(line[len("@@probe "):])
     probe["_skew"] = probe["time"] - (t0 + t1) / 2
@@ -198,66 +210,71 @@ def _judge(report: HostReport, spec: LaunchSpec, node: NodeSpec, p: dict[str, An
     if version < (3, 10):
         report.add("python", "fail", f"{node.python} is Python {p['python']}", "use Python >= 3.10")
     else:
-        report.add("python", "ok", f"{p['python']} ({node.python})")
+        report.add("python", "ok", f"{p['python']} ({node.python})", short=p["python"])
     if p.get("workdir_ok"):
-        report.add("workdir", "ok", node.workdir)
+        report.add("workdir", "ok", node.workdir, short="ok")
     else:
         report.add("workdir", "fail", f"{node.workdir} does not exist",
-                   "create it, or set `workdir:` in the hostfile (or launch.workdir)")
+                   "create it, or set `workdir:` in the hostfile (or launch.workdir)", "missing")
     torch = p.get("torch")
     if not torch:
         report.add("torch", "fail", f"torch is not installed for {node.python}",
-                   f"{node.python} -m pip install torch=={_base(local.get('torch')) or '2.13.0'}")
+                   f"{node.python} -m pip install torch=={_base(local.get('torch')) or '2.13.0'}", "missing")
     else:
         builds = ", ".join(x for x in (f"CUDA {p['cuda']}" if p.get("cuda") else "CPU build",
                                        f"NCCL {p['nccl']}" if p.get("nccl") else "") if x)
         differs = local.get("torch") and _base(local["torch"]) != _base(torch)
         report.add("torch", "warn" if differs else "ok", f"{torch} ({builds})",
-                   f"the launching machine has torch {local.get('torch')}" if differs else "")
+                   f"the launching machine has torch {local.get('torch')}" if differs else "",
+                   torch + (f" cu{p['cuda']}" if p.get("cuda") else "") + (f" nccl{p['nccl']}" if p.get("nccl") else ""))
     mine = local.get("llmtrain")
     theirs = p.get("llmtrain")
     if theirs is None:
         report.add("llmtrain", "fail", f"llmtrain is not importable by {node.python} "
                                        f"({p.get('llmtrain_error', 'not installed')[:120]})",
-                   f"install llmtrain {mine} there: {node.python} -m pip install llmtrain=={mine} (or the same checkout)")
+                   f"install llmtrain {mine} there: {node.python} -m pip install llmtrain=={mine} (or the same checkout)",
+                   "missing")
     elif theirs != mine:
         report.add("llmtrain", "fail", f"version {theirs}, the launching machine has {mine}",
-                   f"install llmtrain {mine} there: {node.python} -m pip install llmtrain=={mine} (or the same checkout)")
+                   f"install llmtrain {mine} there: {node.python} -m pip install llmtrain=={mine} (or the same checkout)",
+                   f"{theirs} != {mine}")
     else:
         report.add("llmtrain", "ok", theirs)
     if p.get("gpu_error"):
-        report.add("gpus", "fail", f"nvidia-smi failed: {p['gpu_error']}", "check the NVIDIA driver on the host")
+        report.add("gpus", "fail", f"nvidia-smi failed: {p['gpu_error']}", "check the NVIDIA driver on the host",
+                   "nvidia-smi failed")
     elif p.get("gpus") is None:
-        report.add("gpus", "ok", "no nvidia-smi (CPU host)")
+        report.add("gpus", "ok", "no nvidia-smi (CPU host)", short="none (CPU)")
     elif p["gpus"] < node.slots:
         report.add("gpus", "fail", f"{p['gpus']} GPUs for {node.slots} slots",
-                   f"give this host at most slots={p['gpus']} in the hostfile")
+                   f"give this host at most slots={p['gpus']} in the hostfile", f"{p['gpus']}/{node.slots}")
     else:
-        report.add("gpus", "ok", f"{p['gpus']} GPUs, {node.slots} slots")
+        report.add("gpus", "ok", f"{p['gpus']} GPUs, {node.slots} slots", short=f"{p['gpus']}/{node.slots}")
     free = p["disk_free"] / GIB
     where = f"{free:.1f} GiB free at {p['disk_path']}"
     if free < 1:
-        report.add("disk", "fail", where, "free space there or point --runs / workdir elsewhere")
+        report.add("disk", "fail", where, "free space there or point --runs / workdir elsewhere", f"{free:.1f} GiB")
     elif free < 10:
-        report.add("disk", "warn", where, "checkpoints may not fit")
+        report.add("disk", "warn", where, "checkpoints may not fit", f"{free:.1f} GiB")
     else:
-        report.add("disk", "ok", where)
+        report.add("disk", "ok", where, short=f"{free:.0f} GiB")
     if node.node_rank == 0:
         if p.get("port_free"):
-            report.add("port", "ok", f"{spec.port} free")
+            report.add("port", "ok", f"{spec.port} free", short=f"{spec.port} free")
         else:
             report.add("port", "fail", f"rendezvous port {spec.port} is in use ({p.get('port_error')})",
-                       "set launch.rdzv_port to a free port, or stop what listens there")
+                       "set launch.rdzv_port to a free port, or stop what listens there", f"{spec.port} in use")
     else:
         report.add("port", "skip", "-")
     skew, err = p["_skew"], p["_skew_err"]
     text = f"{skew:+.2f} s (±{err:.2f})"
     if abs(skew) - err > 5:
-        report.add("clock", "fail", f"clock off by {text}", "enable NTP on the host (e.g. timedatectl set-ntp true)")
+        report.add("clock", "fail", f"clock off by {text}", "enable NTP on the host (e.g. timedatectl set-ntp true)",
+                   f"{skew:+.1f} s")
     elif abs(skew) - err > 1:
-        report.add("clock", "warn", f"clock off by {text}", "enable NTP on the host")
+        report.add("clock", "warn", f"clock off by {text}", "enable NTP on the host", f"{skew:+.1f} s")
     else:
-        report.add("clock", "ok", text)
+        report.add("clock", "ok", text, short=f"{skew:+.1f} s")
 
 
 def _cross_check(reports: list[HostReport]) -> None:
@@ -269,7 +286,7 @@ def _cross_check(reports: list[HostReport]) -> None:
             torch = r.probe.get("torch")
             if torch and _base(torch) != _base(first.probe["torch"]):
                 r.add("torch", "fail", f"{torch}, but {first.node.host} has {first.probe['torch']}",
-                      "install the same torch version on every host")
+                      "install the same torch version on every host", f"{torch} differs")
 
 
 def run_preflight(spec: LaunchSpec, opts: Any, local: dict[str, str | None] | None = None) -> list[HostReport]:
@@ -285,23 +302,27 @@ STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
 
 
 def render(reports: list[HostReport], console: Any) -> None:
-    """One table: a row per host, a column per check, and the fixes for that host's failures."""
+    """One table: a row per host, a column per check, and each failure's sentence with its fix."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title="llmtrain hosts check", title_justify="left")
-    for col in ("host", *CHECKS, "fix"):
-        table.add_column(col, overflow="fold")
+    for col in ("host", *CHECKS, "problems and fixes"):
+        table.add_column(col, overflow="fold", no_wrap=col != "problems and fixes")
     for r in reports:
-        cells = [Text(f"{r.node.host}\n{r.node.target.address}")]
+        cells = [Text(r.node.host)]
         for name in CHECKS:
             check = r.checks.get(name)
-            cells.append(Text("-", style="dim") if check is None else
-                         Text(("✗ " if check.status == "fail" else "! " if check.status == "warn" else "") + check.value,
-                              style=STYLE[check.status]))
-        fixes = [f"{c.name}: {c.hint}" for c in r.checks.values() if c.status in ("fail", "warn") and c.hint]
+            cells.append(Text("-", style="dim") if check is None else Text(check.cell(), style=STYLE[check.status]))
+        fixes = [f"{c.name}: {c.value}" + (f" -> fix: {c.hint}" if c.hint else "")
+                 for c in r.checks.values() if c.status in ("fail", "warn")]
         cells.append(Text("\n".join(fixes)))
         table.add_row(*cells)
+    # a CI log is not a terminal (80 columns by default): give the table room instead of folding every cell
+    if not console.is_terminal and console.width < 240:
+        from rich.console import Console
+
+        console = Console(file=console.file, width=240, highlight=False, soft_wrap=True, no_color=console.no_color)
     console.print(table)
     failed = sum(1 for r in reports if r.failed)
     console.print(f"{len(reports) - failed} of {len(reports)} hosts ready" + (f"; {failed} failed" if failed else ""),

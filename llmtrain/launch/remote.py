@@ -21,7 +21,8 @@
    process of the node: SIGTERM to torchrun, its descendants (torchrun's workers sit in their own
    sessions, so a group kill would miss them) and every process marked
    ``LLMTRAIN_NODE_ID=<id>.<node rank>``, then SIGKILL after ``--grace`` seconds;
-5. after torchrun exits, sweeps leftovers the same way, reports torchelastic error files
+5. when torchrun exits, says so at once (``@@n {"event": "torchrun_exit", "code"}``: the launcher
+   starts stopping the other nodes while this one drains), sweeps leftovers the same way, reports torchelastic error files
    (``@@n {"event": "error_file", "rank", "message"}``) and ``@@n {"event": "exit", "code"}``,
    and exits with torchrun's code.
 
@@ -162,7 +163,9 @@ class Helper:
                 self.out(node_event("stopped", signalled=result.signalled, killed=result.killed))
                 break
             if proc.poll() is not None:
-                exited_at = exited_at or now
+                if exited_at is None:  # tell the launcher at once: it stops the other nodes while we drain
+                    exited_at = now
+                    self.out(node_event("torchrun_exit", code=proc.returncode))
                 if not self.pipes.open or now - exited_at > 1.0:
                     break
         self.tree.scan()
@@ -235,12 +238,14 @@ class Helper:
 
 def kill(args: argparse.Namespace) -> int:
     node_id = f"{args.run_id}.{args.node_rank}"
-    pgids = []
+    pgids, helper, helper_start = [], None, None
     if args.pgid:
         leader = read_stat(args.pgid)
         # a live leader with another start time is a reused pid: not our group
         if leader is None or not args.pgid_start or leader.start == args.pgid_start:
             pgids.append(args.pgid)
+            if leader is not None and leader.state != "Z":
+                helper, helper_start = args.pgid, leader.start
     me = os.getpid()
     tree = ProcessTree(group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id))
 
@@ -248,9 +253,19 @@ def kill(args: argparse.Namespace) -> int:
         for pid in group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id):
             tree.add(pid)
         tree.scan()
-        return tree.alive() - {me}
+        return tree.alive() - {me, helper}
 
+    if helper:  # SIGTERM makes the helper stop its node too, and report it before exiting
+        os.kill(helper, signal.SIGTERM)
     result = terminate(alive, args.grace)
+    if helper:  # SIGKILL the helper only if it did not finish once everything else is gone
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and read_stat(helper) is not None and read_stat(helper).state != "Z":
+            time.sleep(0.02)
+        info = read_stat(helper)
+        if info is not None and info.state != "Z" and info.start == helper_start:
+            os.kill(helper, signal.SIGKILL)
+            result.killed += 1
     print(json.dumps({"signalled": result.signalled, "killed": result.killed}), flush=True)
     return 0
 

@@ -33,6 +33,7 @@ import secrets
 import shlex
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -142,7 +143,7 @@ def _connection(target: SSHTarget, opts: SSHOptions) -> Connection:
 def connect(target: SSHTarget, opts: SSHOptions) -> Connection:
     """An open, host-key-checked connection to ``target`` (through its ProxyJump hosts), or SSHError."""
     conn = _connection(target, opts)
-    hop = target
+    hop, t0 = target, time.monotonic()
     try:
         gateway = conn.gateway
         chain = []
@@ -157,7 +158,7 @@ def connect(target: SSHTarget, opts: SSHOptions) -> Connection:
         conn.transport.set_keepalive(KEEPALIVE_S)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one sentence
         close(conn)
-        raise describe(hop, exc, opts) from None
+        raise describe(hop, exc, opts, time.monotonic() - t0) from None
     return conn
 
 
@@ -186,7 +187,7 @@ def _owner_of(name: str, files: list[str]) -> str | None:
     return None
 
 
-def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions) -> SSHError:
+def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions, elapsed: float = 0.0) -> SSHError:
     """Turn an exception from connecting to ``target`` into one sentence and a fix."""
     where, port = target.hostname, target.port
     name = target.known_hosts_name
@@ -210,10 +211,17 @@ def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions) -> SSHErro
         return SSHError(target, f"{target.user}@{where} refused our key ({tried})",
                         f"add the public key to ~{target.user}/.ssh/authorized_keys on the host, or set "
                         f"identity_file in the hostfile / IdentityFile in ~/.ssh/config", "auth")
-    if isinstance(exc, paramiko.SSHException) and "banner" in str(exc).lower():
-        return SSHError(target, f"{where}:{port} accepted TCP but sent no SSH banner within {opts.banner_timeout:g} s",
-                        "check that this port is the SSH server's (not another service, a proxy or a firewall)",
-                        "banner")
+    handshake = ("banner", "no existing session", "negotiation")
+    if isinstance(exc, (paramiko.SSHException, EOFError)) and any(w in str(exc).lower() for w in handshake):
+        # paramiko reports a silent server as a banner error or, racing its own timers, as
+        # "No existing session": tell them apart from a server that hung up by the time taken
+        if elapsed >= 0.9 * opts.banner_timeout:
+            return SSHError(target, f"{where}:{port} accepted TCP but sent no SSH banner within "
+                                    f"{opts.banner_timeout:g} s",
+                            "check that this port is the SSH server's (not another service, a proxy or a firewall)",
+                            "banner")
+        return SSHError(target, f"{where}:{port} closed the connection during the SSH handshake",
+                        "check the host's sshd (its logs; MaxStartups, AllowUsers, TCP wrappers)", "handshake")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return SSHError(target, f"no answer from {where}:{port} within {opts.connect_timeout:g} s",
                         "check the address, the network and firewalls, or raise launch.connect_timeout_s", "timeout")
@@ -225,9 +233,6 @@ def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions) -> SSHErro
     if isinstance(exc, paramiko.ChannelException):
         return SSHError(target, f"the jump host could not open a connection to {where}:{port} ({exc})",
                         "check HostName/Port as seen from the jump host", "proxy")
-    if isinstance(exc, paramiko.SSHException) and "no existing session" in str(exc).lower():
-        return SSHError(target, f"{where}:{port} closed the SSH session during the handshake",
-                        "check the host's sshd logs (MaxStartups, AllowUsers)", "handshake")
     text = str(exc) or type(exc).__name__
     return SSHError(target, f"SSH failed: {text[:200]}", "check the host's sshd and the hostfile entry")
 

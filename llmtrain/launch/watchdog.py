@@ -10,10 +10,11 @@ every other rank waits with it. The watchdog follows rank 0's progress events
 * after it, each next event must come within ``hang_timeout_s``.
 
 When a limit passes, :meth:`Watchdog.check` returns a :class:`Hang` naming the ranks that went
-*silent* (no output line for at least the limit; a rank that never printed counts as silent)
-and, for every rank, how long ago it last printed and what -- in a real hang the rank that
-stopped first and its last words are usually the clue. 0 disables a limit. Pure Python; the
-clock is injectable for tests.
+*silent* -- no output line for at least half the limit (a rank that never printed counts as
+silent; "half" because the rank that hangs usually says a last word just after the last step
+event) -- and, for every rank, how long ago it last printed and what: in a real hang the rank
+that stopped first and its last words are usually the clue. 0 disables a limit. Pure Python;
+the clock is injectable for tests.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class Hang:
     waited_s: float
     limit_s: float
     last_step: int | None
-    silent: tuple[int, ...]  # ranks without output for >= limit_s
+    silent: tuple[int, ...]  # ranks without output for >= limit_s / 2
     last_output: dict[int, tuple[float, str]] = field(default_factory=dict)  # rank -> (seconds ago, last line)
 
     def summary(self) -> str:
@@ -80,6 +81,6 @@ class Watchdog:
         for rank in self.ranks:
             when, line = self.last_line.get(rank, (self.started, ""))
             last[rank] = (now - when, line)
-            if now - when >= limit:
+            if now - when >= limit / 2:
                 silent.append(rank)
         return Hang(now - since, limit, self.last_step, tuple(silent), last)

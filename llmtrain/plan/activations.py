@@ -36,6 +36,7 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 LSE = 4  # fp32 log-sum-exp / rstd bytes
 
@@ -72,6 +73,8 @@ class ActShape:
     top_k: int = 1
     expert_ffn: int = 0
     shared_ffn: int = 0  # shared_experts x expert_ffn
+    cp: int = 1
+    cp_method: str = "ring"
 
     @property
     def head_dim(self) -> int:
@@ -102,12 +105,42 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
     kv = bs * x.kv_heads * x.head_dim // t
     lse = LSE * x.b * (x.heads // t) * x.s
     if recompute == "selective":  # outputs of wq, wk, wv, SDPA (out + lse), wo (the full-size partial sum)
-        return {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h}
+        out = {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h}
+        if x.cp > 1 and x.cp_method == "ring":  # not SDPA: the policy saves the ring's own bmm outputs,
+            del out["attn_out"]  # the fp32 scores and block outputs of every step (unverified on CPU)
+            out["ring_saved_blocks"] = x.cp * LSE * (x.b * (x.heads // t) * x.s * x.s + q)
+        return out
     out = _norm(x)
     out["attn_input"] = (3 if x.autocast else 1) * bs * x.h * e
-    out["qkv_attn_out"] = 4 * e * q  # q, k and v repeated to the query heads, SDPA output
-    out["attn_lse"] = lse
+    out.update(core_attention_terms(x))
     return out
+
+
+def core_attention_terms(x: ActShape) -> dict[str, int]:
+    """What the core attention keeps: SDPA, or the engine's context-parallel attention
+    (``engine/parallel/context.py``). K and V are repeated to the query heads before it."""
+    bs, t, e = x.b * x.s, x.tp, x.e
+    q = bs * x.heads * x.head_dim // t  # one of q, k, v or the output, local
+    lse = LSE * x.b * (x.heads // t) * x.s
+    if x.cp <= 1:
+        return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}  # q, k, v, SDPA output (+ its fp32 log-sum-exp)
+    if x.cp_method == "ring":  # RingAttention saves q, k, v, its fp32 output and lse; wo saves the cast output
+        return {"qkv_attn_out": 3 * e * q + LSE * q + (e * q if e != LSE else 0), "attn_lse": lse}
+    if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy
+        return {"qkv_attn_out": 5 * e * q, "attn_lse": lse}
+    # allgather: K and V of the whole sequence, and the [s_local, s] boolean causal mask
+    return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse, "attn_mask": x.s * x.s * x.cp}
+
+
+def cp_transient_bytes(x: ActShape) -> int:
+    """Working memory of one context-parallel attention call: the ring computes each K/V block's
+    scores in fp32 with an explicit mask, ``[b, heads/t, s_local, s_local]`` (scores, masked scores,
+    probabilities and in backward their gradients: ~4 alive at once)."""
+    if x.cp <= 1:
+        return 0
+    if x.cp_method == "ring":
+        return 4 * LSE * x.b * (x.heads // x.tp) * x.s * x.s
+    return 2 * x.e * x.b * x.s * x.heads * x.head_dim // x.tp  # all-to-all / gather buffers
 
 
 def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
@@ -141,14 +174,19 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
 
 def layer_terms(x: ActShape, moe: bool, recompute: str) -> dict[str, int]:
     """Bytes one transformer block keeps for backward for one micro batch, by term."""
+    return dict(_layer_terms(x, moe, recompute))
+
+
+@lru_cache(maxsize=8192)
+def _layer_terms(x: ActShape, moe: bool, recompute: str) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
-        return {"block_input": x.b * x.s * x.h * x.r // x.n}
+        return (("block_input", x.b * x.s * x.h * x.r // x.n),)
     out: dict[str, int] = {}
     if recompute == "selective":
         out["block_input"] = x.b * x.s * x.h * x.r // x.n
     _add(out, attention_terms(x, recompute))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
-    return out
+    return tuple(out.items())
 
 
 def layer_bytes(x: ActShape, moe: bool, recompute: str) -> int:
@@ -173,15 +211,20 @@ def stage_terms(x: ActShape) -> dict[str, int]:
 
 
 def last_stage_terms(x: ActShape) -> dict[str, int]:
-    """Final norm, the output layer's (gathered) input and the fp32 log-probabilities of the loss."""
+    """Final norm, the output layer's (gathered) input, the loss's fp32 ``[b, s, vocab/tp]`` tensor
+    (log-probabilities; under ``loss_parallel`` its fp32 input logits) and the int64 labels."""
     out = _norm(x)
     out["output_input"] = x.b * x.s * x.h * x.e
     out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
+    out["labels"] = 8 * x.b * x.s
     return out
 
 
 def logits_bytes(x: ActShape) -> int:
-    """Logits alive from the forward to the end of backward (``[b, s, vocab/tp]`` in compute dtype)."""
+    """Logits alive from the forward to the end of backward (``[b, s, vocab/tp]`` in compute dtype).
+    With TP in fp32 the vocabulary-parallel loss keeps the logits themselves: nothing extra."""
+    if x.tp > 1 and x.e == 4:
+        return 0
     return x.b * x.s * x.vocab // x.tp * x.e
 
 

@@ -169,13 +169,31 @@ class CommSpec:
     chunks: int  # pipeline chunks on this rank (virtual stages)
 
 
-def step_comms(c: CommSpec, gpu: GPUSpec, placement: Placement, fast: bool = False) -> list[Comm]:
+GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",), "dp_replicate": ("dp_replicate",),
+          "fsdp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+def group_spans(dims: ParallelDims, placement: Placement, fast: bool = False) -> dict[str, bool]:
+    """Whether rank 0's group of each dimension (and of the FSDP / gradient all-reduce groups)
+    crosses nodes; groups of size 1 do not."""
+    out = {}
+    for key, names in GROUPS.items():
+        size = dims.ep if key == "ep" else 1
+        if key != "ep":
+            for name in names:
+                size *= dims.degree(name)
+        out[key] = size > 1 and spans_nodes(dims, placement, names, fast)
+    return out
+
+
+def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     d = c.dims
     out: list[Comm] = []
     m = c.microbatches
 
     def lk(names) -> Link:
-        return link(gpu, spans_nodes(d, placement, names, fast))
+        key = next(k for k, v in GROUPS.items() if v == ((names,) if isinstance(names, str) else tuple(names)))
+        return link(gpu, spans[key])
 
     # -- data parallel -------------------------------------------------------------------------------
     dpcp = d.dp * d.cp
@@ -204,11 +222,14 @@ def step_comms(c: CommSpec, gpu: GPUSpec, placement: Placement, fast: bool = Fal
     if d.tp > 1:
         g = lk("tp")
         act = c.e * c.tokens * c.hidden
+        # all-reduce equivalents per micro batch: 2 forward + 2 backward per layer (+ 2 re-run forward
+        # with recomputation), and one each way for the embedding and for the output layer's input.
+        # With SP each all-reduce becomes an all-gather plus a reduce-scatter (same bytes).
         per_layer = 4 + (2 if c.recompute != "none" else 0)
         count = m * (per_layer * c.layers + 2 * (int(c.embedding) + int(c.output)))
         if c.sp:
-            out.append(make("tp", "all-gather", d.tp, act, count / 2, g, "microbatch", "sequence parallel"))
-            out.append(make("tp", "reduce-scatter", d.tp, act, count / 2, g, "microbatch", "sequence parallel"))
+            out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
+            out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))
         else:
             out.append(make("tp", "all-reduce", d.tp, act, count, g, "microbatch"))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from llmtrain.plan import activations as act
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.comm import Comm, CommSpec, step_comms
+from llmtrain.plan.comm import Comm, CommSpec, group_spans, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import block_flops_per_token, flops_per_token, head_flops_per_token, recompute_flops_per_token
 from llmtrain.plan.memory import (
@@ -34,7 +34,7 @@ from llmtrain.plan.memory import (
     param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.plan.placement import Placement
-from llmtrain.plan.shards import ParamShape, is_moe_layer, rank_params, rank_stages, stage_layers
+from llmtrain.plan.shards import inventory, is_moe_layer, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUS, GPUSpec
 from llmtrain.recipe.schema import Recipe
@@ -68,7 +68,7 @@ class CostModel:
     gpu: GPUSpec
     mode: DPMode
     worst: RankMemory
-    per_pp: list[tuple[RankMemory, RankMemory, list[int], int]]  # (worst, best, stages, layers) per pp rank
+    per_pp: list[tuple[RankMemory, RankMemory, list[int], int]]  # (worst, best, stages, layers) per pp rank (fast: some)
     flops: dict
     comms: list[Comm]  # of the slowest pipeline rank
     bubble: float
@@ -90,71 +90,55 @@ def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) ->
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
         e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
-        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0)
-
-
-def _block_numel(params: list[ParamShape]) -> tuple[int, int]:
-    """(largest block, root = embedding/norm/output) parameter counts of one rank."""
-    blocks: dict[str, int] = {}
-    root = 0
-    for p in params:
-        if p.name.startswith("layers."):
-            key = p.name.split(".")[1]
-            blocks[key] = blocks.get(key, 0) + p.numel
-        else:
-            root += p.numel
-    return max(blocks.values(), default=0), root
+        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method)
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
                 gpu: GPUSpec | None = None, stages: list[list[int]] | None = None) -> RankMemory:
-    """Memory of pipeline rank ``pp_rank`` at data-parallel index ``dp_index`` (None: the largest)."""
+    """Memory of pipeline rank ``pp_rank`` at ``dp_cp`` index ``dp_index`` (None: the most loaded one)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
     gpu = gpu or GPUS[recipe.cluster.gpu]
     mode = dp_mode(p.zero, dims)
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stages or stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
     held = rank_stages(pp_rank, dims.pp, v, p.pp_schedule)
-    params = rank_params(m, stages, held, dims.tp, dims.ep)
-    index = worst_dp_index(params, mode) if dp_index is None else dp_index
-    state = model_state_bytes(params, mode, index)
+    inv = inventory(m, stages, held, dims.tp, dims.ep)
+    index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
+    state = model_state_bytes(inv.params, mode, index)
     x = act_shape(recipe, dims, mode, gpu)
+    recompute = t.activation_checkpointing
     counts = act.inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
     detail: dict[str, int] = {}
     last = len(stages) - 1
-    moe_any = False
-    for chunk, count in zip(held, counts):
-        terms: dict[str, int] = {}
-        for layer in stages[chunk]:
-            moe = is_moe_layer(m, layer)
-            moe_any |= moe
-            for k, val in act.layer_terms(x, moe, t.activation_checkpointing).items():
-                terms[k] = terms.get(k, 0) + val
-        terms.update(act.stage_terms(x))
+    kinds = {False: act.layer_terms(x, False, recompute), True: act.layer_terms(x, True, recompute)}
+    for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
+        parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x), 1)]
         if chunk == 0:
-            terms.update(act.first_stage_terms(x))
+            parts.append((act.first_stage_terms(x), 1))
         if chunk == last:
-            terms.update(act.last_stage_terms(x))
-        for k, val in terms.items():
-            detail[k] = detail.get(k, 0) + count * val
-    layers_held = [layer for s in held for layer in stages[s]]
-    working = max((act.recompute_working_bytes(x, is_moe_layer(m, layer), t.activation_checkpointing)
-                   for layer in layers_held), default=0)
+            parts.append((act.last_stage_terms(x), 1))
+        for terms, n in parts:
+            for k, val in terms.items():
+                if n:
+                    detail[k] = detail.get(k, 0) + count * n * val
+    working = max(act.recompute_working_bytes(x, inv.moe_layers > 0, recompute),
+                  act.recompute_working_bytes(x, False, recompute) if len(inv.layers) > inv.moe_layers else 0)
     if working:
         detail["recompute_working_set"] = working
     activations = sum(detail.values())
 
-    largest_block, root = _block_numel(params)
     other = {
-        "weight_buffers": param_buffer_bytes(params, mode, t.precision, largest_block, root, t.activation_checkpointing),
-        "grad_buffers": grad_buffer_bytes(params, mode, t.precision, largest_block, batch.grad_accum),
+        "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel, mode, t.precision,
+                                             inv.largest_block, inv.root, recompute),
+        "grad_buffers": grad_buffer_bytes(inv.dense_numel + inv.expert_numel, mode, t.precision, inv.largest_block,
+                                          batch.grad_accum),
     }
-    if last in held:
-        last_count = counts[held.index(last)]
-        other["logits"] = last_count * act.logits_bytes(x) + act.loss_backward_bytes(x)
-    if moe_any:
-        moe_layers = sum(1 for layer in layers_held if is_moe_layer(m, layer))
-        other["moe_buffers"] = 8 * m.moe.num_experts * moe_layers
+    if inv.last:
+        other["logits"] = counts[held.index(last)] * act.logits_bytes(x) + act.loss_backward_bytes(x)
+    if dims.cp > 1:
+        other["cp_attention"] = act.cp_transient_bytes(x)
+    if inv.moe_layers:
+        other["moe_buffers"] = 8 * m.moe.num_experts * inv.moe_layers
         if dims.ep > 1:
             other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
     states = state.params + state.grads + state.optimizer
@@ -172,6 +156,22 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                       other, detail)
 
 
+def probe_ranks(pp: int) -> list[int]:
+    """Pipeline ranks the search prices (fast mode): the first two (most micro batches in flight,
+    the embedding), the last two (logits) and one in the middle; the final top K are re-priced
+    on every rank."""
+    return sorted({0, min(1, pp - 1), pp // 2, max(0, pp - 2), pp - 1})
+
+
+def peak_bytes(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_ranks: list[int] | None = None) -> int:
+    """The largest peak memory over ``pp_ranks`` (default: all): a memory-only check for the search."""
+    m, p = recipe.model, recipe.parallel
+    v = p.pp_virtual_stages if dims.pp > 1 else 1
+    stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
+    ranks = range(dims.pp) if pp_ranks is None else pp_ranks
+    return max(rank_memory(recipe, dims, batch, r, None, None, stages).peak for r in ranks)
+
+
 def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
              fast: bool = False, hints: bool = True) -> CostModel:
     m, p, t = recipe.model, recipe.parallel, recipe.train
@@ -180,12 +180,12 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
     per_pp = []
-    for r in range(dims.pp):
+    for r in (probe_ranks(dims.pp) if fast else range(dims.pp)):
         worst = rank_memory(recipe, dims, batch, r, None, gpu, stages)
         best = worst
         if mode.kind != "plain" and not fast:
-            params = rank_params(m, stages, rank_stages(r, dims.pp, v, p.pp_schedule), dims.tp, dims.ep)
-            best = rank_memory(recipe, dims, batch, r, best_dp_index(params, mode), gpu, stages)
+            inv = inventory(m, stages, rank_stages(r, dims.pp, v, p.pp_schedule), dims.tp, dims.ep)
+            best = rank_memory(recipe, dims, batch, r, best_dp_index(inv.params, mode), gpu, stages)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         per_pp.append((worst, best, held, sum(len(stages[s]) for s in held)))
     worst = max((w for w, *_ in per_pp), key=lambda w: w.peak)
@@ -198,40 +198,43 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     works: list[RankWork] = []
     comm_by_rank: list[list[Comm]] = []
     tokens_mb = t.micro_batch_size * seq // dims.cp
-    for r, (_, _, held, _) in enumerate(per_pp):
-        fwd = bwd = attn = 0.0
-        layers = [layer for s in held for layer in stages[s]]
-        for layer in layers:
+    spans = group_spans(dims, placement, fast)
+    for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
+        held = rank_stages(r, dims.pp, v, p.pp_schedule)
+        inv = inventory(m, stages, held, dims.tp, dims.ep)
+        fwd = bwd = 0.0
+        for kind in (False, True):
+            n = inv.moe_layers if kind else len(inv.layers) - inv.moe_layers
+            if not n:
+                continue
+            layer = next(layer for layer in inv.layers if is_moe_layer(m, layer) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
             rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
-            fwd += (split / dims.tp + rep) / 3
-            bwd += (split / dims.tp + rep) * 2 / 3 + rs / dims.tp + rr
-            attn += 12.0 * m.hidden * seq / dims.tp
-        last = len(stages) - 1 in held
-        if last:
+            fwd += n * (split / dims.tp + rep) / 3
+            bwd += n * ((split / dims.tp + rep) * 2 / 3 + rs / dims.tp + rr)
+        if inv.last:
             head = head_flops_per_token(m) / dims.tp
             fwd, bwd = fwd + head / 3, bwd + head * 2 / 3
-        params = rank_params(m, stages, held, dims.tp, dims.ep)
-        largest, _ = _block_numel(params)
-        dense = sum(q.numel for q in params if q.kind != "expert")
-        experts = sum(q.numel for q in params if q.kind == "expert")
-        spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), dense, experts, largest, batch.microbatches,
-                        tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k, len(layers),
-                        sum(1 for layer in layers if is_moe_layer(m, layer)), 0 in held, last,
-                        p.sequence_parallel and dims.tp > 1, recompute, p.cp_method, len(held))
-        comms = step_comms(spec, gpu, placement, fast)
+        spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), inv.dense_numel, inv.expert_numel,
+                        inv.largest_block, batch.microbatches, tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k,
+                        len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
+                        recompute, p.cp_method, len(held))
+        comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
-        stepped = model_state_bytes(params, mode, per_pp[r][0].dp_index).stepped
-        works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, attn * tokens_mb, comms,
-                              largest / max(1, dense + experts), stepped))
-    for layer in range(m.layers):
-        split, rep = block_flops_per_token(m, layer, seq)
-        rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
-        hw_tok += split + rs + (rep + rr) * dims.tp
+        stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
+        works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
+                              inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
+    n_moe = sum(1 for layer in range(m.layers) if is_moe_layer(m, layer))
+    for kind, n in ((False, m.layers - n_moe), (True, n_moe)):
+        if n:
+            layer = m.moe.first_dense_layers if kind else 0
+            split, rep = block_flops_per_token(m, layer, seq)
+            rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
+            hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
-                   model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap)
+                   model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap, dims.pp)
     flops = {
         "model_flops_per_token": model_tok, "model_flops_per_step": model_tok * tokens_step,
         "model_flops_per_gpu_per_step": model_tok * tokens_step / world,
@@ -240,8 +243,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
                       "hardware FLOPs add recomputation and MoE blocks replicated over TP",
     }
-    cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st,
-                   _global_rank(dims, mode, worst))
+    cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st, _global_rank(dims, worst))
     if hints and not cm.fits:
         from llmtrain.plan.hints import memory_hints  # noqa: PLC0415  (imports validate; avoids a cycle)
 
@@ -249,20 +251,15 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     return cm
 
 
-def _global_rank(dims: ParallelDims, mode: DPMode, mem: RankMemory) -> int:
-    j = mem.dp_index
-    if mode.kind == "fsdp":
-        rep, shard, cp = 0, j // dims.cp, j % dims.cp
-    elif mode.kind == "zero1":
-        rep, rest = divmod(j, dims.dp_shard * dims.cp)
-        shard, cp = divmod(rest, dims.cp)
-    else:
-        rep = shard = cp = 0
+def _global_rank(dims: ParallelDims, mem: RankMemory) -> int:
+    """The global rank of (pp rank, dp_cp index j): j = (dp_replicate x dp_shard + dp_shard) x cp + cp."""
+    rep, inner = divmod(mem.dp_index, dims.dp_shard * dims.cp)
+    shard, cp = divmod(inner, dims.cp)
     return dims.rank_of((mem.pp_rank, rep, shard, cp, 0))
 
 
 def _gib(n: float) -> float:
-    return round(n / GIB, 3)
+    return round(n / GIB, 6)
 
 
 def memory_dict(mem: RankMemory) -> dict:

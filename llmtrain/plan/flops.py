@@ -48,11 +48,17 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     """Extra hardware FLOPs per token of block ``layer`` from activation recomputation.
 
     ``full`` re-runs the block's forward in backward: one third of its forward + backward FLOPs
-    (the output layer is not checkpointed). ``selective`` keeps every matmul and SDPA output
-    (``engine/parallel/checkpointing.py``) and recomputes only element-wise ops (norms, RoPE,
-    SiLU, residual adds): no matmul FLOPs, counted as 0.
+    (the output layer is not checkpointed), minus the block's last matmul -- torch's
+    non-reentrant checkpoint stops recomputing once every tensor backward needs exists again
+    (``set_checkpoint_early_stop``, on by default), and the down projection's output feeds only
+    the residual add, which saves nothing (dense: ``w2``; MoE: the shared experts' ``w2``).
+    ``selective`` keeps every matmul and SDPA output (``engine/parallel/checkpointing.py``) and
+    recomputes only element-wise ops (norms, RoPE, SiLU, residual adds): no matmul FLOPs, 0.
     """
     if recompute != "full":
         return 0.0, 0.0
     split, replicated = block_flops_per_token(model, layer, seq_len)
-    return split / 3.0, replicated / 3.0
+    h = model.hidden
+    if model.is_moe and layer >= model.moe.first_dense_layers:
+        return split / 3.0, replicated / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn
+    return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0

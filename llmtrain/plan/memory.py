@@ -31,9 +31,10 @@ Two accountings live here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.shards import ParamShape, fsdp_numel, zero1_loads
+from llmtrain.plan.shards import ParamShape, fsdp_local_numel, zero1_loads
 
 FP32 = 4
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -57,27 +58,53 @@ def zero_paper_model_state_bytes(params: float, gpus: int, stage: int, k: int = 
 
 @dataclass(frozen=True)
 class DPMode:
-    """How the engine treats data parallelism for a layout (see ``engine/parallelize.uses_fsdp``)."""
+    """How the engine treats data parallelism for a layout (``engine/parallelize.uses_fsdp``,
+    ``engine/dp_optimizer.build_optimizer``).
 
-    kind: str  # "plain" (one rank or DDP, zero 0), "zero1", "fsdp"
-    shards: int  # ranks that split the state: FSDP dp_shard x cp, ZeRO-1 dp x cp, plain 1
-    expert_shards: int  # the same for EP-sharded expert weights
-    reshard_after_forward: bool
-    group: int = 1  # data x context-parallel ranks (dp x cp) that average gradients
+    A data-parallel rank is identified by its index ``j`` in the flattened ``dp_cp`` mesh
+    ``(dp_replicate, dp_shard, cp)``; within one replica its ``dp_shard x cp`` index is
+    ``j % slice`` and, with EP, its expert-data-parallel index is ``(j % slice) // ep``
+    (:meth:`ParallelDims.ep_rank` / ``edp_group``).
+    """
+
+    kind: str  # "plain" (one rank, or DDP: zero 0), "zero1", "fsdp"
+    group: int  # dp x cp: ranks that average the dense gradients
+    slice: int  # dp_shard x cp: FSDP shards the dense weights over it
+    replicate: int  # dp_replicate
+    ep: int
+    reshard_after_forward: bool = False
+
+    @property
+    def edp(self) -> int:
+        return max(1, self.slice // self.ep)
+
+    @property
+    def shards(self) -> int:
+        """Ranks that split the dense state (FSDP: dp_shard x cp, ZeRO-1: dp x cp, else 1)."""
+        return {"fsdp": self.slice, "zero1": self.group}.get(self.kind, 1)
 
     @property
     def label(self) -> str:
-        return {"plain": "replicated", "zero1": f"ZeRO-1 over {self.shards}", "fsdp": f"FSDP over {self.shards}"}[self.kind]
+        return {"plain": "replicated", "zero1": f"ZeRO-1 over {self.group}", "fsdp": f"FSDP over {self.slice}"}[self.kind]
+
+    def dense_index(self, j: int) -> int:
+        return j % self.slice if self.kind == "fsdp" else j
+
+    def expert_index(self, j: int) -> int:
+        """Index among the ranks sharing the EP-local experts (FSDP: edp; ZeRO-1: dp_replicate x edp)."""
+        inner = (j % self.slice) // self.ep
+        return inner if self.kind == "fsdp" else (j // self.slice) * self.edp + inner
+
+    @property
+    def expert_shards(self) -> int:
+        return self.edp if self.kind == "fsdp" else self.replicate * self.edp
 
 
 def dp_mode(zero: int, dims: ParallelDims) -> DPMode:
     dpcp = dims.dp * dims.cp
-    if zero >= 2 and dpcp > 1:
-        shards = dims.dp_shard * dims.cp
-        return DPMode("fsdp", shards, max(1, shards // dims.ep), zero == 3 and dims.pp == 1, dpcp)
-    if zero == 1 and dpcp > 1:
-        return DPMode("zero1", dpcp, max(1, dpcp // dims.ep), False, dpcp)
-    return DPMode("plain", 1, 1, False, dpcp)
+    kind = "fsdp" if zero >= 2 and dpcp > 1 else "zero1" if zero == 1 and dpcp > 1 else "plain"
+    return DPMode(kind, dpcp, dims.dp_shard * dims.cp, dims.dp_replicate, dims.ep,
+                  kind == "fsdp" and zero == 3 and dims.pp == 1)
 
 
 @dataclass(frozen=True)
@@ -90,45 +117,67 @@ class StateBytes:
     stepped: int  # parameter elements whose AdamW update this rank computes
 
 
-def model_state_bytes(params: list[ParamShape], mode: DPMode, index: int = 0) -> StateBytes:
-    """Exact parameter / gradient / AdamW bytes of data-parallel rank ``index`` (0 = the largest shard)."""
-    full = sum(p.numel for p in params)
-    count = len(params)
+def _zero1(numels: tuple[int, ...], ranks: int, index: int) -> tuple[int, int]:
+    return zero1_loads(numels, ranks)[index] if numels else (0, 0)
+
+
+@lru_cache(maxsize=4096)
+def _extremes(sizes: tuple[int, ...], ranks: int) -> tuple[int, int]:
+    """(most, least) loaded ZeRO-1 owner: optimizer bytes, ties to the lowest rank."""
+    loads = zero1_loads(sizes, ranks) if sizes else [(0, 0)]
+    key = [ADAM_BYTES * a + STEP_BYTES * b for a, b in loads]
+    worst = max(range(len(key)), key=lambda r: (key[r], -r))
+    best = min(range(len(key)), key=lambda r: (key[r], r))
+    return worst, best
+
+
+@lru_cache(maxsize=4096)
+def _split(params: tuple[ParamShape, ...]) -> tuple[int, int, tuple[ParamShape, ...], tuple[ParamShape, ...]]:
+    """(elements, gradient elements, dense params, expert params) of a stage, cached."""
+    return (sum(p.numel for p in params), sum(p.numel * p.grad_factor for p in params),
+            tuple(p for p in params if p.kind != "expert"), tuple(p for p in params if p.kind == "expert"))
+
+
+@lru_cache(maxsize=4096)
+def _sizes(params: tuple[ParamShape, ...]) -> tuple[int, ...]:
+    return tuple(sorted((p.numel for p in params), reverse=True))
+
+
+def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: DPMode, j: int = 0) -> StateBytes:
+    """Exact parameter / gradient / AdamW bytes of the rank with ``dp_cp`` index ``j``.
+
+    EP-sharded experts (``kind == "expert"``) are data-parallel over their own group: FSDP over
+    edp (a separate FSDP unit), ZeRO-1 a separate optimizer over dp_replicate x edp.
+    """
+    params = tuple(params)
+    full, grads, dense, experts = _split(params)
     if mode.kind == "fsdp":
-        local = 0
-        for p in params:
-            if p.kind == "expert":  # EP is not in the engine yet: assume an even split (torchtitan shards
-                local += -(-p.numel // mode.expert_shards)  # experts on dim 1 when dim 0 is too short)
-            else:
-                local += fsdp_numel(p, mode.shards, index % mode.shards)
-        return StateBytes(FP32 * local, FP32 * local, ADAM_BYTES * local + STEP_BYTES * count, local, full, local)
+        local = fsdp_local_numel(dense, mode.slice, mode.dense_index(j))
+        local += fsdp_local_numel(experts, mode.edp, mode.expert_index(j))
+        return StateBytes(FP32 * local, FP32 * local, ADAM_BYTES * local + STEP_BYTES * len(params), local, full, local)
     if mode.kind == "zero1":
-        dense = [p.numel for p in params if p.kind != "expert"]
-        owned, owned_count = zero1_loads(dense, mode.shards)[index % mode.shards]
-        experts = [p.numel for p in params if p.kind == "expert"]
-        if experts:  # EP is not in the engine yet: expert states split evenly over expert-DP ranks
-            owned += sum(experts) // mode.expert_shards
-            owned_count += len(experts)
-        return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * owned + STEP_BYTES * owned_count, full, full, owned)
-    return StateBytes(FP32 * full, FP32 * full, ADAM_BYTES * full + STEP_BYTES * count, full, full, full)
+        owned, count = _zero1(_sizes(dense), mode.group, mode.dense_index(j))
+        e_owned, e_count = _zero1(_sizes(experts), mode.expert_shards, mode.expert_index(j))
+        owned, count = owned + e_owned, count + e_count
+        return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * owned + STEP_BYTES * count, full, full, owned)
+    return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * full + STEP_BYTES * len(params), full, full, full)
 
 
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
-    """The data-parallel index with the most model state (FSDP: 0; ZeRO-1: the most loaded owner)."""
+    """The ``dp_cp`` index with the most model state (FSDP: 0, the largest shards; ZeRO-1: the most
+    loaded owner, found among the dense owners of replica 0)."""
     if mode.kind != "zero1":
         return 0
-    loads = zero1_loads([p.numel for p in params if p.kind != "expert"], mode.shards)
-    return max(range(len(loads)), key=lambda r: (ADAM_BYTES * loads[r][0] + STEP_BYTES * loads[r][1], -r))
+    return _extremes(_sizes(_split(tuple(params))[2]), mode.group)[0]
 
 
 def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
-    """The data-parallel index with the least model state (FSDP: the last shard)."""
+    """The ``dp_cp`` index with the least model state (FSDP: the last shard)."""
     if mode.kind == "fsdp":
-        return mode.shards - 1
+        return mode.slice - 1
     if mode.kind != "zero1":
         return 0
-    loads = zero1_loads([p.numel for p in params if p.kind != "expert"], mode.shards)
-    return min(range(len(loads)), key=lambda r: (ADAM_BYTES * loads[r][0] + STEP_BYTES * loads[r][1], r))
+    return _extremes(_sizes(_split(tuple(params))[2]), mode.group)[1]
 
 
 def compute_bytes(precision: str) -> int:
@@ -136,8 +185,8 @@ def compute_bytes(precision: str) -> int:
 
 
 # ---- working buffers ("other") --------------------------------------------------------------------
-def param_buffer_bytes(params: list[ParamShape], mode: DPMode, precision: str, largest_block: int,
-                       root_numel: int, recompute: str) -> int:
+def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, largest_block: int, root_numel: int,
+                       recompute: str) -> int:
     """Compute copies of the weights that live during forward/backward.
 
     - zero 0/1, bf16: autocast's bf16 copy of every matmul weight, saved for backward. We count
@@ -152,18 +201,16 @@ def param_buffer_bytes(params: list[ParamShape], mode: DPMode, precision: str, l
       (embedding, final norm, output), which the engine never reshards after forward.
     """
     e = compute_bytes(precision)
-    matmul = sum(p.numel for p in params if p.kind in ("matmul", "expert"))
     if mode.kind == "fsdp":
         if not mode.reshard_after_forward:
-            return e * sum(p.numel for p in params)
+            return e * total
         return e * (2 * largest_block + root_numel)
     if precision != "bf16":
         return 0
     return e * (matmul if recompute == "none" else largest_block)
 
 
-def grad_buffer_bytes(params: list[ParamShape], mode: DPMode, precision: str, largest_block: int,
-                      grad_accum: int) -> int:
+def grad_buffer_bytes(total: int, mode: DPMode, precision: str, largest_block: int, grad_accum: int) -> int:
     """Gradient working memory beyond the persistent (sharded) gradients.
 
     - FSDP: a block's unsharded gradient in ``param_dtype`` plus its fp32 reduce-scatter input.
@@ -176,7 +223,7 @@ def grad_buffer_bytes(params: list[ParamShape], mode: DPMode, precision: str, la
     if mode.kind == "fsdp":
         working = (compute_bytes(precision) + FP32) * largest_block
         if grad_accum > 1:
-            working += FP32 * sum(p.numel for p in params)
+            working += FP32 * total
         return working
     return ALLREDUCE_BUCKET if mode.group > 1 else 0
 
@@ -187,5 +234,5 @@ def optimizer_step_bytes(stepped_numel: int, mode: DPMode, params_numel: int) ->
     flat broadcast copy of one owner's parameters."""
     extra = FP32 * stepped_numel
     if mode.kind == "zero1":
-        extra += FP32 * -(-params_numel // mode.shards)
+        extra += FP32 * -(-params_numel // mode.group)
     return extra

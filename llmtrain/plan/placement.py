@@ -27,9 +27,15 @@ class Placement:
     def uniform(cls, nodes: int, gpus_per_node: int) -> Placement:
         return cls(tuple(Node(f"node{i}", gpus_per_node) for i in range(nodes)))
 
-    @property
+    @cached_property
     def world_size(self) -> int:
+        # Cached: validate() and the layout search ask for it many times at 2,048+ nodes.
         return sum(n.slots for n in self.nodes)
+
+    @cached_property
+    def distinct_slots(self) -> tuple[int, ...]:
+        """The different per-node GPU counts, sorted (validation only needs these, not 2,048 nodes)."""
+        return tuple(sorted({n.slots for n in self.nodes}))
 
     @cached_property
     def first_ranks(self) -> list[int]:

@@ -58,6 +58,20 @@ def render_plan(d: dict[str, Any], console: Console) -> None:
         console.print(f"[bold]Pipeline[/] bubble {d['pipeline']['bubble_fraction']:.1%} of the step")
     if d["layout"]:
         _render_layout(d["layout"], console)
+    if d.get("memory"):
+        _render_cost(d, console)
+    if d.get("launch"):
+        _render_env(d["launch"], console)
+
+
+def _render_env(launch: dict[str, Any], console: Console) -> None:
+    if launch["env_error"]:
+        console.print(f"[bold]Environment[/] [red]error[/] {escape(launch['env_error'])}", highlight=False)
+        return
+    env = launch["env"]
+    pairs = "; ".join(f"{v['name']}={v['value']!r} ({v['source']})" for v in env) if env else "nothing from the policy"
+    console.print(f"[bold]Environment on every node[/] {escape(pairs)}; plus {', '.join(launch['launcher_env'])} "
+                  f"set per run", highlight=False, soft_wrap=True)
 
 
 def _render_layout(layout: dict[str, Any], console: Console) -> None:
@@ -86,3 +100,61 @@ def _render_layout(layout: dict[str, Any], console: Console) -> None:
         console.print(f"[bold]Groups[/] {groups}", highlight=False)
     if layout["ep"]:
         console.print(f"[bold]Experts[/] {layout['ep']['explanation']}", highlight=False)
+
+
+PP_SHOWN = 8
+
+
+def _gib(x: float) -> str:
+    """A size given in GiB, printed with a unit that keeps it readable (tiny CPU models: MiB)."""
+    if x < 1:
+        return f"{x * 1024:.3g} MiB"
+    return f"{x:.2f} GiB" if x < 100 else f"{x:.0f} GiB"
+
+
+def _render_cost(d: dict[str, Any], console: Console) -> None:
+    """Memory, time and communication from the cost model (docs/planner.md)."""
+    mem, t = d["memory"], d["time"]
+    w = mem["worst_rank"]
+    verdict = (f"[green]fits[/], {mem['headroom_gib']:.1f} GiB free" if mem["fits"]
+               else f"[red]does not fit[/], {-mem['headroom_gib']:.1f} GiB over")
+    console.print(f"\n[bold]Memory[/] peak {_gib(mem['peak_gib'])} of {mem['capacity_gib']:.1f} GiB ({mem['gpu']}) on rank "
+                  f"{w['rank']} (pp {w['pp']}, at the {mem['phase']}): {verdict}; states {mem['dp_state']}", highlight=False)
+    b = mem["breakdown_gib"]
+    console.print("  " + ", ".join(f"{k} {_gib(v)}" for k, v in b.items()), highlight=False)
+    for label, parts in (("activations", mem["activations_gib"]), ("other", mem["other_gib"])):
+        shown = [f"{k.replace('_', ' ')} {_gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0]
+        if shown:
+            console.print(f"  {label}: " + ", ".join(shown[:8]) + (", ..." if len(shown) > 8 else ""), highlight=False)
+    per = mem["per_rank"]
+    if len(per) > 1:
+        rows = per if len(per) <= PP_SHOWN else [*per[:PP_SHOWN - 2], None, per[-1]]
+        console.print("  per pipeline rank (peak GiB, worst data-parallel shard): " + ", ".join(
+            "..." if r is None else f"pp{r['pp']} {_gib(r['peak_gib'])}" for r in rows), highlight=False)
+    if not mem["fits"] and mem["hints"]:
+        fixes = [h for h in mem["hints"] if h["fits"]]
+        if fixes:
+            console.print("  [bold]to fit[/]: " + "; ".join(
+                f"--set {h['change']} -> {_gib(h['peak_gib'])}, {h['step_s']:.3g} s/step, MFU {h['mfu']:.0%}"
+                for h in fixes[:3]), highlight=False)
+        else:
+            best = min(mem["hints"], key=lambda h: h["peak_gib"])
+            console.print(f"  [bold]to fit[/]: no single change is enough; closest: --set {best['change']} -> "
+                          f"{_gib(best['peak_gib'])}; combine changes or use more GPUs", highlight=False)
+    bd = t["breakdown_s"]
+    parts = " + ".join(f"{k.replace('_comm', '').upper() if k.endswith('_comm') else k} {v:.3g}"
+                       for k, v in bd.items() if v > 0 or k == "compute")
+    hw = (f"; hardware FLOPs incl. recomputation {t['hw_tflops_per_gpu']:.3g} TFLOP/s/GPU"
+          if t["hw_tflops_per_gpu"] > t["tflops_per_gpu"] * 1.001 else "")
+    console.print(f"[bold]Time[/] {t['step_s']:.3g} s/step = {parts} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
+                  f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] (compute modeled at "
+                  f"{t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak{hw})", highlight=False)
+    f = d["flops"]
+    console.print(f"[bold]FLOPs[/] {f['model_flops_per_token']:.3g} per token, {f['model_flops_per_step']:.3g} per step "
+                  f"({f['model_flops_per_gpu_per_step']:.3g} per GPU); recomputation adds {f['recompute_overhead']:.0%}",
+                  highlight=False)
+    if d["comm"]:
+        console.print("[bold]Communication[/] per step, slowest pipeline rank (time if alone / exposed):", highlight=False)
+        for c in d["comm"]:
+            console.print(f"  {c['dim']:<3} {c['op']:<15} {c['group']:>6} ranks {c['bytes_per_step'] / 2**30:>9.3g} GiB "
+                          f"{c['link']:<8} {c['seconds']:>8.3g} s / {c['exposed_s']:<8.3g} s  {escape(c['note'])}", highlight=False)

@@ -7,7 +7,13 @@ data-parallel mode), ``batch`` (``dp``, ``micro_batch_size``, ``grad_accum``, ``
 ``global_batch_size``, ``seq_len``, ``tokens_per_step``), ``pipeline`` (``bubble_fraction``),
 ``layout`` (``mesh_dims``, ``mesh_shape``, ``nodes`` with each node's ranks and coordinate
 ranges, ``rank_coords`` for every rank in ``mesh_dims`` order, ``groups`` per dimension, and
-``ep`` when EP > 1). ``batch``, ``pipeline`` and ``layout`` are null when the layout is invalid.
+``ep`` when EP > 1), and the cost model (docs/planner.md): ``memory`` (``peak_gib`` of the worst
+rank, ``breakdown_gib``, ``per_rank`` per pipeline rank, ``fits``, ``hints``), ``flops``, ``comm``
+(per dimension and collective, with its link), ``bubble_fraction`` and ``time`` (``step_s``,
+``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``breakdown_s``). ``batch``, ``pipeline``,
+``layout`` and the cost keys are null when the layout is invalid.
+With ``--hosts``, ``launch`` holds the environment every node gets (``env``: ``{name, value, source,
+secret}``, secret values as ``****``; ``launcher_env``: the per-run variables the launcher adds).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any
 
 from llmtrain.plan.api import Plan
 from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.costmodel import cost_to_dict, estimate
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.plan.params import count_params
 from llmtrain.plan.placement import Placement
@@ -69,6 +76,36 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         out["pipeline"] = {"bubble_fraction": bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, v.batch.microbatches)}
     if dims is not None:
         out["layout"] = layout_dict(dims, plan.placement)
+    out.update(cost_dict(plan))
+    if plan.hostfile is not None:
+        out["launch"] = launch_dict(plan)
+    return out
+
+
+def cost_dict(plan: Plan) -> dict[str, Any]:
+    """The cost model's keys (``memory``, ``flops``, ``comm``, ``bubble_fraction``, ``time``; all
+    null when the layout is invalid). See docs/planner.md for the model and docs/plan-json.md."""
+    v = plan.validation
+    if v.dims is None or v.batch is None:
+        return {"memory": None, "flops": None, "comm": None, "bubble_fraction": None, "time": None}
+    cost = estimate(plan.recipe, v.dims, v.batch, plan.placement)
+    return cost_to_dict(cost, v.dims)
+
+
+def launch_dict(plan: Plan) -> dict[str, Any]:
+    """With --hosts: what every node's environment gets from the env policy (secrets masked)."""
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.launch.envpolicy import RESERVED, policy_env
+
+    launch = plan.recipe.launch
+    out: dict[str, Any] = {"rendezvous": launch.rendezvous, "rdzv_port": launch.rdzv_port, "env": None,
+                           "env_error": None, "launcher_env": list(RESERVED)}
+    try:
+        env = policy_env(launch)
+    except LLMTrainError as exc:
+        out["env_error"] = exc.problems[0].line()
+        return out
+    out["env"] = [{"name": v.name, "value": v.shown(), "source": v.source, "secret": v.secret} for v in env]
     return out
 
 

@@ -12,24 +12,28 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
   stage ``norm`` and ``output`` (the engine sets the others to None).
 - **Tensor parallelism** (Megatron layout): ``wq/wk/wv`` and ``w1/w3`` split their output rows
   over ``tp``, ``wo`` and ``w2`` their input columns; the embedding and the output layer split
-  the vocabulary; norms are replicated; MoE blocks (router, experts, shared experts) are
+  the vocabulary (its gradient, though, comes back replicated: full ``[vocab, hidden]`` unless
+  FSDP reduce-scatters it); norms are replicated; MoE blocks (router, experts, shared experts) are
   **replicated** on the TP ranks (the engine does not shard experts over TP).
-- **Expert parallelism** (not yet in the engine; modelled as torchtitan): the stacked expert
-  weights ``[E, ...]`` keep ``E / ep`` experts per rank and are data-parallel over
-  ``edp = dp_shard x cp / ep``.
+- **Expert parallelism** (``engine/parallel/expert.py``): the stacked expert weights
+  ``[E, ...]`` are DTensors sharded on dim 0 over ``ep`` (``E / ep`` experts per rank) and
+  data-parallel over ``edp = dp_shard x cp / ep`` (their own FSDP unit on the edp mesh, or
+  their own ZeRO-1 optimizer over dp_replicate x edp); router and shared experts stay dense.
 - **FSDP2** (zero 2/3 with ``dp x cp > 1``) shards every parameter on dim 0 over
   ``dp_shard x cp`` with ``torch.chunk`` semantics: chunks of ``ceil(rows / n)`` rows, so the
   last ranks may hold fewer or none. This is exactly ``p._local_tensor.numel()``.
 - **ZeRO-1** (``zero 1`` with ``dp x cp > 1``) keeps full parameters and gradients and assigns
-  each *whole* parameter's AdamW states to one data-parallel rank, largest first onto the
-  least-loaded rank (ties: lowest rank). :func:`zero1_loads` replays that greedy; the loads do
+  each *whole* parameter's AdamW states to one rank of its data-parallel group (dp x cp for
+  dense weights, dp_replicate x edp for EP experts), largest first onto the least-loaded rank
+  (ties: lowest rank). :func:`zero1_loads` replays that greedy; the loads do
   not depend on how equal-sized parameters are ordered, so only the sizes are needed.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 
 from llmtrain.recipe.schema import ModelConfig
@@ -37,20 +41,38 @@ from llmtrain.recipe.schema import ModelConfig
 V_SHAPED = ("zbv", "dualpipev")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity hash: cheap keys for the per-stage caches below
 class ParamShape:
     name: str
     shape: tuple[int, ...]  # local shape after TP and EP
     kind: str  # "matmul" (2-D weight used by a matmul), "norm", "embedding", "expert" (EP-sharded)
+    grad_factor: int = 1  # gradient numel / numel without FSDP (the TP embedding's gradient is replicated)
+    numel: int = field(init=False, repr=False)
+    rows_rest: tuple[int, int] = field(init=False, repr=False)
 
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", prod(self.shape))
+        object.__setattr__(self, "rows_rest", (self.shape[0], prod(self.shape[1:])))
+
+
+class Stages(tuple):
+    """Layer indices per stage (a tuple of tuples) whose hash is computed once: cache keys."""
+
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = tuple.__hash__(self)
+        return h
 
 
 # ---- pipeline stages ------------------------------------------------------------------------
-def stage_layers(layers: int, pp: int, virtual: int, split: list[int] | None = None) -> list[list[int]]:
+def stage_layers(layers: int, pp: int, virtual: int, split: list[int] | None = None) -> tuple[tuple[int, ...], ...]:
     """Global layer indices of each pipeline stage (``pp x virtual`` stages; one stage if pp = 1)."""
+    return _stage_layers(layers, pp, virtual, tuple(split) if split is not None else None)
+
+
+@lru_cache(maxsize=1024)
+def _stage_layers(layers: int, pp: int, virtual: int, split: tuple[int, ...] | None) -> tuple[tuple[int, ...], ...]:
     stages = pp * virtual if pp > 1 else 1
     if pp > 1 and split is not None and len(split) == stages:
         counts = list(split)
@@ -59,9 +81,9 @@ def stage_layers(layers: int, pp: int, virtual: int, split: list[int] | None = N
         counts = [base + (1 if i < extra else 0) for i in range(stages)]
     out, start = [], 0
     for c in counts:
-        out.append(list(range(start, start + c)))
+        out.append(tuple(range(start, start + c)))
         start += c
-    return out
+    return Stages(out)
 
 
 def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
@@ -92,9 +114,9 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> list[ParamShap
         kind = "expert" if ep > 1 else "matmul"
         out += [
             ParamShape(p + "moe.router.weight", (e, h), "matmul"),
-            ParamShape(p + "moe.w1", (local_e, f, h), kind),
-            ParamShape(p + "moe.w3", (local_e, f, h), kind),
-            ParamShape(p + "moe.w2", (local_e, h, f), kind),
+            ParamShape(p + "moe.experts.w1", (local_e, f, h), kind),
+            ParamShape(p + "moe.experts.w3", (local_e, f, h), kind),
+            ParamShape(p + "moe.experts.w2", (local_e, h, f), kind),
         ]
         if m.moe.shared_experts:
             s = m.moe.shared_experts * f
@@ -117,7 +139,9 @@ def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp:
     """Every parameter of one pipeline stage (embedding on the first, norm + output on the last)."""
     out: list[ParamShape] = []
     if first:
-        out.append(ParamShape("tok_embeddings.weight", (m.vocab_size // tp, m.hidden), "embedding"))
+        # DTensor's embedding backward returns a Replicate gradient for the vocabulary-sharded
+        # weight: without FSDP (which reduce-scatters it) the rank holds the full [vocab, hidden].
+        out.append(ParamShape("tok_embeddings.weight", (m.vocab_size // tp, m.hidden), "embedding", tp))
     for layer in layers:
         out += block_params(m, layer, tp, ep)
     if last:
@@ -145,18 +169,90 @@ def chunk_rows(rows: int, shards: int, index: int) -> int:
 
 
 def fsdp_numel(p: ParamShape, shards: int, index: int) -> int:
-    rest = prod(p.shape[1:])
-    return chunk_rows(p.shape[0], shards, index) * rest
+    rows, rest = p.rows_rest
+    return chunk_rows(rows, shards, index) * rest
 
 
-def zero1_loads(numels: list[int], ranks: int) -> list[tuple[int, int]]:
+def fsdp_local_numel(params: tuple[ParamShape, ...], shards: int, index: int) -> int:
+    """Elements of ``params`` that FSDP shard ``index`` of ``shards`` stores (cached: the search
+    prices the same stage for many layouts)."""
+    return _fsdp_local(params, shards, index if shards > 1 else 0)
+
+
+@lru_cache(maxsize=16384)
+def _fsdp_local(params: tuple[ParamShape, ...], shards: int, index: int) -> int:
+    return sum(fsdp_numel(p, shards, index) for p in params)
+
+
+def zero1_loads(numels, ranks: int) -> list[tuple[int, int]]:
     """(elements, parameters) owned by each rank under the engine's greedy ZeRO-1 partition."""
+    numels = tuple(numels)
+    if any(a < b for a, b in zip(numels, numels[1:])):
+        numels = tuple(sorted(numels, reverse=True))
+    return _zero1_loads(numels, ranks)
+
+
+@lru_cache(maxsize=4096)
+def _zero1_loads(numels: tuple[int, ...], ranks: int) -> list[tuple[int, int]]:
     load = [(0, r) for r in range(ranks)]  # (load, rank): heap order = least loaded, then lowest rank
     heapq.heapify(load)
     owned = [[0, 0] for _ in range(ranks)]
-    for n in sorted(numels, reverse=True):
+    for n in numels:
         current, r = heapq.heappop(load)
         owned[r][0] += n
         owned[r][1] += 1
         heapq.heappush(load, (current + n, r))
     return [(a, b) for a, b in owned]
+
+
+# ---- cached per-rank inventory (the search evaluates thousands of layouts) -------------------------
+@dataclass(frozen=True)
+class Inventory:
+    params: tuple[ParamShape, ...]
+    layers: tuple[int, ...]
+    moe_layers: int
+    largest_block: int  # parameters of the largest transformer block (one FSDP unit)
+    root: int  # embedding, final norm, output
+    dense_numel: int
+    expert_numel: int
+    first: bool
+    last: bool
+    matmul_numel: int  # weights a matmul uses (autocast casts these to bf16)
+    chunk_layers: tuple[int, ...]  # per held stage: transformer blocks
+    chunk_moe: tuple[int, ...]  # per held stage: of which MoE blocks
+
+
+_CACHE: dict[tuple, Inventory] = {}
+
+
+def _model_key(m: ModelConfig) -> tuple:
+    moe = m.moe
+    return (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
+            moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers)
+
+
+def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inventory:
+    stages = stages if isinstance(stages, Stages) else Stages(tuple(s) for s in stages)
+    key = (_model_key(m), stages, tuple(held), tp, ep)
+    inv = _CACHE.get(key)
+    if inv is None:
+        params = rank_params(m, stages, held, tp, ep)
+        blocks: dict[str, int] = {}
+        root = 0
+        for p in params:
+            if p.name.startswith("layers."):
+                k = p.name.split(".", 2)[1]
+                blocks[k] = blocks.get(k, 0) + p.numel
+            else:
+                root += p.numel
+        layers = tuple(layer for s in held for layer in stages[s])
+        inv = Inventory(tuple(params), layers, sum(1 for layer in layers if is_moe_layer(m, layer)),
+                        max(blocks.values(), default=0), root, sum(p.numel for p in params if p.kind != "expert"),
+                        sum(p.numel for p in params if p.kind == "expert"), 0 in held, len(stages) - 1 in held,
+                        sum(p.numel for p in params if p.kind in ("matmul", "expert")),
+                        tuple(len(stages[s]) for s in held),
+                        tuple(sum(1 for layer in stages[s] if is_moe_layer(m, layer)) for s in held))
+        if len(_CACHE) > 20000:
+            _CACHE.clear()
+        _CACHE[key] = inv
+    return inv

@@ -4,8 +4,8 @@ Model (per pipeline rank ``r``, per micro batch):
 
     t_mb(r) = hardware FLOPs(r) / (peak x COMPUTE_EFFICIENCY[gpu])    forward + backward (+ recompute)
             + TP collectives                                          not overlapped (the engine has no async TP)
-            + CP: ring passes beyond the attention compute they hide behind; Ulysses / all-gather in full
-            + EP all-to-alls x EP_EXPOSED                             (0 for dualpipev, which overlaps them)
+            + CP collectives                                          not overlapped (the ring waits for each hop)
+            + EP all-to-alls                                          not overlapped (dispatch -> experts -> combine)
 
     step = m x max_r t_mb(r) x (1 + bubble)                           bubble: llmtrain.plan.bubble
          + DP exposed + PP fill/drain P2P + optimizer
@@ -38,7 +38,11 @@ COMPUTE_EFFICIENCY = {"h100-sxm": 0.60, "h200": 0.62, "a100-80g": 0.70, "b200": 
 HBM_BYTES_PER_S = {"h100-sxm": 3.35e12, "h200": 4.8e12, "a100-80g": 2.04e12, "b200": 8.0e12, "cpu": 5e10}
 OPTIMIZER_BYTES_PER_PARAM = 32
 BUCKET_BYTES = 25 << 20  # DDP's default bucket (bucket_cap_mb=25), for dp_overlap
-EP_EXPOSED = 0.5  # share of EP all-to-all time not hidden behind compute (no DeepEP-style overlap)
+# Share of the EP all-to-all time on the critical path. The engine dispatches, computes and
+# combines one after another, and torch's ScheduleDualPipeV runs an "overlapped" forward/backward
+# pair sequentially unless a custom overlap callback is given, so nothing is hidden: 1.0.
+# (DeepSeek-V3's DualPipe with its own kernels hides nearly all of it: 0.)
+EP_EXPOSED = 1.0
 
 
 @dataclass
@@ -47,7 +51,6 @@ class RankWork:
 
     fwd_flops: float  # hardware FLOPs of one micro batch's forward on this rank
     bwd_flops: float  # backward, including recomputation
-    attn_flops: float  # of which attention scores/values (forward + backward), for CP overlap
     comms: list[Comm] = field(default_factory=list)
     block_fraction: float = 1.0  # largest block / all parameters of the rank (FSDP prefetch granularity)
     stepped_params: int = 0  # parameters whose AdamW update this rank computes
@@ -80,42 +83,40 @@ def _fsdp_exposed(c: Comm, block_fraction: float, window: float) -> float:
 
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
-              chunks_per_rank: int = 1, dp_overlap: bool = False) -> StepTime:
+              chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None) -> StepTime:
     rate = gpu.peak_flops_bf16 * efficiency(gpu)
     m = microbatches
-    ep_share = 0.0 if schedule == "dualpipev" else EP_EXPOSED
     per_rank = []
+    n_ranks = pp or len(ranks)
     for w in ranks:
         t_f, t_b = w.fwd_flops / rate, w.bwd_flops / rate
-        tp = sum(c.seconds for c in w.comms if c.dim == "tp") / m
-        cp = 0.0
-        for c in w.comms:
-            if c.dim != "cp":
-                continue
-            cp += max(0.0, c.seconds / m - w.attn_flops / rate) if c.phase == "cp-ring" else c.seconds / m
-        ep = ep_share * sum(c.seconds for c in w.comms if c.dim == "ep") / m
-        dp = 0.0
-        for c in w.comms:
-            if c.phase == "step":
+        for c in w.comms:  # the share of each collective on the critical path
+            if c.dim in ("tp", "cp"):
+                c.exposed_s = c.seconds
+            elif c.dim == "ep":
+                c.exposed_s = EP_EXPOSED * c.seconds
+            elif c.phase == "step":
                 if dp_overlap:  # bucketed: all but the last bucket hide behind the last backward (or next forward)
                     last = c.seconds * min(1.0, BUCKET_BYTES / max(1.0, c.message_bytes))
-                    dp += last + max(0.0, c.seconds - last - (t_f if c.op == "broadcast" else t_b))
+                    c.exposed_s = last + max(0.0, c.seconds - last - (t_f if c.op == "broadcast" else t_b))
                 else:
-                    dp += c.seconds
+                    c.exposed_s = c.seconds
             elif c.phase == "fsdp-gather":
-                dp += _fsdp_exposed(c, w.block_fraction, t_f if c.count <= m else (t_f + t_b) / 2)
+                c.exposed_s = _fsdp_exposed(c, w.block_fraction, t_f if c.count <= m else (t_f + t_b) / 2)
             elif c.phase == "fsdp-reduce":
-                dp += _fsdp_exposed(c, w.block_fraction, t_b)
-        pp = sum(c.per_item_s for c in w.comms if c.dim == "pp")
+                c.exposed_s = _fsdp_exposed(c, w.block_fraction, t_b)
+            elif c.dim == "pp":  # the sends along the fill and drain path
+                c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
+        by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
         optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, 2e12)
-        per_rank.append(dict(compute=t_f + t_b, tp=tp, cp=cp, ep=ep, dp=dp, pp_msg=pp, optimizer=optimizer))
+        per_rank.append(dict(compute=t_f + t_b, tp=by["tp"] / m, cp=by["cp"] / m, ep=by["ep"] / m, dp=by["dp"],
+                             pp=by["pp"], optimizer=optimizer))
     slowest = max(range(len(per_rank)), key=lambda i: sum(per_rank[i][k] for k in ("compute", "tp", "cp", "ep")))
     s = per_rank[slowest]
     t_mb = s["compute"] + s["tp"] + s["cp"] + s["ep"]
     pipeline = m * t_mb
     bubble_s = pipeline * bubble
-    n_ranks = len(ranks)
-    pp_s = 2 * (n_ranks * chunks_per_rank - 1) * max(r["pp_msg"] for r in per_rank) if n_ranks > 1 else 0.0
+    pp_s = max(r["pp"] for r in per_rank)
     dp_s = max(r["dp"] for r in per_rank)
     opt_s = max(r["optimizer"] for r in per_rank)
     step = pipeline + bubble_s + dp_s + pp_s + opt_s

@@ -51,7 +51,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     err, warn = out.errors.append, out.warnings.append
     p, m, t = recipe.parallel, recipe.model, recipe.train
     world = placement.world_size
-    min_slots = min(n.slots for n in placement.nodes)
+    min_slots = placement.distinct_slots[0]
 
     # -- world size and dp_shard inference -------------------------------------------------
     fixed = p.pp * p.dp_replicate * p.cp * p.tp
@@ -98,9 +98,9 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("parallel.tp", f"tp ({p.tp}) exceeds the GPUs per node ({min_slots}); a TP group must stay "
                     "inside one node's NVLink domain (it communicates every layer)",
                     f"use tp <= {min_slots} and move the rest to pp or dp"))
-    elif p.tp > 1 and any(n.slots % p.tp for n in placement.nodes):
+    elif p.tp > 1 and any(s % p.tp for s in placement.distinct_slots):
         warn(Problem("parallel.tp", f"tp ({p.tp}) does not divide every node's slots "
-                     f"({sorted({n.slots for n in placement.nodes})}): some TP groups cross nodes",
+                     f"({list(placement.distinct_slots)}): some TP groups cross nodes",
                      "use a tp that divides the slots of every node"))
 
     # -- model shape -------------------------------------------------------------------------

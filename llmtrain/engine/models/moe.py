@@ -54,6 +54,7 @@ Experts and capacity
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -148,10 +149,39 @@ def dispatch_order(
     return order // top_k, order % top_k, counts
 
 
+GROUP_ALIGN = 16  # rows per expert group are padded to this for the CUDA grouped GEMM
+
+
+def use_grouped_mm(x: torch.Tensor) -> bool:
+    """Grouped GEMM where torch offers it: CUDA, bf16, ``torch._grouped_mm`` present (Hopper+).
+    On CPU torch 2.13's ``_grouped_mm`` runs forward but its backward fails, so CPU loops."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and os.environ.get("LLMTRAIN_GROUPED_MM", "1") == "1")
+
+
+def grouped_swiglu_gemm(
+    x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """All experts in three ``torch._grouped_mm`` calls. Each group is zero-padded to a multiple
+    of :data:`GROUP_ALIGN` rows (the kernel's alignment), and the padding is dropped after."""
+    padded = [-(-c // GROUP_ALIGN) * GROUP_ALIGN for c in counts]
+    starts = [sum(padded[:e]) for e in range(len(counts))]
+    rows = torch.cat([torch.arange(s, s + c, device=x_grouped.device) for s, c in zip(starts, counts)]) \
+        if sum(counts) else torch.zeros(0, dtype=torch.long, device=x_grouped.device)
+    xp = x_grouped.new_zeros(max(sum(padded), GROUP_ALIGN), x_grouped.shape[1]).index_copy(0, rows, x_grouped)
+    offs = torch.tensor([sum(padded[: e + 1]) for e in range(len(counts))], dtype=torch.int32, device=x_grouped.device)
+    gate = torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    return out.index_select(0, rows)
+
+
 def grouped_swiglu(
     x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
 ) -> torch.Tensor:
     """Run expert ``e``'s SwiGLU on the ``counts[e]`` consecutive rows of ``x_grouped`` [N, H]."""
+    if use_grouped_mm(x_grouped):
+        return grouped_swiglu_gemm(x_grouped, counts, w1, w2, w3)
     outputs = []
     for e, chunk in enumerate(torch.split(x_grouped, counts)):
         if chunk.shape[0] == 0:

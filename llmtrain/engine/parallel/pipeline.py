@@ -68,9 +68,34 @@ def prune_to_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -
     return model
 
 
+def stage_io_shapes(stage: int, n_stages: int, micro: int, seq: int, hidden: int, vocab: int,
+                    sp_shards: int) -> tuple[tuple, tuple]:
+    """Static (input, output) shapes of a stage for one microbatch.
+
+    ``seq`` is this rank's sequence length (after context parallelism); between stages the
+    residual stream is additionally split over ``sp_shards`` ranks by sequence parallelism.
+    Giving torch the shapes up front selects its STATIC metadata mode: no shape-inference
+    forward/backward at the first step, which would run our collectives (ring attention, MoE
+    all-to-all) outside the schedule's order and can deadlock across CP/EP peers.
+    """
+    boundary = (micro, seq // sp_shards, hidden)
+    inp = (micro, seq) if stage == 0 else boundary
+    out = (micro, seq, vocab) if stage == n_stages - 1 else boundary
+    return inp, out
+
+
 def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, schedule: str, n_microbatches: int,
-                   loss_fn, device: torch.device, group: dist.ProcessGroup):
-    stages = [PipelineStage(part, sid, n_stages, device, group=group) for part, sid in zip(parts, stage_ids)]
+                   loss_fn, device: torch.device, group: dist.ProcessGroup, shapes=None, dtype=torch.float32):
+    stages = []
+    for part, sid in zip(parts, stage_ids):
+        kwargs = {}
+        if shapes is not None:
+            inp, out = shapes(sid)
+            in_dtype = torch.long if sid == 0 else dtype
+            # requires_grad marks activations whose gradients cross the stage boundary
+            kwargs = dict(input_args=(torch.empty(inp, device="meta", dtype=in_dtype, requires_grad=sid != 0),),
+                          output_args=(torch.empty(out, device="meta", dtype=dtype, requires_grad=True),))
+        stages.append(PipelineStage(part, sid, n_stages, device, group=group, **kwargs))
     cls = SCHEDULES[schedule]
     if schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True), stages

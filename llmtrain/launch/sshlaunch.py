@@ -1,0 +1,194 @@
+"""``llmtrain launch RECIPE --hosts FILE``: one torchrun per node over SSH, one run, one exit code.
+
+This module holds steps 1-3 (everything before a process starts); :mod:`llmtrain.launch.sshrun` holds
+the run itself (steps 4-6).
+
+What happens, in order (:func:`launch_ssh`):
+
+1. The recipe (with ``--set``) is validated for the hostfile's placement (after ``--include`` /
+   ``--exclude``), exactly as ``llmtrain plan --hosts`` does; host aliases are resolved through
+   ``~/.ssh/config``; every node's command is built (:mod:`llmtrain.launch.commands`).
+   ``--dry-run`` prints those commands (secrets masked) and stops here: nothing connects.
+2. Preflight (:mod:`llmtrain.launch.preflight`) checks every host in parallel over one strict
+   SSH connection each (``--skip-preflight``: only connect). Any failure: one line per problem,
+   exit 2, nothing started anywhere.
+3. The run directory is created here; ``recipe.lock.yaml`` (``launch.env`` secrets masked) is
+   copied to each node's run directory unless ``launch.shared_fs``.
+4. All nodes start at once, each command under a pty on its own channel. Lines are streamed
+   live as ``[host:rank] text`` (``[host] text`` for torchrun and the node helper), written to
+   ``logs/rank-<R>.log`` and ``logs/node-<i>.log``; rank 0's events drive one progress bar and
+   the watchdog (:mod:`llmtrain.launch.watchdog`).
+5. The run ends when every node exits 0, or at the first of: a node exiting non-zero, a lost
+   connection (or a node silent past ``launch.watchdog.heartbeat_timeout_s``), a hang, or
+   SIGINT/SIGTERM/SIGHUP to the launcher. Then every node is stopped in parallel over a second
+   channel (``python -m llmtrain.launch.remote kill``: SIGTERM to the recorded process group,
+   its descendants and the run's marked processes, SIGKILL after ``launch.grace_s``), within
+   ~5 s with the default 3 s grace. A launcher killed with SIGKILL cannot do this; the pty
+   hang-up then makes each node's helper do it.
+6. Exit code: 0; the first failing node's (torchrun's) code; 255 for a lost node; 124 for a
+   hang; 130/143/129 for SIGINT/SIGTERM/SIGHUP. The summary names the failing host and rank,
+   the last lines of that rank's log and torchelastic's error message when there is one.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.launch.commands import LaunchSpec, NodeSpec, build_spec, describe
+from llmtrain.launch.envpolicy import MASK, is_secret
+from llmtrain.launch.filters import select_hosts
+from llmtrain.launch.hostfile import Hostfile, load_hostfile
+from llmtrain.launch.local import engine_module, resolve_recipe
+from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id
+from llmtrain.launch.sshconfig import known_hosts_files, resolve_targets
+from llmtrain.launch.sshrun import SSHRun
+from llmtrain.plan.api import plan_recipe
+from llmtrain.recipe.schema import Recipe
+
+@dataclass
+class Prepared:
+    recipe: Recipe
+    hostfile: Hostfile  # after --include/--exclude
+    spec: LaunchSpec
+    warnings: list[str]
+    visible_devices: dict[str, tuple[int, ...]]
+    targets: list[Any]
+    runs_root: str | Path
+
+    def with_run_id(self, run_id: str) -> LaunchSpec:
+        return build_spec(self.recipe, self.hostfile, self.targets, run_id, self.runs_root, self.spec.module,
+                          self.visible_devices)
+
+
+def prepare(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides: list[str] | None = None,
+            include: str | None = None, exclude: str | None = None, runs_root: str | Path = "runs",
+            run_id: str | None = None, environ: dict[str, str] | None = None) -> Prepared:
+    """Validate everything that can be validated without touching a host; build every node's command."""
+    recipe = resolve_recipe(recipe, overrides)
+    hostfile = hosts if isinstance(hosts, Hostfile) else load_hostfile(hosts)
+    selection = select_hosts(hostfile, include, exclude)
+    plan = plan_recipe(recipe, selection.hostfile)
+    if not plan.valid:
+        raise LLMTrainError(plan.validation.errors)
+    targets = resolve_targets(selection.hostfile)
+    spec = build_spec(recipe, selection.hostfile, targets, run_id or new_run_id(), runs_root, engine_module(),
+                      selection.visible_devices, environ)
+    return Prepared(recipe, selection.hostfile, spec, [w.line() for w in plan.validation.warnings],
+                    selection.visible_devices, targets, runs_root)
+
+
+def ssh_options(hostfile: Hostfile, recipe: Recipe, accept_new: bool, warn) -> Any:
+    from llmtrain.launch.ssh import SSHOptions
+
+    files, extra = known_hosts_files(hostfile)
+    return SSHOptions(files, accept_new, extra, recipe.launch.connect_timeout_s, recipe.launch.banner_timeout_s, warn)
+
+
+def lock_recipe(recipe: Recipe) -> Recipe:
+    """The recipe as written to recipe.lock.yaml: secret ``launch.env`` values masked."""
+    env = {k: (MASK if is_secret(k) else v) for k, v in recipe.launch.env.items()}
+    return recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"env": env})})
+
+
+def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides: list[str] | None = None,
+               runs_root: str | Path = "runs", include: str | None = None, exclude: str | None = None,
+               dry_run: bool = False, skip_preflight: bool = False, accept_new_host_keys: bool = False,
+               console: Console | None = None) -> int:
+    """Validate, preflight, start every node over SSH, stream, tear down; return the run's exit code."""
+    from llmtrain.launch import preflight, ssh
+
+    prepared = prepare(recipe, hosts, overrides, include, exclude, runs_root)
+    console = console or Console(highlight=False, soft_wrap=True)
+    say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
+    for warning in prepared.warnings:
+        say(f"warning: {warning}", "yellow")
+    if dry_run:
+        for line in describe(prepared.spec, masked=True):
+            say(line)
+        say("dry run: nothing was started")
+        return 0
+    opts = ssh_options(prepared.hostfile, prepared.recipe, accept_new_host_keys, lambda m: say(m, "yellow"))
+    conns: dict[int, Any] = {}
+    try:
+        if skip_preflight:
+            conns = _connect_all(prepared.spec, opts)
+        else:
+            reports = preflight.run_preflight(prepared.spec, opts)
+            conns = {r.node.node_rank: r.conn for r in reports if r.conn is not None}
+            problems = [p for r in reports for p in r.problems()]
+            if problems:
+                preflight.render(reports, console)
+                raise LLMTrainError(problems)
+            say(f"preflight: {len(reports)} of {len(reports)} hosts ready")
+            for r in reports:
+                for c in r.checks.values():
+                    if c.status == "warn":
+                        say(f"warning: {r.node.host} {c.name}: {c.value}" + (f"; {c.hint}" if c.hint else ""), "yellow")
+        run = create_run_dir(lock_recipe(prepared.recipe), prepared.hostfile, runs_root)
+        spec = prepared.with_run_id(run.run_id)
+        _copy_recipe(spec, conns, run)
+        return SSHRun(run, spec, conns, console, opts).run()
+    finally:
+        for conn in conns.values():
+            ssh.close(conn)
+
+
+def _connect_all(spec: LaunchSpec, opts: Any) -> dict[int, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmtrain.launch import ssh
+
+    def one(node: NodeSpec):
+        try:
+            return node.node_rank, ssh.connect(node.target, opts), None
+        except ssh.SSHError as exc:
+            return node.node_rank, None, Problem(f"{exc.target.label}{node.target.route}", exc.message, exc.hint)
+
+    with ThreadPoolExecutor(max_workers=min(64, len(spec.nodes))) as pool:
+        results = list(pool.map(one, spec.nodes))
+    conns = {rank: conn for rank, conn, _ in results if conn is not None}
+    problems = [p for _, _, p in results if p is not None]
+    if problems:
+        for conn in conns.values():
+            ssh.close(conn)
+        raise LLMTrainError(problems)
+    return conns
+
+
+def _copy_recipe(spec: LaunchSpec, conns: dict[int, Any], run: RunDir) -> None:
+    """Put recipe.lock.yaml into each node's run dir (or, with shared_fs, check it is there)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from llmtrain.launch import ssh
+
+    data = run.recipe_lock.read_bytes()
+
+    def one(node: NodeSpec) -> Problem | None:
+        conn = conns[node.node_rank]
+        try:
+            if spec.launch.shared_fs:
+                code, _, _ = ssh.run_capture(conn, f"test -f {shlex.quote(node.recipe_lock)}", 30)
+                if code != 0:
+                    return Problem(node.target.label, f"{node.recipe_lock} is not there although launch.shared_fs is set",
+                                   "mount the same filesystem at the same path, or set launch.shared_fs: false")
+                ssh.run_capture(conn, f"mkdir -p {shlex.quote(node.log_dir)}", 30)
+            else:
+                ssh.upload(conn, data, node.recipe_lock)
+        except Exception as exc:  # noqa: BLE001 - one line per host
+            return Problem(node.target.label, f"cannot prepare {node.run_dir}: {exc}", "check the workdir and disk there")
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(64, len(spec.nodes))) as pool:
+        problems = [p for p in pool.map(one, spec.nodes) if p is not None]
+    if problems:
+        raise LLMTrainError(problems)
+
+
+__all__ = ["launch_ssh", "prepare", "ssh_options", "lock_recipe"]

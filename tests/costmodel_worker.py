@@ -1,0 +1,203 @@
+"""Measure what the engine really holds, per rank, for several layouts in ONE torchrun job.
+
+For each case: build the model and optimizer exactly as the trainer does (``build_parts``: PP
+split, TP, CP, EP, activation checkpointing, FSDP2; ``build_optimizer``: AdamW, ZeRO-1 groups,
+gradient all-reduce). Without PP, run one micro batch forward while recording every tensor
+produced (a TorchDispatchMode keeping weak references) and count the bytes still alive after
+the loss, by unique storage, without the parameters' storages (FSDP's all-gathered weights
+included): the memory held for backward. For layouts without recomputation the bytes packed by
+``saved_tensors_hooks`` are counted too. Then backward (PP: one pipelined step), gradient sync,
+one optimizer step, and the local bytes (``_local_tensor`` for DTensors) of parameters,
+gradients and optimizer states. Results of every rank go to a JSON file.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 4 tests/costmodel_worker.py SPEC.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from llmtrain.engine.dp_optimizer import CombinedOptimizer, build_optimizer
+from llmtrain.engine.main import init_distributed, shutdown
+from llmtrain.engine.mesh import build_meshes
+from llmtrain.engine.parallel.context import cp_positions, shard_sequence
+from llmtrain.engine.parallel.pipeline import build_schedule
+from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
+from llmtrain.engine.parallelize import build_parts, uses_fsdp
+from llmtrain.engine.step import cross_entropy, pipelined_step
+from llmtrain.engine.trainer import resolve_dims
+from llmtrain.recipe.load import load_recipe
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def storages_of(t: torch.Tensor) -> list:
+    """The real storages behind ``t``: wrapper subclasses (DTensor, functional collectives'
+    AsyncCollectiveTensor) are unwrapped to their inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, name) for name in names)
+        return [s for x in inner if isinstance(x, torch.Tensor) for s in storages_of(x)]
+    st = t.untyped_storage()
+    return [st] if st.nbytes() else []  # FSDP's freed (resized-to-0) storages have no data pointer
+
+
+def nbytes(t: torch.Tensor) -> int:
+    t = local(t)
+    return t.numel() * t.element_size()
+
+
+class LiveTensors(TorchDispatchMode):
+    """Weak references to every tensor an op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def alive_bytes(self, exclude: set[int]) -> int:
+        storages = {}
+        for ref in self.refs:
+            t = ref()
+            if t is None:
+                continue
+            for s in storages_of(t):
+                if s.data_ptr() not in exclude:
+                    storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+
+
+def param_storages(parts) -> set[int]:
+    return {st.data_ptr() for part in parts.parts for p in part.parameters() for st in storages_of(p)}
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    inners = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+    total = 0
+    for opt in inners:
+        opt = opt.inner if isinstance(opt, ZeRO1Optimizer) else opt
+        if opt is None:
+            continue
+        for state in opt.state.values():
+            total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return total
+
+
+def run_case(recipe, device) -> dict:
+    dims = resolve_dims(recipe, dist.get_world_size())
+    meshes = build_meshes(dims, device.type)
+    t = recipe.train
+    torch.manual_seed(t.seed)
+    parts = build_parts(recipe, meshes, device)
+    for part in parts.parts:
+        part.train()
+    params = parts.parameters()
+    fsdp = uses_fsdp(recipe, meshes)
+    optimizer, grad_sync = build_optimizer(parts, recipe, meshes, fsdp)
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank() // (dims.tp * dims.cp))
+    grad_accum = (t.global_batch_size or t.micro_batch_size * dims.dp) // (t.micro_batch_size * dims.dp)
+    shape = (t.micro_batch_size, t.seq_len)
+    batches = [(torch.randint(0, recipe.model.vocab_size, shape, generator=gen),
+                torch.randint(0, recipe.model.vocab_size, shape, generator=gen)) for _ in range(grad_accum)]
+    if dims.cp > 1 or dims.pp > 1:
+        positions = cp_positions(t.seq_len, dims.cp, meshes.cp.get_local_rank(), recipe.parallel.cp_method)
+        for part in parts.parts:
+            part.positions = positions
+        batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
+    tp_loss = dims.tp > 1
+    held = hooked = None
+    if dims.pp > 1:  # model state only: one pipelined step
+        schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule,
+                                          grad_accum, cross_entropy, device, meshes.pp.get_group())
+        pipelined_step(parts, schedule, batches, device, tp_loss)
+        del schedule, stages
+    else:
+        model = parts.parts[0]
+        inputs, labels = batches[0]
+
+        def forward():
+            with loss_parallel() if tp_loss else contextlib.nullcontext():
+                logits = model(inputs)
+                return logits, F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+        def backward(loss):
+            with loss_parallel() if tp_loss else contextlib.nullcontext():
+                loss.backward()
+
+        if t.activation_checkpointing == "none":  # what autograd packs for backward
+            seen: dict[int, int] = {}
+
+            def pack(x):
+                if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
+                    return x  # a weight (FSDP's all-gathered ones included), not an activation
+                for st in storages_of(x):
+                    seen[st.data_ptr()] = st.nbytes()
+                return x
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                logits, loss = forward()
+            exclude = param_storages(parts)
+            hooked = sum(n for ptr, n in seen.items() if ptr not in exclude)
+            backward(loss)
+            del logits, loss
+            optimizer.zero_grad(set_to_none=True)
+            gc.collect()
+        live = LiveTensors()
+        with live:
+            logits, loss = forward()
+        held = live.alive_bytes(param_storages(parts))
+        backward(loss)
+        del logits, loss, live
+    if grad_sync is not None:
+        grad_sync(params)
+    grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    optimizer.step()
+    out = {"rank": dist.get_rank(), "coords": dims.coord_dict(dist.get_rank()), "dp_cp_index": meshes.dp_cp.get_local_rank(),
+           "params": sum(nbytes(p) for p in params), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
+           "held_after_forward": held, "saved_hooks": hooked}
+    del parts, optimizer, params
+    gc.collect()
+    return out
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    device = init_distributed()
+    results = {}
+    for case in spec["cases"]:
+        recipe = load_recipe(spec["recipe"], spec.get("set", []) + case["set"])
+        start = time.perf_counter()
+        mine = run_case(recipe, device)
+        mine["seconds"] = time.perf_counter() - start
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        results[case["name"]] = gathered
+    if dist.get_rank() == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(results, f)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

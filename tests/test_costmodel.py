@@ -1,0 +1,240 @@
+"""The planner's cost model against published worked examples and against the real engine.
+
+- ZeRO paper (arXiv:1910.02054) Figure 1 model-state numbers; Korthikanti et al. (arXiv:2205.05198)
+  activation formula on their GPT-3 / MT-NLG configurations; Megatron / ZB bubble formulas, and
+  the pure-Python schedule simulation that must reproduce them.
+- The engine on CPU/gloo, in ONE 4-rank torchrun job (tests/costmodel_worker.py): predicted
+  parameter, gradient and AdamW bytes per rank must EQUAL the local shard bytes of every rank
+  (DDP, ZeRO-1/2/3, HSDP, TP2 +- SP, TP2 x FSDP2, MoE + EP, CP, PP); predicted activation bytes
+  must be within 2% of what is held for backward (the issue asks for 10%; the model is exact up
+  to a few scalars, so 2% still catches any missing term -- the smallest real term, RoPE's
+  cos/sin, is ~0.1% and a missing norm input is ~4%).
+- FLOPs: predicted hardware FLOPs within 2% of torch's FlopCounterMode for one forward+backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from llmtrain.plan import activations as act
+from llmtrain.plan.api import plan_recipe
+from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.comm import group_spans
+from llmtrain.plan.costmodel import act_shape, estimate, rank_memory
+from llmtrain.plan.memory import dp_mode, zero_paper_model_state_bytes
+from llmtrain.plan.report import plan_to_dict
+from llmtrain.plan.schedule import simulate
+from llmtrain.recipe.gpus import GPUS
+from llmtrain.recipe.load import load_recipe
+from tests.helpers_plan import REPO, render_text
+
+GB = 1e9
+
+
+# ---- published worked examples ------------------------------------------------------------------
+@pytest.mark.parametrize("stage, published_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure1(stage, published_gb):
+    """ZeRO Figure 1: 7.5B parameters, N_d = 64, K = 12 (mixed-precision Adam)."""
+    got = zero_paper_model_state_bytes(7.5e9, 64, stage) / GB
+    assert got == pytest.approx(published_gb, abs=0.05)
+
+
+def test_korthikanti_attention_term_and_5x_claim():
+    """Sec. 4: 5as/h = 80 for GPT-3 175B and 64 for MT-NLG 530B (s = 2048); sequence parallelism +
+    selective recomputation cut activations ~5x against tensor parallelism alone (t = 8)."""
+    s, b = 2048, 1
+    for a, h, term in ((96, 12288, 80), (128, 20480, 64)):
+        full = act.korthikanti_layer_bytes(s, b, h, a)
+        assert full == pytest.approx(s * b * h * (34 + term))
+    h, a, t = 20480, 128, 8  # MT-NLG 530B, Table 3: t = 8
+    tp_only = act.korthikanti_layer_bytes(s, b, h, a, t)
+    sp_selective = act.korthikanti_layer_bytes(s, b, h, a, t, sp=True, recompute="selective")
+    assert tp_only == pytest.approx(s * b * h * (10 + 24 / 8 + 64 / 8))
+    assert sp_selective == pytest.approx(s * b * h * 34 / 8)
+    assert 4.8 < tp_only / sp_selective < 5.1
+    assert act.korthikanti_layer_bytes(s, b, h, a, t, recompute="full") == 2 * s * b * h
+    # GPT-3 175B, t = 8, SP + selective: 2048 x 12288 x 34 / 8 bytes = 102 MiB per layer (hand computed)
+    assert act.korthikanti_layer_bytes(2048, 1, 12288, 96, 8, True, "selective") / 2**20 == pytest.approx(102.0)
+
+
+@pytest.mark.parametrize("schedule, pp, v, m, expected", [
+    ("gpipe", 4, 1, 8, 3 / 8), ("1f1b", 8, 1, 64, 7 / 64),  # (p - 1) / m
+    ("interleaved-1f1b", 8, 2, 64, 7 / 128), ("interleaved-1f1b", 4, 4, 16, 3 / 64),  # (p - 1) / (v m)
+    ("zero-bubble", 4, 2, 8, 3 / 48),  # (p - 1) / (3 v m)
+])
+def test_bubble_formulas_and_simulated_schedules(schedule, pp, v, m, expected):
+    assert bubble_fraction(schedule, pp, v, m) == pytest.approx(expected)
+    assert simulate(schedule, pp, v, m).bubble_fraction == pytest.approx(expected)
+
+
+def test_zero_bubble_h1_is_a_third_of_1f1b():
+    for p, m in ((4, 8), (8, 16), (8, 64)):
+        zb = simulate("zero-bubble", p, 1, m).bubble_fraction
+        assert zb == pytest.approx(simulate("1f1b", p, 1, m).bubble_fraction / 3)
+    assert bubble_fraction("dualpipev", 16, 2, 120) == pytest.approx(15 / 360)  # (p - 1) / (3 m)
+
+
+# ---- the plan carries the cost model ---------------------------------------------------------------
+def _plan(path: str, overrides: list[str] | None = None, nodes=None, gpus=None):
+    return plan_recipe(load_recipe(REPO / path, overrides), None, nodes, gpus)
+
+
+def test_plan_json_has_cost_keys_and_consistent_numbers():
+    d = plan_to_dict(_plan("recipes/llama3-70b.yaml"))
+    mem, t = d["memory"], d["time"]
+    assert set(mem["breakdown_gib"]) == {"params", "grads", "optimizer", "activations", "other"}
+    assert sum(mem["breakdown_gib"].values()) == pytest.approx(mem["peak_gib"], abs=1e-4)
+    assert len(mem["per_rank"]) == d["parallel"]["pp"] and max(r["peak_gib"] for r in mem["per_rank"]) == mem["peak_gib"]
+    assert mem["fits"] == (mem["peak_gib"] <= mem["capacity_gib"])
+    assert d["bubble_fraction"] == d["pipeline"]["bubble_fraction"]
+    assert {"step_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu", "breakdown_s"} <= set(t)
+    assert t["step_s"] == pytest.approx(sum(t["breakdown_s"].values()))
+    tokens = d["batch"]["tokens_per_step"]
+    assert t["tokens_per_s_per_gpu"] == pytest.approx(tokens / t["step_s"] / d["world_size"])
+    assert t["mfu"] == pytest.approx(d["flops"]["model_flops_per_gpu_per_step"] / t["step_s"] / 989e12)
+    assert 0.2 < t["mfu"] < 0.6
+    dims = {c["dim"] for c in d["comm"]}
+    assert {"dp", "tp", "pp"} <= dims
+    links = {c["dim"]: c["link"] for c in d["comm"]}
+    assert links["tp"] == "nvlink" and links["pp"] == "network"
+
+
+def test_invalid_plan_has_null_cost_keys():
+    d = plan_to_dict(_plan("recipes/debug.yaml", ["parallel.tp=3"]))
+    assert not d["valid"] and all(d[k] is None for k in ("memory", "flops", "comm", "bubble_fraction", "time"))
+
+
+def test_text_shows_memory_time_and_mfu_and_what_to_change():
+    text = render_text(plan_to_dict(_plan("recipes/llama3-405b.yaml")))
+    assert "Memory peak" in text and "does not fit" in text and "MFU" in text and "tokens/s/GPU" in text
+    assert "to fit: --set train.activation_checkpointing=full" in text  # the engine's selective policy keeps too much
+    assert "Communication per step" in text and "nvlink" in text and "network" in text
+
+
+def test_link_detection_fast_path_agrees_with_groups():
+    for path, nodes, gpus in (("recipes/llama3-405b.yaml", None, None), ("recipes/mixtral-8x7b.yaml", None, None),
+                              ("recipes/llama3-8b-128k.yaml", None, None), ("recipes/debug.yaml", 2, 2)):
+        plan = _plan(path, None, nodes, gpus)
+        dims = plan.validation.dims
+        assert group_spans(dims, plan.placement) == group_spans(dims, plan.placement, fast=True)
+
+
+def test_fp32_bf16_and_recompute_move_memory_the_right_way():
+    plan = _plan("recipes/llama3-8b.yaml", ["train.global_batch_size=64"])
+    v = plan.validation
+    peaks = {}
+    for mode in ("none", "selective", "full"):
+        r = plan.recipe.model_copy(update={"train": plan.recipe.train.model_copy(update={"activation_checkpointing": mode})})
+        peaks[mode] = estimate(r, v.dims, v.batch, plan.placement, hints=False).worst.activations
+    assert peaks["none"] > peaks["selective"] > peaks["full"] > 0
+
+
+# ---- the real engine ----------------------------------------------------------------------------------
+COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=null", "parallel.dp_shard=-1",
+          "train.precision=fp32", "parallel.tp=1", "parallel.zero=0"]
+MOE = ["model.preset=debug-moe"]
+CASES = {
+    "ddp": ["parallel.zero=0"],
+    "zero1": ["parallel.zero=1"],
+    "zero2": ["parallel.zero=2"],
+    "zero3": ["parallel.zero=3"],
+    "hsdp": ["parallel.zero=3", "parallel.dp_replicate=2"],
+    "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
+    "tp2_sp_selective": ["parallel.tp=2", "train.activation_checkpointing=selective"],
+    "tp2_fsdp2": ["parallel.tp=2", "parallel.zero=3"],
+    "zero3_full": ["parallel.zero=3", "train.activation_checkpointing=full"],
+    "moe_ep2_zero1": MOE + ["parallel.zero=1", "parallel.ep=2"],
+    "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
+    "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
+                              "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("costmodel")
+    out = tmp / "out.json"
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps({"recipe": str(REPO / "recipes/debug.yaml"), "set": COMMON, "out": str(out),
+                                "cases": [{"name": k, "set": v} for k, v in CASES.items()]}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                           str(REPO / "tests/costmodel_worker.py"), str(spec)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _predicted(case: str, rank: dict):
+    recipe = load_recipe(REPO / "recipes/debug.yaml", COMMON + CASES[case])
+    plan = plan_recipe(recipe, None, 1, 4)
+    v = plan.validation
+    mem = rank_memory(recipe, v.dims, v.batch, rank["coords"]["pp"], rank["dp_cp_index"])
+    x = act_shape(recipe, v.dims, dp_mode(recipe.parallel.zero, v.dims), GPUS["cpu"])
+    saved = sum(val for k, val in mem.activation_detail.items() if k != "recompute_working_set")
+    return mem, saved, saved + act.logits_bytes(x)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_model_state_bytes_equal_the_engines_shards(engine, case):
+    for rank in engine[case]:
+        mem, _, _ = _predicted(case, rank)
+        got = (rank["params"], rank["grads"], rank["optimizer"])
+        assert (mem.params, mem.grads, mem.optimizer) == got, f"{case} rank {rank['rank']}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("pp")])
+def test_activation_bytes_match_what_backward_keeps(engine, case):
+    for rank in engine[case]:
+        _, saved, held = _predicted(case, rank)
+        assert held == pytest.approx(rank["held_after_forward"], rel=0.02), f"{case} rank {rank['rank']}"
+        if rank["saved_hooks"] is not None:  # saved_tensors_hooks, without recomputation
+            assert saved == pytest.approx(rank["saved_hooks"], rel=0.02), f"{case} rank {rank['rank']}"
+
+
+def test_engine_cases_are_not_trivial(engine):
+    """Guards the comparison: shards really differ between layouts (the test could not pass by accident)."""
+    params = {case: engine[case][0]["params"] for case in ("ddp", "zero3", "hsdp", "tp2")}
+    assert len(set(params.values())) == 4
+    opt = [r["optimizer"] for r in engine["zero1"]]
+    assert len(set(opt)) > 1  # the greedy ZeRO-1 partition is uneven, and predicted rank by rank
+
+
+# ---- FLOPs against torch's counter ----------------------------------------------------------------------
+@pytest.mark.parametrize("preset, recompute", [("debug-dense", "none"), ("debug-dense", "full"), ("debug-moe", "none"),
+                                               ("debug-moe", "selective"), ("debug-moe", "full")])
+def test_flops_match_flop_counter(preset, recompute):
+    torch = pytest.importorskip("torch")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.engine.parallel.checkpointing import apply_activation_checkpointing
+    from llmtrain.plan.flops import block_flops_per_token, head_flops_per_token, recompute_flops_per_token
+
+    recipe = load_recipe(REPO / "recipes/debug.yaml", [f"model.preset={preset}", "parallel.tp=1", "train.seq_len=64",
+                                                       f"train.activation_checkpointing={recompute}"])
+    m = recipe.model
+    torch.manual_seed(0)
+    model = Transformer(m)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    apply_activation_checkpointing(model, recompute)
+    tokens = torch.randint(0, m.vocab_size, (2, 64))
+    counter = FlopCounterMode(display=False)
+    # the math backend runs attention as matmuls the counter sees (CPU flash attention is not counted);
+    # it computes the full s x s scores, the no-causal-halving convention of the planner
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    predicted = head_flops_per_token(m)
+    for layer in range(m.layers):
+        split, rep = block_flops_per_token(m, layer, 64)
+        rs, rr = recompute_flops_per_token(m, layer, 64, recompute)
+        predicted += split + rep + rs + rr
+    assert counter.get_total_flops() == pytest.approx(predicted * 2 * 64, rel=0.02)
