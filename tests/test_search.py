@@ -43,7 +43,8 @@ def test_llama3_405b_on_16384_gpus_is_fast_valid_and_fits():
     plan = make_plan(REPO / "recipes/llama3-405b.yaml")
     assert plan.placement.world_size == 16384
     result = search(plan.recipe, plan.placement, top=5)
-    assert result.seconds < 10, result.seconds  # ~1 s on an idle 2-core machine (docs/planner.md)
+    # CPU time, not wall clock: on the shared 2-core VM neighbours can slow the wall clock 10x.
+    assert result.cpu_seconds < 10, result.cpu_seconds  # ~0.8 s (docs/planner.md)
     assert len(result.top) == 5 and result.rejected_memory > 0
     _check_valid_and_fitting(plan, result)
     # the recipe itself (selective recompute, 16 micro batches in flight) does not fit; the search finds layouts that do

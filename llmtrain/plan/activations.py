@@ -76,6 +76,13 @@ class ActShape:
     cp: int = 1
     cp_method: str = "ring"
 
+    def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(self.__dict__[k] for k in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def head_dim(self) -> int:
         return self.h // self.heads
@@ -193,6 +200,7 @@ def layer_bytes(x: ActShape, moe: bool, recompute: str) -> int:
     return sum(layer_terms(x, moe, recompute).values())
 
 
+@lru_cache(maxsize=4096)
 def recompute_working_bytes(x: ActShape, moe: bool, recompute: str) -> int:
     """Extra bytes while one block is recomputed in backward (its activations exist again)."""
     if recompute == "none":

@@ -199,6 +199,11 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     comm_by_rank: list[list[Comm]] = []
     tokens_mb = t.micro_batch_size * seq // dims.cp
     spans = group_spans(dims, placement, fast)
+    # SDPA with is_causal (no CP, or Ulysses) skips fully masked blocks: half the 12 h s attention
+    # FLOPs per token are never executed. The ring and all-gather CP attention apply an explicit
+    # mask to full blocks, so they execute all of them.
+    causal_kernel = dims.cp == 1 or p.cp_method == "ulysses"
+    skipped_attention = 6.0 * m.hidden * seq if causal_kernel else 0.0
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep)
@@ -210,6 +215,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             layer = next(layer for layer in inv.layers if is_moe_layer(m, layer) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
             rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
+            # Time, not FLOP counting: causal SDPA kernels skip the masked half of the scores
+            split -= skipped_attention
+            rs -= skipped_attention / 3 if recompute == "full" else 0.0
             fwd += n * (split / dims.tp + rep) / 3
             bwd += n * ((split / dims.tp + rep) * 2 / 3 + rs / dims.tp + rr)
         if inv.last:
@@ -224,7 +232,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
-    n_moe = sum(1 for layer in range(m.layers) if is_moe_layer(m, layer))
+    n_moe = m.layers - m.moe.first_dense_layers if m.is_moe else 0
     for kind, n in ((False, m.layers - n_moe), (True, n_moe)):
         if n:
             layer = m.moe.first_dense_layers if kind else 0

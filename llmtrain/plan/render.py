@@ -108,7 +108,8 @@ PP_SHOWN = 8
 def _gib(x: float) -> str:
     """A size given in GiB, printed with a unit that keeps it readable (tiny CPU models: MiB)."""
     if x < 1:
-        return f"{x * 1024:.3g} MiB"
+        mib = x * 1024
+        return f"{mib:.0f} MiB" if mib >= 100 else f"{mib:.3g} MiB"
     return f"{x:.2f} GiB" if x < 100 else f"{x:.0f} GiB"
 
 
@@ -144,15 +145,16 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
     bd = t["breakdown_s"]
     parts = " + ".join(f"{k.replace('_comm', '').upper() if k.endswith('_comm') else k} {v:.3g}"
                        for k, v in bd.items() if v > 0 or k == "compute")
-    hw = (f"; hardware FLOPs incl. recomputation {t['hw_tflops_per_gpu']:.3g} TFLOP/s/GPU"
+    hw = (f"; hardware FLOPs {t['hw_tflops_per_gpu']:.3g} TFLOP/s/GPU"
           if t["hw_tflops_per_gpu"] > t["tflops_per_gpu"] * 1.001 else "")
     console.print(f"[bold]Time[/] {t['step_s']:.3g} s/step = {parts} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                   f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] (compute modeled at "
                   f"{t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak{hw})", highlight=False)
     f = d["flops"]
+    extra = (f"; hardware FLOPs (recomputation, MoE blocks replicated over TP) are {f['recompute_overhead']:+.0%}"
+             if f["recompute_overhead"] > 0.0005 else "")
     console.print(f"[bold]FLOPs[/] {f['model_flops_per_token']:.3g} per token, {f['model_flops_per_step']:.3g} per step "
-                  f"({f['model_flops_per_gpu_per_step']:.3g} per GPU); recomputation adds {f['recompute_overhead']:.0%}",
-                  highlight=False)
+                  f"({f['model_flops_per_gpu_per_step']:.3g} per GPU){extra}", highlight=False)
     if d["comm"]:
         console.print("[bold]Communication[/] per step, slowest pipeline rank (time if alone / exposed):", highlight=False)
         for c in d["comm"]:

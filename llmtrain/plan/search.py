@@ -62,7 +62,8 @@ class Choice:
 class SearchResult:
     recipe: str | None
     world_size: int
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
+    cpu_seconds: float = 0.0  # this process's CPU time (what the tests bound: immune to busy neighbours)
     splits: int = 0  # (tp, cp, pp, schedule, ep) combinations enumerated
     splits_evaluated: int = 0
     layouts_evaluated: int = 0
@@ -71,7 +72,8 @@ class SearchResult:
     top: list[Choice] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"recipe": self.recipe, "world_size": self.world_size, "seconds": self.seconds, "splits": self.splits,
+        return {"recipe": self.recipe, "world_size": self.world_size, "seconds": self.seconds,
+                "cpu_seconds": self.cpu_seconds, "splits": self.splits,
                 "splits_evaluated": self.splits_evaluated, "layouts_evaluated": self.layouts_evaluated,
                 "rejected_invalid": self.rejected_invalid, "rejected_memory": self.rejected_memory,
                 "top": [c.summary() for c in self.top]}
@@ -124,7 +126,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
            exhaustive: bool = False) -> SearchResult:
     """The ``top`` fastest layouts that validate and fit. ``exhaustive`` turns the bounds off (every
     split and micro batch is priced): the tests use it to check that pruning loses nothing."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     m, t = recipe.model, recipe.train
     world = placement.world_size
     gpu = GPUS[recipe.cluster.gpu]
@@ -155,8 +157,10 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 if gbs % dp:
                     continue
                 eps = [e for e in divisors(m.moe.num_experts) if (dp * cp) % e == 0] if m.is_moe else [1]
-                # compute (MoE blocks are replicated over TP ranks) and TP communication, per GPU
-                floor = (dense_tok + moe_tok * tp) * tokens_gpu / rate + _tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
+                # compute (MoE blocks are replicated over TP ranks; causal SDPA skips half the
+                # scores, as in the step-time model) and TP communication, per GPU
+                skip = _skipped_attention(recipe, cp)
+                floor = (dense_tok - skip + moe_tok * tp) * tokens_gpu / rate + _tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
                 for schedule, v in _schedules(recipe, pp, m.layers):
                     for ep in eps:
                         if _state_lower_bound(recipe, tp, pp, ep, dp * cp) > capacity:
@@ -181,8 +185,8 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 else recipe.parallel.sequence_parallel)
         if kth() < float("inf") and _needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
-            # the recomputed forward (a third of the blocks' FLOPs) is part of every layout of this split
-            if bound + (dense_tok + moe_tok * tp) * tokens_gpu / rate / 3 >= kth():
+            # the recomputed forward is part of every layout of this split
+            if bound + _recompute_tok(recipe, tp, cp) * tokens_gpu / rate >= kth():
                 continue
         result.splits_evaluated += 1
         for zero in (0, 1, 2, 3):
@@ -201,7 +205,27 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                                        lambda mb: floor * (1 + bubble_fraction(schedule, pp, v, gbs // dp // mb)) >= kth())
     _finalize(recipe, placement, found, result, top, dp_overlap)
     result.seconds = time.perf_counter() - t0
+    result.cpu_seconds = time.process_time() - c0
     return result
+
+
+def _skipped_attention(recipe: Recipe, cp: int) -> float:
+    """Attention FLOPs per token that causal SDPA never executes (see costmodel.estimate)."""
+    m, p = recipe.model, recipe.parallel
+    causal = cp == 1 or p.cp_method == "ulysses"
+    return 6.0 * m.hidden * recipe.train.seq_len * m.layers if causal else 0.0
+
+
+def _recompute_tok(recipe: Recipe, tp: int, cp: int) -> float:
+    """Hardware FLOPs per token of full recomputation, summed over the TP group's ranks / tp."""
+    from llmtrain.plan.flops import recompute_flops_per_token  # noqa: PLC0415
+
+    m, seq = recipe.model, recipe.train.seq_len
+    total = -_skipped_attention(recipe, cp) / 3
+    for layer in range(m.layers):
+        split, rep = recompute_flops_per_token(m, layer, seq, "full")
+        total += split + rep * tp
+    return total
 
 
 def _moe_flops_per_token(m, seq_len: int) -> float:

@@ -225,10 +225,20 @@ class Inventory:
 _CACHE: dict[tuple, Inventory] = {}
 
 
+_MODEL_KEYS: dict[int, tuple[ModelConfig, tuple]] = {}
+
+
 def _model_key(m: ModelConfig) -> tuple:
+    hit = _MODEL_KEYS.get(id(m))
+    if hit is not None and hit[0] is m:  # recipe variants share their (unchanged) model object
+        return hit[1]
     moe = m.moe
-    return (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
-            moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers)
+    key = (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
+           moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers)
+    if len(_MODEL_KEYS) > 256:
+        _MODEL_KEYS.clear()
+    _MODEL_KEYS[id(m)] = (m, key)
+    return key
 
 
 def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inventory:
@@ -246,12 +256,13 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inve
             else:
                 root += p.numel
         layers = tuple(layer for s in held for layer in stages[s])
-        inv = Inventory(tuple(params), layers, sum(1 for layer in layers if is_moe_layer(m, layer)),
+        first_moe = m.moe.first_dense_layers if m.is_moe else m.layers
+        inv = Inventory(tuple(params), layers, sum(1 for layer in layers if layer >= first_moe),
                         max(blocks.values(), default=0), root, sum(p.numel for p in params if p.kind != "expert"),
                         sum(p.numel for p in params if p.kind == "expert"), 0 in held, len(stages) - 1 in held,
                         sum(p.numel for p in params if p.kind in ("matmul", "expert")),
                         tuple(len(stages[s]) for s in held),
-                        tuple(sum(1 for layer in stages[s] if is_moe_layer(m, layer)) for s in held))
+                        tuple(sum(1 for layer in stages[s] if layer >= first_moe) for s in held))
         if len(_CACHE) > 20000:
             _CACHE.clear()
         _CACHE[key] = inv

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from llmtrain.plan.comm import Comm
 from llmtrain.recipe.gpus import GPUSpec
 
-COMPUTE_EFFICIENCY = {"h100-sxm": 0.60, "h200": 0.62, "a100-80g": 0.70, "b200": 0.55, "cpu": 0.5}
+COMPUTE_EFFICIENCY = {"h100-sxm": 0.62, "h200": 0.64, "a100-80g": 0.64, "b200": 0.55, "cpu": 0.5}
 HBM_BYTES_PER_S = {"h100-sxm": 3.35e12, "h200": 4.8e12, "a100-80g": 2.04e12, "b200": 8.0e12, "cpu": 5e10}
 OPTIMIZER_BYTES_PER_PARAM = 32
 BUCKET_BYTES = 25 << 20  # DDP's default bucket (bucket_cap_mb=25), for dp_overlap
