@@ -104,9 +104,12 @@ def optimizer_state_bytes(optimizer) -> int:
     return total
 
 
+MESHES: dict = {}  # cases with the same degrees share one set of process groups (creating them dominates)
+
+
 def run_case(recipe, device) -> dict:
     dims = resolve_dims(recipe, dist.get_world_size())
-    meshes = build_meshes(dims, device.type)
+    meshes = MESHES.get(dims) or MESHES.setdefault(dims, build_meshes(dims, device.type))
     t = recipe.train
     torch.manual_seed(t.seed)
     parts = build_parts(recipe, meshes, device)

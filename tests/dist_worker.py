@@ -48,7 +48,7 @@ def main() -> None:
     results = {}
     for case in spec["cases"]:
         recipe = load_recipe(spec["recipe"], spec.get("set", []) + case["set"])
-        res = train(recipe, device, steps=spec["steps"], verbose=False)
+        res = train(recipe, device, steps=case.get("steps", spec["steps"]), verbose=False)
         layout_errors = check_layout(res.meshes)
         state = {}
         for part in res.parts.parts:  # PP: each rank holds its stages; gather them all on rank 0
