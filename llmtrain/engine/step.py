@@ -44,10 +44,10 @@ def accumulation_step(parts: ModelParts, batches, device, fsdp: bool, tp: bool, 
     return loss_sum
 
 
-def pipelined_step(parts: ModelParts, schedule, batches, device, tp: bool) -> torch.Tensor | None:
+def pipelined_step(parts: ModelParts, schedule, batches, device, tp: bool, autocast) -> torch.Tensor | None:
     inputs = torch.cat([b[0] for b in batches]).to(device)
     labels = torch.cat([b[1] for b in batches]).to(device)
-    with loss_context(tp):
+    with loss_context(tp), autocast:
         loss = pipeline_step(schedule, parts.has_first, parts.has_last, inputs, labels)
     if loss is not None and isinstance(loss, DTensor):
         loss = loss.full_tensor()

@@ -191,15 +191,14 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     out: list[Comm] = []
     m = c.microbatches
 
-    def lk(names) -> Link:
-        key = next(k for k, v in GROUPS.items() if v == ((names,) if isinstance(names, str) else tuple(names)))
+    def lk(key: str) -> Link:
         return link(gpu, spans[key])
 
     # -- data parallel -------------------------------------------------------------------------------
     dpcp = d.dp * d.cp
     if c.dp_kind == "fsdp":
         shard = d.dp_shard * d.cp
-        g = lk(("dp_shard", "cp"))
+        g = lk("fsdp")
         total = c.params + c.expert_params
         passes = 1 if d.pp > 1 else (2 * m if c.zero == 3 else m)
         out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
@@ -209,7 +208,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             out.append(make("dp", "all-reduce", d.dp_replicate, 4 * total / shard, 1, lk("dp_replicate"), "fsdp-reduce",
                             "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
-        g = lk(("dp_replicate", "dp_shard", "cp"))
+        g = lk("dp_cp")
         out.append(make("dp", "all-reduce", dpcp, 4 * c.params, 1, g, "step", "fp32 gradients after backward"))
         if c.expert_params:
             eg = d.dp_replicate * d.edp
@@ -257,7 +256,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
 
     # -- expert parallel -------------------------------------------------------------------------------
     if d.ep > 1 and c.moe_layers:
-        g = lk(("ep",))
+        g = lk("ep")
         msg = c.e * c.tokens * c.top_k * c.hidden
         fwd = 2 * (1 + (1 if c.recompute != "none" else 0))
         out.append(make("ep", "all-to-all", d.ep, msg, m * c.moe_layers * (fwd + 2), g, "ep",

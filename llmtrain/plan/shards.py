@@ -181,7 +181,16 @@ def fsdp_local_numel(params: tuple[ParamShape, ...], shards: int, index: int) ->
 
 @lru_cache(maxsize=16384)
 def _fsdp_local(params: tuple[ParamShape, ...], shards: int, index: int) -> int:
-    return sum(fsdp_numel(p, shards, index) for p in params)
+    return sum(fsdp_numel(p, shards, index) * n for p, n in _counts(params))
+
+
+@lru_cache(maxsize=4096)
+def _counts(params: tuple[ParamShape, ...]) -> tuple[tuple[ParamShape, int], ...]:
+    """Distinct shape objects and how often each occurs (blocks share theirs)."""
+    counts: dict[ParamShape, int] = {}
+    for p in params:
+        counts[p] = counts.get(p, 0) + 1
+    return tuple(counts.items())
 
 
 def zero1_loads(numels, ranks: int) -> list[tuple[int, int]]:
@@ -241,26 +250,47 @@ def _model_key(m: ModelConfig) -> tuple:
     return key
 
 
+_TEMPLATES: dict[tuple, tuple[ParamShape, ...]] = {}
+
+
+def _block_template(m: ModelConfig, moe: bool, tp: int, ep: int) -> tuple[ParamShape, ...]:
+    """One block's parameters (shared objects: every block of a kind has the same shapes)."""
+    key = (_model_key(m), moe, tp, ep)
+    out = _TEMPLATES.get(key)
+    if out is None:
+        layer = m.moe.first_dense_layers if moe else 0
+        out = _TEMPLATES[key] = tuple(block_params(m, layer, tp, ep))
+    return out
+
+
 def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inventory:
+    """What one pipeline rank holds, cached. The parameter tuple reuses one shape object per
+    parameter of a block kind (only sizes matter to the memory model; names are in
+    :func:`rank_params`)."""
     stages = stages if isinstance(stages, Stages) else Stages(tuple(s) for s in stages)
     key = (_model_key(m), stages, tuple(held), tp, ep)
     inv = _CACHE.get(key)
     if inv is None:
-        params = rank_params(m, stages, held, tp, ep)
-        blocks: dict[str, int] = {}
-        root = 0
-        for p in params:
-            if p.name.startswith("layers."):
-                k = p.name.split(".", 2)[1]
-                blocks[k] = blocks.get(k, 0) + p.numel
-            else:
-                root += p.numel
-        layers = tuple(layer for s in held for layer in stages[s])
         first_moe = m.moe.first_dense_layers if m.is_moe else m.layers
-        inv = Inventory(tuple(params), layers, sum(1 for layer in layers if layer >= first_moe),
-                        max(blocks.values(), default=0), root, sum(p.numel for p in params if p.kind != "expert"),
-                        sum(p.numel for p in params if p.kind == "expert"), 0 in held, len(stages) - 1 in held,
-                        sum(p.numel for p in params if p.kind in ("matmul", "expert")),
+        dense, moe = _block_template(m, False, tp, ep), (_block_template(m, True, tp, ep) if m.is_moe else ())
+        params: list[ParamShape] = []
+        n_last = len(stages) - 1
+        for s in held:
+            outer = stage_params(m, [], s == 0, s == n_last, tp, ep)  # embedding / final norm / output
+            params += [q for q in outer if q.name == "tok_embeddings.weight"]
+            for layer in stages[s]:
+                params += moe if layer >= first_moe else dense
+            params += [q for q in outer if q.name != "tok_embeddings.weight"]
+        layers = tuple(layer for s in held for layer in stages[s])
+        n_moe = sum(1 for layer in layers if layer >= first_moe)
+        block = max(([sum(q.numel for q in dense)] if len(layers) > n_moe else [])
+                    + ([sum(q.numel for q in moe)] if n_moe else []), default=0)
+        total = sum(q.numel for q in params)
+        inv = Inventory(tuple(params), layers, n_moe, block,
+                        total - sum(q.numel for q in dense) * (len(layers) - n_moe) - sum(q.numel for q in moe) * n_moe,
+                        sum(q.numel for q in params if q.kind != "expert"),
+                        sum(q.numel for q in params if q.kind == "expert"), 0 in held, n_last in held,
+                        sum(q.numel for q in params if q.kind in ("matmul", "expert")),
                         tuple(len(stages[s]) for s in held),
                         tuple(sum(1 for layer in stages[s] if layer >= first_moe) for s in held))
         if len(_CACHE) > 20000:
