@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtrain.engine.main", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="Resolved recipe (RUN_DIR/recipe.lock.yaml).")
     parser.add_argument("--run-dir", default=None, help="Run directory for metrics and checkpoints.")
+    parser.add_argument("--resume", default=os.environ.get("LLMTRAIN_RESUME") or None,
+                        help="Continue from a checkpoint: latest | step-N | PATH (default: $LLMTRAIN_RESUME).")
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # On an exception the rank exits at once (non-zero) and torchrun stops the others; a
     # barrier here would wait for peers that are themselves blocked in a collective.
-    train(recipe, device, run_dir=args.run_dir)
+    train(recipe, device, run_dir=args.run_dir, resume=args.resume)
     shutdown()
     return 0
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from llmtrain.engine.checkpoint import Checkpointer, checkpoint_root
+from llmtrain.engine.checkpoint_hooks import TestHooks
 from llmtrain.engine.data import BatchSampler, build_data, microbatches
 from llmtrain.engine.mesh import Meshes, build_meshes
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
@@ -61,7 +63,9 @@ def dp_rank_of(dims: ParallelDims, rank: int) -> int:
 
 
 def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, steps: int | None = None,
-          verbose: bool = True) -> TrainResult:
+          verbose: bool = True, resume: str | None = None) -> TrainResult:
+    """Train; with ``run_dir`` (or ``checkpoint.dir``) save checkpoints, and with ``resume``
+    (latest | step-N | PATH) continue from one, in this layout (docs/checkpoint.md)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = resolve_dims(recipe, world)
     meshes = build_meshes(dims, device.type)
@@ -111,18 +115,27 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     bias_reduce = (lambda x: dist.all_reduce(x, group=dp_group)) if dp_size > 1 else None
     if rank == 0 and verbose:
         emit("start", steps=total_steps, world_size=world)
+    ckpt_root = checkpoint_root(recipe, run_dir)
+    ckpt = Checkpointer(recipe, ckpt_root, dims, grad_accum, verbose) if ckpt_root is not None else None
+    start_step = 0
+    if resume:
+        if ckpt is None:
+            raise LLMTrainError("resume needs a run directory or checkpoint.dir", "pass --run-dir", path="resume")
+        start_step = ckpt.restore(resume, parts, optimizer, sampler)
+    test_hooks = TestHooks.from_env(rank, dp_rank_of(dims, rank), dims)
     t_start = time.perf_counter()
-    for step in range(total_steps):
+    for step in range(start_step, total_steps):
         t0 = time.perf_counter()
         lr = t.optimizer.lr * lr_multiplier(step, total_steps, t.schedule)
         set_lr(optimizer, lr)
+        test_hooks.log_samples(step, sampler)
         batches = microbatches(dataset, sampler)
         if dims.cp > 1:
             batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
         if schedule is None:
             loss = accumulation_step(parts, batches, device, fsdp, tp, autocast)
         else:
-            loss = pipelined_step(parts, schedule, batches, device, tp)
+            loss = pipelined_step(parts, schedule, batches, device, tp, autocast)
             loss = loss if loss is not None else torch.zeros((), device=device)
             dist.all_reduce(loss, group=pp_group)  # only the last stage holds a non-zero loss
         if grad_sync is not None:
@@ -148,9 +161,18 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
             if verbose:
                 emit("step", step=step + 1, steps=total_steps, loss=loss_value, lr=lr, grad_norm=float(norm),
                      tokens_per_s=tokens_per_s, mfu=record["mfu"])
+        if ckpt is not None:
+            if ckpt.due(step + 1, total_steps):
+                ckpt.save(step + 1, parts, optimizer, sampler, t.seq_len)
+            else:
+                ckpt.poll()
+        test_hooks.maybe_kill(step + 1)
+    if ckpt is not None:
+        ckpt.wait()
     elapsed = time.perf_counter() - t_start
-    result.tokens_per_s = gbs * t.seq_len * total_steps / elapsed
+    result.tokens_per_s = gbs * t.seq_len * (total_steps - start_step) / elapsed
     if rank == 0 and verbose:
-        emit("end", step=total_steps, final_loss=result.losses[-1], tokens_per_s=result.tokens_per_s)
+        emit("end", step=total_steps, final_loss=result.losses[-1] if result.losses else None,
+             tokens_per_s=result.tokens_per_s)
     writer.close()
     return result

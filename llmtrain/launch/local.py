@@ -101,6 +101,38 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
     return LocalRun(run, world, module, console, grace_s).run()
 
 
+def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
+                   console: Console | None = None, grace_s: float = 5.0) -> int:
+    """Run ``recipe`` again in the existing run directory ``run_path`` (``llmtrain resume``): the
+    recipe is validated like :func:`launch_local`, becomes the new ``recipe.lock.yaml`` (the old
+    one and the old ``logs/`` are kept as ``recipe.lock.yaml.prev-N`` / ``logs.prev-N/``)."""
+    from llmtrain.recipe.load import dump_recipe
+
+    world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
+    if world > MAX_SLOTS:
+        raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
+                            f"use at most {MAX_SLOTS} locally", path="cluster")
+    hostfile = Hostfile.localhost(world)
+    plan = plan_recipe(recipe, hostfile)
+    if not plan.valid:
+        raise LLMTrainError(plan.validation.errors)
+    module = engine_module()
+    path = Path(run_path)
+    run = RunDir(path, path.parent.name, path.name)
+    n = 1
+    while (path / f"logs.prev-{n}").exists() or (path / f"recipe.lock.yaml.prev-{n}").exists():
+        n += 1
+    if run.logs.exists():
+        run.logs.rename(path / f"logs.prev-{n}")
+    if run.recipe_lock.exists():
+        run.recipe_lock.rename(path / f"recipe.lock.yaml.prev-{n}")
+    run.logs.mkdir()
+    run.recipe_lock.write_text(dump_recipe(recipe))
+    run.hostfile.write_text("".join(f"{h.host} slots={h.slots}\n" for h in hostfile.hosts))
+    console = console or Console(highlight=False, soft_wrap=True)
+    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env).run()
+
+
 def resolve_recipe(recipe: Recipe | str | Path, overrides: list[str] | None) -> Recipe:
     if not isinstance(recipe, Recipe):
         return load_recipe(recipe, overrides)
@@ -143,8 +175,10 @@ def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None) -> d
 class LocalRun:
     """One torchrun child, its output, its progress bar and its teardown."""
 
-    def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0):
+    def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0,
+                 extra_env: dict[str, str] | None = None):
         self.run_dir, self.world, self.module, self.grace_s = run, world, module, grace_s
+        self.extra_env = dict(extra_env or {})
         self.stats = RunStats()
         self.display = Display(console, label=run.name)
         self.router = LineRouter(run.logs, self.display, self.stats)
@@ -173,7 +207,7 @@ class LocalRun:
         (self.run_dir.logs / "command.txt").write_text(shlex.join(cmd) + "\n")
         self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=launch_env(self.run_dir, self.world), start_new_session=True,
+                                env={**launch_env(self.run_dir, self.world), **self.extra_env}, start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec())
         self.proc, self.tree = proc, ProcessTree(proc.pid)
         self.pipes = PipeReader({"stdout": proc.stdout, "stderr": proc.stderr})
@@ -302,4 +336,4 @@ class LocalRun:
                 say(f"     | {line}")
 
 
-__all__ = ["launch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids"]
+__all__ = ["launch_local", "relaunch_local", "torchrun_command", "launch_env", "ProcessTree", "marked_pids"]

@@ -1,0 +1,67 @@
+"""``llmtrain resume``: continue a run from one of its checkpoints, on this machine.
+
+Examples::
+
+    llmtrain resume                                   # newest run under ./runs, its latest checkpoint
+    llmtrain resume --run runs/debug/20260101-120000-ab12 --ckpt step-20
+    llmtrain resume --ckpt latest --set parallel.tp=1 # same run, a different layout (resharded)
+
+The run's locked recipe (``recipe.lock.yaml``, plus ``--set`` overrides) is validated like
+``llmtrain launch``, the checkpoint is verified (checksums; ``latest`` falls back to the newest
+intact one with a warning), and the run is relaunched in its own directory with the local
+launcher; the engine loads the checkpoint into the new layout and continues at its step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from llmtrain.cli.app import app, report_errors
+from llmtrain.errors import LLMTrainError
+
+SET_HELP = "Override a recipe key of the locked recipe: --set parallel.tp=1 (repeatable; parsed as YAML)."
+
+
+def find_run(run: Path | None, runs: Path) -> Path:
+    from llmtrain.launch.rundir import latest_run
+
+    if run is not None:
+        if not (run / "recipe.lock.yaml").is_file():
+            raise LLMTrainError(f"{run} is not a run directory (no recipe.lock.yaml)",
+                                "pass a directory made by `llmtrain launch`", path="--run")
+        return run
+    found = latest_run(runs)
+    if found is None:
+        raise LLMTrainError(f"no run under {runs}", "pass --run RUN_DIR or --runs ROOT", path="--run")
+    return found
+
+
+@app.command()
+@report_errors
+def resume(
+    ckpt: str = typer.Option("latest", "--ckpt", help="Checkpoint: latest | step-N | PATH."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Run directory (default: the newest under --runs)."),
+    runs: Path = typer.Option(Path("runs"), "--runs", help="Root of the run directories."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Relaunch a run from a checkpoint (optionally with a new layout) and continue exactly where it stopped."""
+    from llmtrain.engine.checkpoint_store import STEP_RE, resolve
+    from llmtrain.launch.local import relaunch_local
+    from llmtrain.recipe.load import load_recipe
+
+    run_path = find_run(run, runs).resolve()
+    recipe = load_recipe(run_path / "recipe.lock.yaml", set_)
+    root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_path / "checkpoints"
+    spec = ckpt if ckpt == "latest" or STEP_RE.match(ckpt) else str(Path(ckpt).resolve())
+    path, meta, warnings = resolve(root, spec)
+    for w in warnings:
+        typer.echo(f"warning: {w}", err=True)
+    if meta["step"] >= recipe.train.steps:
+        raise LLMTrainError(f"checkpoint {path.name} is at step {meta['step']}, the run has {recipe.train.steps} steps",
+                            "nothing to do; raise train.steps with --set to train further", path="--ckpt")
+    typer.echo(f"resuming {run_path} from {path} (step {meta['step']} of {recipe.train.steps})")
+    code = relaunch_local(run_path, recipe, extra_env={"LLMTRAIN_RESUME": str(path.resolve())})
+    raise typer.Exit(code)

@@ -1,0 +1,187 @@
+"""Distributed checkpoints of a training run: save (async), commit, verify, restore and reshard.
+
+:class:`Checkpointer` is used by :func:`llmtrain.engine.trainer.train`:
+
+* ``save(step, ...)`` every ``checkpoint.interval`` steps and at the end. All ranks write one
+  ``torch.distributed.checkpoint`` (DCP) state dict (model chunks + AdamW state, by global
+  parameter name: see :mod:`checkpoint_state`) into ``step-N.tmp/``, plus their RNG state. With
+  ``checkpoint.async`` (default) the write runs in a background thread (``async_save``, thread
+  mode; DCP's stager first copies the tensors, so training may go on); a new save waits for
+  the previous one. DCP's collectives use a dedicated gloo group, never the training group.
+* Commit (:func:`checkpoint_store.commit`): once every rank's write finished — checked at each
+  step boundary by a 1-element MIN all-reduce while a save is pending, or forced by the next
+  save / the end of training — rank 0 writes ``metadata.json`` (sha256 of every file),
+  renames ``step-N.tmp`` to ``step-N`` and atomically moves ``latest``; then prunes to ``keep``.
+* ``restore(spec, ...)``: rank 0 verifies checksums (``latest`` falls back to the previous
+  complete checkpoint with a warning), every rank DCP-loads into its own layout's shapes, so a
+  checkpoint from any layout loads into any other. The data position is the global sample
+  index (``consumed_samples``); the step's grad accumulation follows the new layout.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from llmtrain.engine import checkpoint_state as cs
+from llmtrain.engine import checkpoint_store as store
+from llmtrain.errors import LLMTrainError
+
+DIMS_FIELDS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def dims_dict(dims) -> dict:
+    return {k: int(getattr(dims, k)) for k in DIMS_FIELDS if hasattr(dims, k)}
+
+
+def layout_diff(meta: dict, dims, world: int, grad_accum: int, zero: int | None = None) -> str:
+    """One line: the layout the checkpoint was saved in and the one it is loaded into."""
+    saved = meta.get("dims", {})
+    now = dims_dict(dims)
+    saved_zero = meta.get("recipe", {}).get("parallel", {}).get("zero")
+    fmt = lambda d: " ".join(f"{k}{v}" for k, v in d.items() if v != 1) or "1 process"  # noqa: E731
+    head = f"saved as {fmt(saved)} zero{saved_zero} on {meta.get('world_size')} ranks (grad_accum {meta.get('grad_accum')})"
+    tail = f"now {fmt(now)} zero{zero} on {world} ranks (grad_accum {grad_accum})"
+    same = saved == now and meta.get("world_size") == world and saved_zero == zero
+    return f"{head} / {tail}" + ("" if same else " — resharded")
+
+
+class Checkpointer:
+    def __init__(self, recipe, root: str | Path, dims, grad_accum: int, verbose: bool = True):
+        self.cfg = recipe.checkpoint
+        self.recipe = recipe
+        self.root = Path(root)
+        self.dims = dims
+        self.grad_accum = grad_accum
+        self.verbose = verbose
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # DCP's collectives (also from the async thread) must not interleave with training's
+        self.group = dist.new_group(backend="gloo")
+        self.pending: tuple | None = None  # (step, meta, future or None)
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def due(self, step: int, total: int) -> bool:
+        return step == total or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+
+    def save(self, step: int, parts, optimizer, sampler, seq_len: int) -> None:
+        self.wait()
+        tmp = store.tmp_dir(self.root, step)
+        if self.rank == 0:
+            store.remove_stale_tmp(self.root)
+            (tmp / "rng").mkdir(parents=True)
+        dist.barrier(group=self.group)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, tmp / "rng" / f"rank-{self.rank}.pt")
+        consumed = int(sampler.state_dict()["consumed_samples"])
+        meta = {"tokens_seen": consumed * seq_len, "sampler": sampler.state_dict(), "consumed_samples": consumed,
+                "world_size": self.world, "dims": dims_dict(self.dims), "grad_accum": self.grad_accum,
+                "recipe": self.recipe.model_dump(mode="json", by_alias=True),
+                "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                             "llmtrain": _llmtrain_version()},
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        state = cs.full_state(parts, optimizer)
+        if self.cfg.async_:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group,
+                                    async_checkpointer_type=AsyncCheckpointerType.THREAD)
+            self.pending = (step, meta, future)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self.pending = (step, meta, None)
+            self._commit()
+
+    def poll(self) -> None:
+        """At a step boundary: commit the pending save if every rank's write has finished."""
+        if self.pending is None:
+            return
+        future = self.pending[2]
+        flag = torch.tensor([1 if future is None or future.done() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if int(flag.item()) == 1:
+            self._commit()
+
+    def wait(self) -> None:
+        """Block until the pending save is written everywhere, then commit it."""
+        if self.pending is not None:
+            self._commit()
+
+    def _commit(self) -> None:
+        step, meta, future = self.pending
+        self.pending = None
+        if future is not None:
+            future.result()  # raises if this rank's write failed
+        dist.barrier(group=self.group)
+        if self.rank == 0:
+            final = store.commit(self.root, step, meta)
+            store.prune(self.root, self.cfg.keep)
+            if self.verbose:
+                print(f"checkpoint: committed {final}", flush=True)
+
+    # -- restoring ----------------------------------------------------------------------------
+
+    def restore(self, spec: str, parts, optimizer, sampler) -> int:
+        """Load checkpoint ``spec`` (latest | step-N | PATH) into this layout; return its step."""
+        found = [None]
+        if self.rank == 0:
+            try:
+                path, meta, warnings = store.resolve(self.root, spec)
+                found[0] = ("ok", str(path), meta, warnings)
+            except LLMTrainError as exc:
+                found[0] = ("error", str(exc), None, [])
+        dist.broadcast_object_list(found, src=0, group=self.group)
+        status, path, meta, warnings = found[0]
+        if status == "error":
+            raise LLMTrainError(path or "checkpoint error")
+        if self.rank == 0:
+            for w in warnings:
+                print(f"warning: {w}", file=sys.stderr, flush=True)
+        state = cs.template_state(parts, optimizer)
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        cs.apply_state(parts, optimizer, state)
+        sampler.load_state_dict(meta["sampler"])
+        same_layout = meta.get("world_size") == self.world and meta.get("dims") == dims_dict(self.dims)
+        rng_file = Path(path) / "rng" / f"rank-{self.rank}.pt"
+        if same_layout and rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+        if self.rank == 0 and self.verbose:
+            print(f"checkpoint: resumed from {path} at step {meta['step']} "
+                  f"(sample {meta['consumed_samples']}, {meta['tokens_seen']} tokens); "
+                  + layout_diff(meta, self.dims, self.world, self.grad_accum, self.recipe.parallel.zero), flush=True)
+        return int(meta["step"])
+
+
+def _llmtrain_version() -> str:
+    try:
+        from llmtrain import __version__
+
+        return __version__
+    except ImportError:  # pragma: no cover
+        return "unknown"
+
+
+def checkpoint_root(recipe, run_dir: str | Path | None) -> Path | None:
+    if recipe.checkpoint.dir:
+        return Path(recipe.checkpoint.dir)
+    return Path(run_dir) / "checkpoints" if run_dir else None
+
+
+def load_meta_json(path: Path) -> dict:
+    return json.loads((Path(path) / store.META).read_text())
+
+
