@@ -138,7 +138,7 @@ def test_dry_run_prints_each_node_command_with_secrets_masked_and_starts_nothing
         assert f" GLOO_SOCKET_IFNAME={cluster.ifname} " in line and f"FAKE_ENGINE_MARKER={marker} " in line
         assert line.startswith(f"cd {tmp_path} && exec env ")
     assert "# node 1: node1 (" in out and "ranks 2-3" in out
-    assert out.rstrip().endswith("dry run: nothing was started")
+    assert out.rstrip().endswith("dry run: nothing was started (a real launch draws its own run id)")
     assert not (tmp_path / "runs").exists() and not list(tmp_path.glob("marker*"))
 
 
@@ -309,6 +309,8 @@ def test_launcher_sigterm_stops_every_node_even_ranks_that_ignore_it(cluster, tm
     assert rc == 143, out
     assert elapsed < TEARDOWN_S, f"launcher took {elapsed:.1f} s"
     assert "[launcher] SIGTERM received: stopping all nodes" in out and "== run stopped by SIGTERM: exit code 143" in out
+    assert "helper: SIGINT received, stopping the node" in out  # the Ctrl-C typed into each pty
+    assert "^C" not in out and "@@" not in out  # no echo, no broken frame
     # the stubborn ranks and grandchildren needed SIGKILL: from the node's helper or the launcher's stop command
     assert re.search(r"^\[node0\] .*[1-9]\d* needed SIGKILL$", out, re.M), out
     assert re.search(r"^\[node1\] .*[1-9]\d* needed SIGKILL$", out, re.M), out
@@ -316,12 +318,32 @@ def test_launcher_sigterm_stops_every_node_even_ranks_that_ignore_it(cluster, tm
 
 
 def test_launcher_killed_with_sigkill_leaves_nothing_behind(cluster, tmp_path):
-    bg = _start_sleeping(cluster, tmp_path, FAKE_ENGINE_GRANDCHILD="1")
+    # orphaned grandchildren that ignore SIGTERM: each helper waits out its 2 s grace, then SIGKILLs them
+    bg = _start_sleeping(cluster, tmp_path, FAKE_ENGINE_GRANDCHILD="1", grace_s=2)
     run_id = bg.run_id
     os.kill(bg.proc.pid, signal.SIGKILL)  # no handler runs: the pty hang-up must stop every node
+    t0 = time.monotonic()
     bg.proc.wait(timeout=10)
-    left = wait_gone(run_id, TEARDOWN_S + 3)  # the helpers' 3 s grace, then SIGKILL
-    assert left == [], f"still running: {left}"
+    left = wait_gone(run_id, TEARDOWN_S)
+    assert left == [], f"still running {time.monotonic() - t0:.1f} s after the launcher died: {left}"
+
+
+def test_failing_rank_names_host_rank_log_tail_and_error_file(cluster, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", cluster, steps=20)
+    hosts = write_hosts(tmp_path / "hosts", "node0 slots=2", "node1 slots=2")
+    result = run_cli(cluster, tmp_path, "launch", str(recipe), "--hosts", str(hosts), "--skip-preflight",
+                     FAKE_ENGINE_FAIL_RANK="2", FAKE_ENGINE_STEP_S="0.3")
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr  # torchrun's exit code on the failing node
+    summary = out[out.index("== run failed: exit code 1"):]
+    assert "node 1 node1 (ranks 2-3): exit code 1" in summary
+    named = summary[summary.index("rank 2 on node1 failed (exit code 3); last lines of "):]
+    assert "rank-2.log:" in named.splitlines()[0] and "| rank 2 fails on purpose at step 2" in named
+    # torchelastic's error file lives on the node: its helper read it and sent the message
+    assert "error: FakeEngineError: rank 2 fails on purpose at step 2" in named
+    run = next((tmp_path / "runs" / "debug").iterdir())
+    assert "ChildFailedError" in (run / "logs" / "node-1.log").read_text()
+    assert run_processes(run.name) == []
 
 
 def test_hung_rank_is_detected_by_the_watchdog_and_torn_down(cluster, tmp_path):

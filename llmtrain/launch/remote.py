@@ -16,8 +16,9 @@
    torchrun's own output, and ``@@hb`` every 2 s (the launcher's lost-node detection);
 3. checks once that every worker's ``RANK`` is ``F + LOCAL_RANK`` (the placement ``plan``
    showed) and stops the node with ``@@n {"event": "rank_mismatch"}`` if not;
-4. on SIGTERM/SIGINT/SIGHUP -- SIGHUP is what a pty delivers when the SSH session dies, e.g.
-   because the launcher was SIGKILLed -- or when its parent (sshd) disappears, stops every
+4. on SIGTERM/SIGINT/SIGHUP -- SIGINT is the launcher's Ctrl-C typed into the pty (echo is
+   turned off first, so it leaves no ``^C`` in the stream), SIGHUP what a pty delivers when the
+   SSH session dies, e.g. because the launcher was SIGKILLed -- or when its parent (sshd) disappears, stops every
    process of the node: SIGTERM to torchrun, its descendants (torchrun's workers sit in their own
    sessions, so a group kill would miss them) and every process marked
    ``LLMTRAIN_NODE_ID=<id>.<node rank>``, then SIGKILL after ``--grace`` seconds;
@@ -112,6 +113,21 @@ def _environ(pid: int) -> dict[str, str]:
     return out
 
 
+def _quiet_tty(fd: int = 0) -> None:
+    """No echo on our pty: the launcher's Ctrl-C (its fast stop signal) must not come back as "^C"
+    glued to the next line. ISIG stays on, so Ctrl-C still means SIGINT."""
+    try:
+        import termios
+    except ImportError:
+        return
+    try:
+        attrs = termios.tcgetattr(fd)
+        attrs[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+        termios.tcsetattr(fd, termios.TCSANOW, attrs)
+    except (termios.error, OSError, ValueError):  # not a tty (tests, other launchers): nothing to do
+        pass
+
+
 class Helper:
     def __init__(self, args: argparse.Namespace, command: list[str]):
         self.args, self.command = args, command
@@ -128,6 +144,7 @@ class Helper:
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
+        _quiet_tty()
         me = read_stat(os.getpid())
         parent = os.getppid()
         self.out(node_event("start", pid=os.getpid(), pgid=os.getpgrp(), sid=os.getsid(0),

@@ -316,6 +316,15 @@ class Stream:
             error = "connection lost"
         self.on_end(code, error)
 
+    def interrupt(self) -> bool:
+        """Type Ctrl-C into the pty: the kernel sends SIGINT to the remote foreground process group at
+        once (the node helper and torchrun), no new process needed. False if the channel is gone."""
+        try:
+            self.chan.send(b"\x03")
+            return True
+        except Exception:  # noqa: BLE001 - a closed channel or transport
+            return False
+
     def close(self) -> None:
         try:
             self.chan.close()

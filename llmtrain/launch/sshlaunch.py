@@ -20,8 +20,9 @@ What happens, in order (:func:`launch_ssh`):
    the watchdog (:mod:`llmtrain.launch.watchdog`).
 5. The run ends when every node exits 0, or at the first of: a node exiting non-zero, a lost
    connection (or a node silent past ``launch.watchdog.heartbeat_timeout_s``), a hang, or
-   SIGINT/SIGTERM/SIGHUP to the launcher. Then every node is stopped in parallel over a second
-   channel (``python -m llmtrain.launch.remote kill``: SIGTERM to the recorded process group,
+   SIGINT/SIGTERM/SIGHUP to the launcher. Then every node is stopped in parallel: Ctrl-C typed
+   into its pty (SIGINT to the node helper at once, which stops its node), and over a second
+   channel ``python -m llmtrain.launch.remote kill`` (SIGTERM to the recorded process group,
    its descendants and the run's marked processes, SIGKILL after ``launch.grace_s``), within
    ~5 s with the default 3 s grace. A launcher killed with SIGKILL cannot do this; the pty
    hang-up then makes each node's helper do it.
@@ -112,7 +113,7 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
     if dry_run:
         for line in describe(prepared.spec, masked=True):
             say(line)
-        say("dry run: nothing was started")
+        say("dry run: nothing was started (a real launch draws its own run id)")
         return 0
     opts = ssh_options(prepared.hostfile, prepared.recipe, accept_new_host_keys, lambda m: say(m, "yellow"))
     conns: dict[int, Any] = {}

@@ -10,8 +10,9 @@
   progress bar and the watchdog; secret values are redacted first;
 * ends when every node exits 0, or at the first of: torchrun exiting non-zero on a node (the
   helper says so before it drains), a lost connection, a node silent past the heartbeat limit,
-  a hang, SIGINT/SIGTERM/SIGHUP; then stops every node in parallel over a second channel and
-  waits for their sessions to end (a second signal stops the waiting);
+  a hang, SIGINT/SIGTERM/SIGHUP; then stops every node in parallel -- Ctrl-C into its pty (the
+  helper gets SIGINT at once) and the stop command over a second channel -- and waits for their
+  sessions to end (a second signal stops the waiting);
 * exits with the first failure's code (torchrun's; 255 lost node; 124 hang; 130/143/129 signals)
   and prints the summary: each node's outcome, the failing host and rank with the last lines of
   its log and torchelastic's error message, or the silent ranks of a hang.
@@ -199,6 +200,8 @@ class SSHRun:
                 self._line(nr, line)
 
     def _line(self, nr: NodeRun, line: str) -> None:
+        if line.startswith("^C@@"):  # the pty echoed our Ctrl-C before the helper turned echo off
+            line = line[2:]
         kind, rank, stream, text = parse_frame(line)
         if kind == "heartbeat":
             return
@@ -281,6 +284,12 @@ class SSHRun:
         why = {"failure": f"{self.first_failure.node.host} failed" if self.first_failure else "a node failed",
                "hang": "hang detected", "error": "launcher error"}.get(self.reason, f"{self.reason} received")
         self.display.line(f"[launcher] {why}: stopping all nodes (SIGTERM now, SIGKILL after {grace:g} s)")
+        # 1. Ctrl-C into every live pty: each helper starts stopping its node within a round trip
+        #    (not where torchrun already exited: that helper is draining and sweeping on its own)
+        for nr in self.nodes:
+            if not nr.ended and nr.stream is not None and nr.torchrun_code is None:
+                nr.stream.interrupt()
+        # 2. and, independently of the helpers, the stop command on every node over a second channel
         threads = []
         for nr in self.nodes:
             if nr.ended and (nr.pgid is None or (nr.code == 0 and nr.error is None)):
@@ -289,11 +298,15 @@ class SSHRun:
             t.start()
             threads.append(t)
         deadline = time.monotonic() + grace + 6
-        n_signals = len(self.signals)
+        n_signals, all_ended_at = len(self.signals), None
         while time.monotonic() < deadline:
             self._pump(POLL_S)
-            if all(nr.ended for nr in self.nodes) and not any(t.is_alive() for t in threads):
-                break
+            if all(nr.ended for nr in self.nodes):
+                # every helper has finished; the stop commands run to their end on the nodes anyway
+                # (no pty: closing the connection does not stop them), so wait only briefly for their report
+                all_ended_at = all_ended_at or time.monotonic()
+                if not any(t.is_alive() for t in threads) or time.monotonic() - all_ended_at > 0.5:
+                    break
             if len(self.signals) > n_signals:  # another signal: stop waiting (each node's helper still
                 break                             # finishes the stop on its own once the session drops)
         for nr in self.nodes:
