@@ -133,7 +133,7 @@ def run_case(recipe, device) -> dict:
     if dims.pp > 1:  # model state only: one pipelined step
         schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule,
                                           grad_accum, cross_entropy, device, meshes.pp.get_group())
-        pipelined_step(parts, schedule, batches, device, tp_loss)
+        pipelined_step(parts, schedule, batches, device, tp_loss, contextlib.nullcontext())
         del schedule, stages
     else:
         model = parts.parts[0]

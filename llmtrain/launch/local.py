@@ -53,7 +53,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -63,7 +62,7 @@ from rich.text import Text
 from llmtrain.errors import LLMTrainError
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
-from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids
+from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
 from llmtrain.launch.rundir import RunDir, create_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
                                    failure_lines, parse_failures, stats_summary)
@@ -190,15 +189,10 @@ class LocalRun:
         self.signals.append(signum)
 
     def run(self) -> int:
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
-            return self._run()
+            with signals_to(self._on_signal):
+                return self._run()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             self.router.close()
 
     def _run(self) -> int:

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -209,3 +210,17 @@ def terminate(alive: Callable[[], set[int]], grace_s: float, tick: Callable[[], 
             signal_all(left, signal.SIGKILL)  # forked meanwhile
             time.sleep(0.02)
     return result
+
+
+@contextmanager
+def signals_to(handler: Callable, signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """Route ``signals`` to ``handler`` for the duration (main thread only; restored after),
+    so a launcher records Ctrl-C / SIGTERM / SIGHUP and tears its run down itself."""
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -37,6 +37,7 @@ from llmtrain.launch.remote import parse_frame
 from llmtrain.launch.rundir import RunDir
 from llmtrain.launch.stream import Display, LineRouter, LineSplitter, failure_lines, parse_failures, stats_summary
 from llmtrain.launch.watchdog import Hang, Watchdog
+from llmtrain.launch.proctree import signals_to
 
 EXIT_HANG = 124
 EXIT_LOST = 255
@@ -98,15 +99,10 @@ class SSHRun:
         self.signals.append(signum)
 
     def run(self) -> int:
-        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
-            return self._run()
+            with signals_to(self._on_signal):
+                return self._run()
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             for nr in self.nodes:
                 nr.router.close()
 
