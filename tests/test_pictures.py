@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.pictures import IDLE, layout_png, schedule_png, schedule_text
 from llmtrain.plan.placement import Placement
@@ -88,3 +90,39 @@ def test_plan_does_not_import_matplotlib_or_torch():
         out = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args)], cwd=REPO, capture_output=True, text=True,
                              timeout=120)
         assert json.loads(out.stderr.rsplit("PROBE ", 1)[1]) == [], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev"])
+def test_v_shaped_timeline(name, tmp_path):
+    from llmtrain.plan.bubble import bubble_fraction
+    from llmtrain.plan.schedule import v_stage_rank
+
+    p, m = 4, 8
+    tl = simulate(name, p, 2, m)
+    ops = {}
+    for s in tl.slots:
+        key = (s.op.kind, s.op.mb, s.op.stage)
+        assert key not in ops, key
+        ops[key] = s
+        assert s.rank == v_stage_rank(s.op.stage, p)
+    assert {(r, 2 * p - 1 - r) for r in range(p)} == {tuple(sorted({s.op.stage for s in tl.slots if s.rank == r}))
+                                                        for r in range(p)}
+    assert set(ops) == {(k, mb, st) for k in "FBW" for mb in range(m) for st in range(2 * p)}
+    for mb in range(m):
+        for st in range(2 * p):
+            f, b, w = ops[("F", mb, st)], ops[("B", mb, st)], ops[("W", mb, st)]
+            if st > 0:
+                assert f.start >= ops[("F", mb, st - 1)].end
+            if st < 2 * p - 1:
+                assert b.start >= ops[("B", mb, st + 1)].end
+            assert b.start >= f.end and w.start >= b.end
+    for r in range(p):
+        mine = sorted((s for s in tl.slots if s.rank == r), key=lambda s: s.start)
+        assert all(a.end <= b.start for a, b in zip(mine, mine[1:]))
+    assert tl.bubble_fraction <= bubble_fraction(name, p, 2, m) + 1e-9
+    assert tl.bubble_fraction == pytest.approx((p - 1) / (6 * m))
+    text = schedule_text(tl)
+    assert text.startswith(f"{name}: pp 4, 8 micro batches") and "(B 1 + W 1)" in text
+    path = schedule_png(tl, tmp_path / f"{name}.png")
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000

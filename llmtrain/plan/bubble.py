@@ -22,7 +22,9 @@ the times of one chunk's forward, backward (or input-gradient) and weight-gradie
   compute: ``(p - 1) / (3 m)``. (The previous ``(p/2 - 1) / (3m)`` read PP as the rank count.)
 
 :mod:`llmtrain.plan.schedule` generates the gpipe, 1f1b, interleaved and zero-bubble orders and
-simulates them; its measured bubble equals these formulas (tests/test_costmodel.py).
+simulates them; its measured bubble equals these formulas (tests/test_costmodel.py). Its greedy
+V-shaped simulation (zbv, dualpipev; one op at a time, no F&B overlap) idles ``(p - 1)`` units:
+the zbv value above, half the dualpipev one.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from llmtrain.plan.placement import Placement
 from llmtrain.plan.schedule import Timeline
 
 IDLE = " · "
+SPLIT = ("zero-bubble", "zbv", "dualpipev")  # schedules whose backward is drawn as B (input) + W (weights)
 UNIT_CHARS = 3
 
 
@@ -42,7 +43,7 @@ def schedule_text(tl: Timeline, max_width: int = 180) -> str:
         lines.append(f"rank {r:>2} " + "".join(row))
     head = (f"{tl.schedule}: pp {tl.pp}, {tl.microbatches} micro batches"
             + (f", {tl.virtual} chunks per rank (a, b, ... = chunk)" if tl.virtual > 1 and tl.schedule not in ("gpipe", "1f1b") else "")
-            + f"; F = 1 unit, B = 2{' (B 1 + W 1)' if tl.schedule == 'zero-bubble' else ''}; "
+            + f"; F = 1 unit, B = 2{' (B 1 + W 1)' if tl.schedule in SPLIT else ''}; "
             + f"idle '·' = bubble {tl.bubble_fraction:.1%} of compute")
     tail = [] if shown == units else [f"... cut at {shown} of {units} time units"]
     return "\n".join([head, *lines, *tail])
@@ -75,7 +76,7 @@ def schedule_png(tl: Timeline, path: str | Path) -> Path:
     ax.set_title(f"{tl.schedule}: pp {tl.pp}, {tl.microbatches} micro batches, v {tl.virtual}; "
                  f"bubble {tl.bubble_fraction:.1%} (white gaps)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for k, c in colors.items() if any(s.op.kind == k for s in tl.slots)]
-    labels = [{"F": "forward", "B": "backward" if tl.schedule != "zero-bubble" else "backward (input)",
+    labels = [{"F": "forward", "B": "backward" if tl.schedule not in SPLIT else "backward (input)",
                "W": "backward (weights)"}[k] for k in colors if any(s.op.kind == k for s in tl.slots)]
     ax.legend(handles, labels, loc="upper right", fontsize=8)
     fig.tight_layout()

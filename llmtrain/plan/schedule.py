@@ -22,7 +22,18 @@ Orders (stage ``s`` on pipeline rank ``s % p``; looped placement):
   its (1F1B-sized) memory. With ``v > 1`` the interleaved order is used with warm-up
   ``(v - 1) p + (p - r - 1)`` (torch ``ScheduleInterleavedZeroBubble``).
 
-ZBV and DualPipeV (V-shaped placement) are not drawn.
+V-shaped placement (ZBV, Qi et al. 2023 sec. 6; DualPipeV, DeepSeek-V3 / deepseek-ai/DualPipe):
+pipeline rank ``r`` holds stages ``r`` and ``2 p - 1 - r``; each micro batch goes forward through
+stages ``0 .. 2p - 1`` (down the ranks and back up) and backward in reverse, with the backward
+split into B (input gradient) and W (weight gradient). :func:`simulate_v` does not replay
+torch's hand-made orders (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``): it is a greedy,
+dependency-respecting list scheduling (see its docstring), and the same simulation draws both
+names -- the F&B overlap of DualPipe (computation/communication overlap of two micro batches)
+is not modelled, each rank runs one op at a time. With unit costs the simulated idle time is
+``(p - 1)`` units, i.e. a bubble of ``(p - 1) / (6 m)``: exactly
+:func:`llmtrain.plan.bubble.bubble_fraction`'s zbv value, and half its dualpipev value
+``(p - 1) / (3 m)`` (that formula charges the overlapped F&B pair as in DeepSeek-V3's Table 2,
+which this picture does not reproduce). Memory: a rank holds at most ``2 p`` chunk activations.
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-DRAWN = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+DRAWN = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,8 @@ def _sequence(p: int, v: int, m: int, r: int, backward: bool) -> list[tuple[int,
 def rank_orders(schedule: str, pp: int, virtual: int, microbatches: int) -> list[list[Op]]:
     if schedule not in DRAWN:
         raise ValueError(f"the timeline of {schedule} is not drawn; supported: {', '.join(DRAWN)}")
+    if schedule in V_SHAPED:
+        raise ValueError(f"{schedule} has no fixed per-rank order here; use simulate_v")
     p, m = pp, microbatches
     v = virtual if schedule in ("interleaved-1f1b", "zero-bubble") else 1
     if v > 1 and m % p:
@@ -102,7 +116,12 @@ def rank_orders(schedule: str, pp: int, virtual: int, microbatches: int) -> list
 
 
 def simulate(schedule: str, pp: int, virtual: int, microbatches: int, t_f: float = 1.0, t_b: float = 2.0) -> Timeline:
-    """Play the orders with unit costs; zero-bubble splits ``t_b`` evenly into B and W."""
+    """Play the orders with unit costs; zero-bubble splits ``t_b`` evenly into B and W.
+
+    ``zbv`` and ``dualpipev`` go to :func:`simulate_v` (``virtual`` is ignored: always 2 chunks).
+    """
+    if schedule in V_SHAPED:
+        return simulate_v(schedule, pp, microbatches, t_f, t_b)
     orders = rank_orders(schedule, pp, virtual, microbatches)
     split = schedule == "zero-bubble"
     dur = {"F": t_f, "B": t_b / 2 if split else t_b, "W": t_b / 2}
@@ -152,3 +171,84 @@ def simulate(schedule: str, pp: int, virtual: int, microbatches: int, t_f: float
     stages_per_rank = n_stages // pp
     busy = microbatches * stages_per_rank * (t_f + t_b)
     return Timeline(schedule, pp, virtual, microbatches, slots, max(s.end for s in slots), busy)
+
+
+def v_stage_rank(stage: int, pp: int) -> int:
+    """Pipeline rank of ``stage`` under V-shaped placement (rank ``r`` holds ``r`` and ``2 pp - 1 - r``)."""
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+def simulate_v(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b: float = 2.0,
+               max_in_flight: int | None = None) -> Timeline:
+    """Greedy list-scheduling simulation of a V-shaped schedule (``zbv``, ``dualpipev``).
+
+    Each rank, whenever it is free, starts the op that can start earliest (ties: B, then F of the
+    second chunk, then F of the first chunk, then W, older micro batches first); W passes are
+    only picked when nothing else can start sooner, so they fill what would be bubbles. A rank
+    starts a new first-chunk forward only while it holds fewer than ``max_in_flight`` (default
+    ``2 pp``) chunk activations (forwards whose B has not run), which bounds memory like ZBV's
+    warm-up. The global choice is always the earliest possible start, so every op starts as soon
+    as its dependencies and its rank allow under this order.
+    """
+    p, m = pp, microbatches
+    n = 2 * p
+    limit = max_in_flight if max_in_flight is not None else 2 * p
+    dur = {"F": t_f, "B": t_b / 2, "W": t_b / 2}
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * p
+    in_flight = [0] * p
+    next_f = [[0, 0] for _ in range(p)]  # next micro batch to forward, per rank and chunk
+    todo_b: list[set[tuple[int, int]]] = [set() for _ in range(p)]
+    todo_w: list[deque[Op]] = [deque() for _ in range(p)]
+    slots: list[Slot] = []
+
+    def stage_of(r: int, chunk: int) -> int:
+        return r if chunk == 0 else n - 1 - r
+
+    while True:
+        best = None  # (start, priority, mb, rank, op)
+        for r in range(p):
+            cands = []
+            for chunk in (1, 0):
+                mb = next_f[r][chunk]
+                if mb >= m or (chunk == 0 and in_flight[r] >= limit):
+                    continue
+                s = stage_of(r, chunk)
+                t = 0.0 if s == 0 else done.get(("F", mb, s - 1))
+                if t is not None:
+                    cands.append((max(clock[r], t), 1 if chunk else 2, mb, r, Op("F", mb, s)))
+            for chunk in (1, 0):
+                s = stage_of(r, chunk)
+                for mb in range(m):
+                    if ("F", mb, s) not in done or ("B", mb, s) in done:
+                        continue
+                    t = done[("F", mb, s)] if s == n - 1 else done.get(("B", mb, s + 1))
+                    if t is not None:
+                        cands.append((max(clock[r], t), 0, mb, r, Op("B", mb, s)))
+                        break
+            if todo_w[r]:
+                w = todo_w[r][0]
+                cands.append((clock[r], 3, w.mb, r, w))
+            if not cands:
+                continue
+            start = min(c[0] for c in cands)
+            choice = min(c for c in cands if c[0] == start)
+            if best is None or choice[:1] + (choice[3],) < best[:1] + (best[3],):
+                best = choice
+        if best is None:
+            break
+        start, _, mb, r, op = best
+        end = start + dur[op.kind]
+        clock[r] = end
+        done[(op.kind, op.mb, op.stage)] = end
+        slots.append(Slot(r, start, end, op))
+        if op.kind == "F":
+            next_f[r][0 if op.stage < p else 1] += 1
+            in_flight[r] += 1
+        elif op.kind == "B":
+            in_flight[r] -= 1
+            todo_w[r].append(Op("W", op.mb, op.stage))
+        else:
+            todo_w[r].popleft()
+    busy = m * 2 * (t_f + t_b)
+    return Timeline(schedule, p, 2, m, slots, max(s.end for s in slots), busy)
