@@ -46,11 +46,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
-    grad = param.grad
-    if grad is None:
-        return None
-    return grad._local_tensor if isinstance(grad, DTensor) else grad
+    return None if param.grad is None else local_tensor(param.grad)
 
 
 class GradientAllReduce:

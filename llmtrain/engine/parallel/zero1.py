@@ -16,21 +16,18 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from llmtrain.engine.parallel.data_parallel import local_tensor
 
 
 def partition(params: list[nn.Parameter], size: int) -> list[int]:
     """Owner rank (0..size-1) of each parameter: largest first onto the least-loaded rank."""
     load = [0] * size
     owner = [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-_local(params[i]).numel(), i)):
+    for i in sorted(range(len(params)), key=lambda i: (-local_tensor(params[i]).numel(), i)):
         rank = min(range(size), key=lambda r: (load[r], r))
         owner[i] = rank
-        load[rank] += _local(params[i]).numel()
+        load[rank] += local_tensor(params[i]).numel()
     return owner
 
 
@@ -58,7 +55,7 @@ class ZeRO1Optimizer:
         if self.inner is not None:
             self.inner.step()
         for owner in range(self.size):
-            tensors = [_local(p) for p, o in zip(self.params, self.owner) if o == owner]
+            tensors = [local_tensor(p) for p, o in zip(self.params, self.owner) if o == owner]
             if not tensors:
                 continue
             flat = torch.cat([t.reshape(-1) for t in tensors])
