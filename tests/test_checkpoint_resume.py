@@ -3,12 +3,14 @@
 Recipe: debug-dense, dp_shard 2 x tp 2 (FSDP2 zero 3), fp32, 6 AdamW steps, global batch 8 x 64
 tokens, ``checkpoint.interval=2`` (async saves at steps 2, 4, 6).
 
-* Same layout: a run whose last rank SIGKILLs itself after step 5 (``LLMTRAIN_TEST_KILL_AT_STEP``)
-  is resumed with ``llmtrain resume``; losses and the final checkpoint (weights AND AdamW
-  moments) must equal an uninterrupted run **bitwise** (CPU fp32, same layout: same operations
-  in the same order, every bit of state restored).
+* Same layout: a run whose last rank SIGKILLs itself at step 4 while its async save is in
+  flight (``LLMTRAIN_TEST_KILL_IN_SAVE``) keeps step-2 as ``latest`` and is resumed with
+  ``llmtrain resume``; losses and the final checkpoint (weights AND AdamW moments) must equal an
+  uninterrupted run **bitwise** (CPU fp32, same layout: same operations in the same order,
+  every bit of state restored). ``launch --max-restarts 1`` with a rank SIGKILLed after step 5
+  (``LLMTRAIN_TEST_KILL_AT_STEP``) finishes on its own, bitwise equal too.
 * Resharding: a copy of the uninterrupted run resumes from its step-4 checkpoint in another
-  layout (dp_shard 4; 1 process; pp 2 x dp_shard 2 with ZeRO-1 and micro-batch 1, i.e. AdamW
+  layout (dp_shard 4; cp 2 on 2 ranks; 1 process; pp 2 x dp_shard 2 with ZeRO-1 and micro-batch 1, i.e. AdamW
   state saved FSDP-sharded and loaded whole by each ZeRO-1 owner, and grad accumulation 4). Only the summation order changes, so the tolerances of the
   parity tests apply (tests/test_engine_parity.py): losses |diff| <= 2e-5, weights and Adam
   moments |diff| <= 2e-4 (AdamW turns rounding-level gradient differences into up to ~lr-sized
@@ -48,15 +50,19 @@ def cli(args: list[str], env_extra: dict | None = None, timeout: int = 600) -> s
                           text=True, timeout=timeout)
 
 
-def launch(runs: Path, samples: Path, kill_at: int | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+def launch(runs: Path, samples: Path, kill_at: int | None = None, kill_in_save: int | None = None,
+           extra: list[str] = (), recipe: str = "recipes/debug.yaml", sets: list[str] = SETS,
+           ) -> tuple[subprocess.CompletedProcess, Path]:
     env = {"LLMTRAIN_TEST_SAMPLE_LOG": str(samples)}
     if kill_at:
         env["LLMTRAIN_TEST_KILL_AT_STEP"] = str(kill_at)
-    args = ["launch", "recipes/debug.yaml", "--runs", str(runs)]
-    for s in SETS:
+    if kill_in_save:
+        env["LLMTRAIN_TEST_KILL_IN_SAVE"] = str(kill_in_save)
+    args = ["launch", recipe, "--runs", str(runs), *extra]
+    for s in sets:
         args += ["--set", s]
     proc = cli(args, env)
-    run = next((runs / "debug").iterdir())
+    run = next(next(runs.iterdir()).iterdir())
     return proc, run
 
 
@@ -127,20 +133,43 @@ def test_checkpoints_committed_with_metadata(reference):
     assert all(len(f["sha256"]) == 64 for f in meta["files"].values())
 
 
-def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path):
+def test_sigkill_during_async_save_then_resume_is_bitwise_identical(reference, tmp_path):
+    """The last rank is SIGKILLed at step 4, right after it started the async save of step 4:
+    step-4 is never committed, ``latest`` still names step-2, and ``llmtrain resume`` from it
+    reproduces the uninterrupted run bitwise (losses, weights, AdamW moments, sample order).
+    (A kill after a committed save is covered by the --max-restarts test below.)"""
     ref_run, ref_samples = reference
     samples = tmp_path / "samples.jsonl"
-    proc, run = launch(tmp_path / "runs", samples, kill_at=5)
+    proc, run = launch(tmp_path / "runs", samples, kill_in_save=4)
     assert proc.returncode != 0, "the killed run must fail"
-    assert (run / "checkpoints" / "latest").is_file()
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-2"
+    assert not (root / "step-4").exists() and (root / "step-4.tmp").is_dir()
     resumed = cli(["resume", "--run", str(run)], {"LLMTRAIN_TEST_SAMPLE_LOG": str(samples)})
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resuming" in resumed.stdout and "saved as dp_shard2 tp2 zero3" in resumed.stdout + resumed.stderr
-    assert losses(run) == losses(ref_run)  # bitwise: == on floats
-    a = load_ckpt(ref_run / "checkpoints" / "step-6", tmp_path)
-    b = load_ckpt(run / "checkpoints" / "step-6", tmp_path)
-    assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in a)
-    assert max_diff(a, b) == 0.0
+    assert "step-2 (step 2 of 6)" in resumed.stdout
+    assert losses(run) == losses(ref_run)
+    assert max_diff(load_ckpt(ref_run / "checkpoints" / "step-6", tmp_path),
+                    load_ckpt(root / "step-6", tmp_path)) == 0.0
+    assert not (root / "step-4.tmp").exists()  # the stale temporary directory was removed by the next save
+    audit = sample_audit(samples)
+    assert audit == sample_audit(ref_samples)
+    assert_exact_coverage(audit)
+
+
+def test_max_restarts_resumes_on_its_own(reference, tmp_path):
+    """``launch --max-restarts 1``: a rank SIGKILLed after step 5 makes torchrun restart the
+    worker group, which resumes from the latest checkpoint by itself; the one command exits 0
+    and matches the uninterrupted run bitwise (same layout, every bit of state restored)."""
+    ref_run, ref_samples = reference
+    samples = tmp_path / "samples.jsonl"
+    proc, run = launch(tmp_path / "runs", samples, kill_at=5, extra=["--max-restarts", "1"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "checkpoint: resumed from" in out and "/step-4 at step 4" in out
+    assert losses(run) == losses(ref_run)
+    assert max_diff(load_ckpt(ref_run / "checkpoints" / "step-6", tmp_path),
+                    load_ckpt(run / "checkpoints" / "step-6", tmp_path)) == 0.0
     audit = sample_audit(samples)
     assert audit == sample_audit(ref_samples)
     assert_exact_coverage(audit)
@@ -148,6 +177,7 @@ def test_sigkill_then_resume_is_bitwise_identical(reference, tmp_path):
 
 @pytest.mark.parametrize("name,sets,truncate", [
     ("dp4", ["parallel.tp=1"], False),
+    ("cp2", ["parallel.tp=1", "parallel.cp=2", "cluster.gpus_per_node=2"], False),
     ("one_process", ["parallel.tp=1", "cluster.gpus_per_node=1"], True),
     ("pp2_zero1", ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", "train.micro_batch_size=1"], False),
 ])
@@ -183,3 +213,35 @@ def test_resume_resharded(reference, tmp_path, name, sets, truncate):
     assert sorted(resumed) == [5, 6], sorted(resumed)
     before = {s: p for s, p in sample_audit(ref_samples).items() if s <= 4}
     assert_exact_coverage({**before, **resumed})
+
+
+MOE_STEPS = 4
+MOE_SETS = ["train.steps=4", "checkpoint.interval=2", "train.seq_len=64", "train.micro_batch_size=2",
+            "train.global_batch_size=8", "train.log_interval=1", "cluster.gpus_per_node=2", "parallel.ep=2"]
+
+
+def test_resume_moe_ep2_as_ep1(tmp_path):
+    """MoE (debug-moe, 2 ranks, dp_shard 2 with experts sharded ep 2) saved at step 2, resumed
+    with ep 1 (every rank holds all experts, FSDP-sharded): the experts' weights and AdamW moments
+    are re-cut by DCP; same tolerances as above (the routing is a top-k of the same logits up to
+    rounding, so no token changes expert unless a near-tie flips, which these tolerances would
+    show as a >= 1e-3 jump)."""
+    ref_samples, samples = tmp_path / "ref.jsonl", tmp_path / "samples.jsonl"
+    proc, ref_run = launch(tmp_path / "ref", ref_samples, recipe="recipes/debug-moe.yaml", sets=MOE_SETS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "runs" / "debug-moe" / ref_run.name
+    shutil.copytree(ref_run, run)
+    shutil.rmtree(run / "checkpoints" / "step-4")
+    proc = cli(["resume", "--run", str(run), "--ckpt", "step-2", "--set", "parallel.ep=1"],
+               {"LLMTRAIN_TEST_SAMPLE_LOG": str(samples)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "saved as dp_shard2 ep2 zero3 on 2 ranks" in out and "now dp_shard2 zero3 on 2 ranks" in out
+    ref_losses, new_losses = losses(ref_run), losses(run)
+    for step in (3, 4):
+        assert abs(new_losses[step] - ref_losses[step]) <= LOSS_TOL, (step, new_losses[step], ref_losses[step])
+    ref_final = load_ckpt(ref_run / "checkpoints" / "step-4", tmp_path)
+    assert any(".moe." in k and "exp_avg" in k for k in ref_final)
+    assert max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-4", tmp_path)) <= WEIGHT_TOL
+    kept = {**{s: p for s, p in sample_audit(ref_samples).items() if s <= 2}, **sample_audit(samples)}
+    assert {s: p for s, p in kept.items()} == {s: list(range((s - 1) * GBS, s * GBS)) for s in range(1, MOE_STEPS + 1)}

@@ -44,6 +44,7 @@ def main() -> None:
     from llmtrain.cli import data as _data  # noqa: F401
     from llmtrain.cli import hosts as _hosts  # noqa: F401
     from llmtrain.cli import resume as _resume  # noqa: F401
+    from llmtrain.cli import ckpt as _ckpt  # noqa: F401
 
     app()
 

@@ -37,10 +37,21 @@ def launch(
     exclude: Optional[str] = typer.Option(None, "--exclude", help="All but these hosts/GPUs: host1@host2:0,2 (with --hosts)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print every node's exact command (secrets masked); start nothing."),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help="Do not run `llmtrain hosts check` first."),
+    max_restarts: Optional[int] = typer.Option(
+        None, "--max-restarts", min=0, max=1000,
+        help="Restart the workers up to K times after a failure; they resume from the latest checkpoint "
+             "(= --set launch.max_restarts=K)."),
     accept_new_host_keys: bool = typer.Option(
         False, "--accept-new-host-keys", help="Trust unknown SSH host keys on first use (warns; changed keys are still refused)."),
+    init_from_hf: Optional[Path] = typer.Option(
+        None, "--init-from-hf", help="Start from Hugging Face Llama weights in DIR (config.json + *.safetensors; "
+                                     "= --set checkpoint.init_from_hf=DIR)."),
 ) -> None:
     """Validate a recipe, then train it with torchrun: on this machine, or on every host of --hosts over SSH."""
+    if max_restarts is not None:
+        set_ = [*set_, f"launch.max_restarts={max_restarts}"]
+    if init_from_hf is not None:
+        set_ = [*set_, check_init_from_hf(recipe, set_, init_from_hf)]
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
@@ -55,3 +66,20 @@ def launch(
     code = launch_ssh(recipe, hosts, set_, runs_root=runs, include=include, exclude=exclude, dry_run=dry_run,
                       skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys)
     raise typer.Exit(code)
+
+
+def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> str:
+    """The ``--set`` item for ``--init-from-hf DIR``, after checking DIR against the recipe's model."""
+    import json
+
+    from llmtrain.engine.hf import check_hf_dir, config_problems, require_dense
+    from llmtrain.recipe.load import load_recipe
+
+    directory = directory.resolve()
+    conf, _ = check_hf_dir(directory, "--init-from-hf")
+    model = load_recipe(recipe, set_).model
+    require_dense(model)
+    problems = config_problems(conf, model, "--init-from-hf")
+    if problems:
+        raise LLMTrainError(problems)
+    return f"checkpoint.init_from_hf={json.dumps(str(directory))}"  # a JSON string is a YAML string

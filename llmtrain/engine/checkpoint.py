@@ -132,17 +132,23 @@ class Checkpointer:
 
     # -- restoring ----------------------------------------------------------------------------
 
-    def restore(self, spec: str, parts, optimizer, sampler) -> int:
-        """Load checkpoint ``spec`` (latest | step-N | PATH) into this layout; return its step."""
+    def restore(self, spec: str, parts, optimizer, sampler, missing_ok: bool = False) -> int | None:
+        """Load checkpoint ``spec`` (latest | step-N | PATH) into this layout; return its step.
+        With ``missing_ok`` and ``latest``, return None when nothing has been committed yet."""
         found = [None]
         if self.rank == 0:
             try:
-                path, meta, warnings = store.resolve(self.root, spec)
-                found[0] = ("ok", str(path), meta, warnings)
+                if missing_ok and spec == "latest" and not store.committed(self.root):
+                    found[0] = ("missing", None, None, [])
+                else:
+                    path, meta, warnings = store.resolve(self.root, spec)
+                    found[0] = ("ok", str(path), meta, warnings)
             except LLMTrainError as exc:
                 found[0] = ("error", str(exc), None, [])
         dist.broadcast_object_list(found, src=0, group=self.group)
         status, path, meta, warnings = found[0]
+        if status == "missing":
+            return None
         if status == "error":
             raise LLMTrainError(path or "checkpoint error")
         if self.rank == 0:

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # On an exception the rank exits at once (non-zero) and torchrun stops the others; a
     # barrier here would wait for peers that are themselves blocked in a collective.
-    train(recipe, device, run_dir=args.run_dir, resume=args.resume)
+    # A worker group restarted by torchrun (--max-restarts) resumes from the latest checkpoint.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    train(recipe, device, run_dir=args.run_dir, resume=args.resume, auto_resume=restarted)
     shutdown()
     return 0
 

@@ -23,6 +23,7 @@ from llmtrain.engine.mesh import Meshes, build_meshes
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
 from llmtrain.engine.models.moe import set_aux_loss_scale, update_expert_bias
 from llmtrain.engine.dp_optimizer import build_optimizer
+from llmtrain.engine.guard import CODE_REASON, REASON_CODE, LossGuard
 from llmtrain.engine.optim import lr_multiplier, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
@@ -45,6 +46,7 @@ class TrainResult:
     parts: ModelParts | None = None
     meshes: Meshes | None = None
     schedule: object | None = None
+    skipped: list[int] = field(default_factory=list)  # steps whose update the guard skipped
 
 
 def resolve_dims(recipe: Recipe, world_size: int, local_world_size: int | None = None) -> ParallelDims:
@@ -63,9 +65,11 @@ def dp_rank_of(dims: ParallelDims, rank: int) -> int:
 
 
 def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, steps: int | None = None,
-          verbose: bool = True, resume: str | None = None) -> TrainResult:
+          verbose: bool = True, resume: str | None = None, auto_resume: bool = False) -> TrainResult:
     """Train; with ``run_dir`` (or ``checkpoint.dir``) save checkpoints, and with ``resume``
-    (latest | step-N | PATH) continue from one, in this layout (docs/checkpoint.md)."""
+    (latest | step-N | PATH) continue from one, in this layout (docs/checkpoint.md).
+    ``auto_resume`` (torchrun restarted the workers): continue from the latest committed
+    checkpoint if there is one, else from ``resume`` / the start."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = resolve_dims(recipe, world)
     meshes = build_meshes(dims, device.type)
@@ -74,6 +78,9 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     parts = build_parts(recipe, meshes, device)
     for part in parts.parts:
         part.train()
+    if recipe.checkpoint.init_from_hf and not resume:
+        from llmtrain.engine.hf import load_hf_weights
+        load_hf_weights(parts, recipe.checkpoint.init_from_hf, recipe.model)
 
     dp_group, dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
     pp_group = meshes.pp.get_group() if dims.pp > 1 else None
@@ -118,13 +125,22 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     ckpt_root = checkpoint_root(recipe, run_dir)
     ckpt = Checkpointer(recipe, ckpt_root, dims, grad_accum, verbose) if ckpt_root is not None else None
     start_step = 0
-    if resume:
+    restored = None
+    if auto_resume and ckpt is not None:  # a torchrun restart: continue from the newest committed checkpoint
+        restored = ckpt.restore("latest", parts, optimizer, sampler, missing_ok=True)
+        if rank == 0 and verbose and restored is None:
+            print("checkpoint: restarted before the first checkpoint was committed", flush=True)
+    if restored is None and resume:
         if ckpt is None:
             raise LLMTrainError("resume needs a run directory or checkpoint.dir", "pass --run-dir", path="resume")
-        start_step = ckpt.restore(resume, parts, optimizer, sampler)
+        restored = ckpt.restore(resume, parts, optimizer, sampler)
+    start_step = restored or 0
     test_hooks = TestHooks.from_env(rank, dp_rank_of(dims, rank), dims)
+    guard = LossGuard(t.guard)
+    world_group = dist.group.WORLD
     t_start = time.perf_counter()
-    for step in range(start_step, total_steps):
+    step = start_step
+    while step < total_steps:
         t0 = time.perf_counter()
         lr = t.optimizer.lr * lr_multiplier(step, total_steps, t.schedule)
         set_lr(optimizer, lr)
@@ -138,41 +154,94 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
             loss = pipelined_step(parts, schedule, batches, device, tp, autocast)
             loss = loss if loss is not None else torch.zeros((), device=device)
             dist.all_reduce(loss, group=pp_group)  # only the last stage holds a non-zero loss
+        test_hooks.maybe_poison(sampler, loss, params)
         if grad_sync is not None:
             grad_sync(params)
         norm = clip_grads(params, t.grad_clip, pp_group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for part in parts.parts:
-            update_expert_bias(part, all_reduce=bias_reduce)
-        sampler.advance()
         dist.all_reduce(loss, group=dp_group)
         loss_value = loss.item() / dp_size
+        verdict = guard_verdict(guard, loss_value, float(norm), world_group)
+        consumed_before = sampler.state_dict()["consumed_samples"]
+        if verdict is None:
+            optimizer.step()
+            for part in parts.parts:
+                update_expert_bias(part, all_reduce=bias_reduce)
+            guard.accept(loss_value)
+        optimizer.zero_grad(set_to_none=True)
+        sampler.advance()
         dt = time.perf_counter() - t0
         tokens_per_s = gbs * t.seq_len / dt
         result.losses.append(loss_value)
         result.grad_norms.append(float(norm))
-        if rank == 0 and (step % t.log_interval == 0 or step == total_steps - 1):
+        if verdict is not None:
+            result.skipped.append(step + 1)
+            if rank == 0:
+                print(f"guard: step {step + 1}: {verdict} (loss {loss_value:.6g}, grad norm {float(norm):.6g}): "
+                      f"update skipped ({guard.bad_in_row + 1} bad in a row)", flush=True)
+                writer.log(dict(step=step + 1, skipped=verdict, loss=loss_value, grad_norm=float(norm)))
+            if guard.reject(consumed_before):
+                step = rollback(guard, ckpt, parts, optimizer, sampler, step, rank, writer)
+                continue
+        if rank == 0 and verdict is None and (step % t.log_interval == 0 or step == total_steps - 1):
             tflops = flops_token * tokens_per_s / world
             record = dict(step=step + 1, loss=loss_value, lr=lr, grad_norm=float(norm), tokens_per_s=tokens_per_s,
                           tflops_per_gpu=tflops / 1e12, mfu=tflops / peak, memory_gib=memory_gib(device),
                           elapsed_s=time.perf_counter() - t_start)
             writer.log(record)
-            if verbose:
-                emit("step", step=step + 1, steps=total_steps, loss=loss_value, lr=lr, grad_norm=float(norm),
-                     tokens_per_s=tokens_per_s, mfu=record["mfu"])
+        if rank == 0 and verbose and (step % t.log_interval == 0 or step == total_steps - 1):
+            emit("step", step=step + 1, steps=total_steps, loss=loss_value, lr=lr, grad_norm=float(norm),
+                 tokens_per_s=tokens_per_s, mfu=flops_token * tokens_per_s / world / peak)
         if ckpt is not None:
             if ckpt.due(step + 1, total_steps):
                 ckpt.save(step + 1, parts, optimizer, sampler, t.seq_len)
+                test_hooks.maybe_kill_in_save(step + 1)
             else:
                 ckpt.poll()
         test_hooks.maybe_kill(step + 1)
+        step += 1
     if ckpt is not None:
         ckpt.wait()
     elapsed = time.perf_counter() - t_start
-    result.tokens_per_s = gbs * t.seq_len * (total_steps - start_step) / elapsed
+    result.tokens_per_s = gbs * t.seq_len * max(1, total_steps - start_step) / elapsed
     if rank == 0 and verbose:
         emit("end", step=total_steps, final_loss=result.losses[-1] if result.losses else None,
              tokens_per_s=result.tokens_per_s)
     writer.close()
     return result
+
+
+def guard_verdict(guard: LossGuard, loss: float, grad_norm: float, group) -> str | None:
+    """The world's verdict on this step: the worst of every rank's (one 1-element MAX all-reduce)."""
+    if not guard.enabled:
+        return None
+    code = torch.tensor([REASON_CODE[guard.judge(loss, grad_norm)]], dtype=torch.int32)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    return CODE_REASON[int(code.item())]
+
+
+def rollback(guard: LossGuard, ckpt, parts, optimizer, sampler, step: int, rank: int, writer) -> int:
+    """After ``max_bad_steps`` bad steps: reload the latest checkpoint, jump the data position past
+    the bad window (its samples are never trained on), and return the step to continue at."""
+    bad_from, bad_to = guard.first_bad_sample, sampler.state_dict()["consumed_samples"]
+    if ckpt is None:
+        raise LLMTrainError(f"{guard.bad_in_row} bad steps in a row (up to step {step + 1}) and no checkpoint "
+                            "directory to roll back to", "set checkpoint.interval and run with a run directory, "
+                            "or raise train.guard.max_bad_steps", path="train.guard.max_bad_steps")
+    if guard.rollbacks >= guard.cfg.max_rollbacks:
+        raise LLMTrainError(f"{guard.bad_in_row} bad steps in a row (up to step {step + 1}) after "
+                            f"{guard.rollbacks} rollback(s)", "inspect the data and the learning rate; "
+                            "raise train.guard.max_rollbacks to keep trying", path="train.guard.max_rollbacks")
+    ckpt.wait()
+    restored = ckpt.restore("latest", parts, optimizer, sampler, missing_ok=True)
+    if restored is None:
+        raise LLMTrainError(f"{guard.bad_in_row} bad steps in a row (up to step {step + 1}) before the first "
+                            "checkpoint was committed", "lower checkpoint.interval or raise train.guard.max_bad_steps",
+                            path="train.guard.max_bad_steps")
+    sampler.load_state_dict({"consumed_samples": bad_to})
+    guard.rolled_back()
+    if rank == 0:
+        print(f"guard: rollback {guard.rollbacks}: bad steps up to {step + 1}; reloaded step {restored}, "
+              f"skipping samples [{bad_from}, {bad_to}) — continuing at step {restored + 1}", flush=True)
+        writer.log(dict(step=step + 1, rollback=guard.rollbacks, restored_step=restored,
+                        skipped_samples=[bad_from, bad_to]))
+    return restored

@@ -97,7 +97,7 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
     for warning in plan.validation.warnings:
         console.print(Text(f"warning: {warning.line()}"), style="yellow")
     run = create_run_dir(recipe, hostfile, runs_root)
-    return LocalRun(run, world, module, console, grace_s).run()
+    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts).run()
 
 
 def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
@@ -129,7 +129,8 @@ def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, st
     run.recipe_lock.write_text(dump_recipe(recipe))
     run.hostfile.write_text("".join(f"{h.host} slots={h.slots}\n" for h in hostfile.hosts))
     console = console or Console(highlight=False, soft_wrap=True)
-    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env).run()
+    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
+                    max_restarts=recipe.launch.max_restarts).run()
 
 
 def resolve_recipe(recipe: Recipe | str | Path, overrides: list[str] | None) -> Recipe:
@@ -151,15 +152,22 @@ def engine_module() -> str:
     return module
 
 
-def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE, max_restarts: int = 0) -> list[str]:
+    """torchrun for ``world`` local ranks; with ``max_restarts`` torchrun restarts the whole worker
+    group after a failure and the engine resumes from the latest checkpoint (docs/checkpoint.md)."""
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts > 0 else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *restarts,
             "--redirects", "3", "--log-dir", str(run.torchrun_logs.resolve()),
             "-m", module, "--recipe", str(run.recipe_lock.resolve()), "--run-dir", str(run.path.resolve())]
 
 
-def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None) -> dict[str, str]:
+def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_restarts: int = 0) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["PYTHONUNBUFFERED"] = "1"
+    if max_restarts > 0:
+        # CPU facts note, trap 5: restarted gloo workers otherwise read stale peer addresses from
+        # the rendezvous store that torchrun shares with them (connectFullMesh refused / hang)
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if not env.get("OMP_NUM_THREADS"):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cpus // world))
@@ -175,8 +183,9 @@ class LocalRun:
     """One torchrun child, its output, its progress bar and its teardown."""
 
     def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None, max_restarts: int = 0):
         self.run_dir, self.world, self.module, self.grace_s = run, world, module, grace_s
+        self.max_restarts = max_restarts
         self.extra_env = dict(extra_env or {})
         self.stats = RunStats()
         self.display = Display(console, label=run.name)
@@ -196,12 +205,12 @@ class LocalRun:
             self.router.close()
 
     def _run(self) -> int:
-        cmd = torchrun_command(self.run_dir, self.world, self.module)
+        cmd = torchrun_command(self.run_dir, self.world, self.module, self.max_restarts)
         self.display.line(f"run dir {self.run_dir.path}: {self.world} ranks on localhost")
         (self.run_dir.logs / "command.txt").write_text(shlex.join(cmd) + "\n")
         self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**launch_env(self.run_dir, self.world), **self.extra_env}, start_new_session=True,
+                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts), **self.extra_env}, start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec())
         self.proc, self.tree = proc, ProcessTree(proc.pid)
         self.pipes = PipeReader({"stdout": proc.stdout, "stderr": proc.stderr})

@@ -198,7 +198,6 @@ def simulate_v(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b:
     clock = [0.0] * p
     in_flight = [0] * p
     next_f = [[0, 0] for _ in range(p)]  # next micro batch to forward, per rank and chunk
-    todo_b: list[set[tuple[int, int]]] = [set() for _ in range(p)]
     todo_w: list[deque[Op]] = [deque() for _ in range(p)]
     slots: list[Slot] = []
 

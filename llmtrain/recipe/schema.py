@@ -191,6 +191,21 @@ class ScheduleConfig(Strict):
     wsd_decay_fraction: float = Field(0.2, gt=0, le=1, description="For wsd: fraction of steps spent in the final decay.")
 
 
+class GuardConfig(Strict):
+    """Loss-spike and NaN guard (docs/checkpoint.md): skip bad updates, roll back after a run of them."""
+
+    enabled: bool = Field(True, description="Judge every step; a NaN/inf loss or gradient norm, or a spike, skips the update.")
+    spike_factor: float = Field(
+        0.0, ge=0, le=1e6, description="A loss above this x the running median of accepted losses is a spike (0 = only NaN/inf)."
+    )
+    window: int = Field(50, ge=1, le=100_000, description="Accepted losses in the running median.")
+    min_history: int = Field(10, ge=1, le=100_000, description="Accepted losses needed before spikes are judged.")
+    max_bad_steps: int = Field(
+        3, ge=0, le=100_000, description="Bad steps in a row that trigger a rollback to the latest checkpoint (0 = never)."
+    )
+    max_rollbacks: int = Field(3, ge=0, le=1000, description="Rollbacks per run before it stops with an error.")
+
+
 class TrainConfig(Strict):
     """Batch, steps, precision and optimizer."""
 
@@ -210,6 +225,7 @@ class TrainConfig(Strict):
     log_interval: int = Field(1, ge=1, le=BIG, description="Steps between metric lines.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
+    guard: GuardConfig = Field(default_factory=GuardConfig, description="Loss-spike and NaN guard.")
 
 
 class DataConfig(Strict):
@@ -229,6 +245,10 @@ class CheckpointConfig(Strict):
     interval: int = Field(0, ge=0, le=BIG, description="Save every N steps (0 = only at the end).")
     keep: int = Field(3, ge=1, le=BIG, description="Newest checkpoints kept.")
     async_: bool = Field(True, alias="async", description="Write checkpoints in the background while training continues.")
+    init_from_hf: str | None = Field(
+        None, min_length=1,
+        description="Start a new run from Hugging Face Llama weights in this directory (config.json + *.safetensors, "
+                    "e.g. from `llmtrain ckpt export --hf`); ignored when resuming. The model section must match.")
 
 
 class ClusterConfig(Strict):

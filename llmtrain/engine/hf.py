@@ -1,0 +1,274 @@
+"""Hugging Face Llama interop: our state dict <-> ``LlamaForCausalLM``'s, recipe model <-> ``config.json``.
+
+Used by ``llmtrain ckpt export --hf OUT`` (checkpoint -> ``OUT/model.safetensors`` + ``OUT/config.json``)
+and by ``checkpoint.init_from_hf`` / ``llmtrain launch --init-from-hf DIR`` (start training from
+such weights). No ``transformers`` import here: the files are plain safetensors + JSON.
+
+Decisions:
+
+* **RoPE convention.** Our RoPE rotates interleaved pairs ``(2i, 2i+1)`` of each head
+  (:mod:`llmtrain.engine.models.rope`); HF Llama rotates half-split pairs ``(i, i + d/2)``
+  (``rotate_half``) with the same frequencies. Rather than a second RoPE, the rows of ``wq`` and
+  ``wk`` are permuted per head on export: HF row ``j < d/2`` is our row ``2j`` and HF row
+  ``d/2 + j`` is our row ``2j + 1`` (the classic Meta -> HF permutation), so q·k dot products,
+  and thus logits, are unchanged; import applies the inverse. ``wv``/``wo`` need nothing.
+* **Names.** ``tok_embeddings -> model.embed_tokens``, ``layers.N.attention.{wq,wk,wv,wo} ->
+  model.layers.N.self_attn.{q,k,v,o}_proj``, ``feed_forward.{w1,w3,w2} -> mlp.{gate,up,down}_proj``,
+  ``attention_norm -> input_layernorm``, ``ffn_norm -> post_attention_layernorm``, ``norm ->
+  model.norm``, ``output -> lm_head`` (left out when ``tie_embeddings``: HF ties it).
+* **Scope.** Dense models only; MoE checkpoints are refused naming ``model.moe`` (HF Llama has
+  no experts and our router/expert layout has no single HF counterpart).
+* **config.json** is written for transformers 4.45+ and 5.x: ``rope_theta`` (4.x) and
+  ``rope_parameters`` (5.x), ``torch_dtype`` and ``dtype``; exported tensors are fp32, as trained.
+* **Loading into a sharded model** (:func:`load_hf_weights`): every rank reads the full tensors,
+  and ``set_model_state_dict(..., full_state_dict=True)`` places each one on its parameter's
+  mesh and placements (FSDP, TP), per local pipeline chunk (only that chunk's keys).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.recipe.schema import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported by the functions that read or write tensors, so that
+    import torch   # `llmtrain launch --init-from-hf` can check a directory without importing it
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+# our per-layer suffix -> HF per-layer suffix (under model.layers.N.)
+LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+
+
+# -- the RoPE row permutation ------------------------------------------------------------------
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection ``[n_heads * d, in]``: per head ``[0, 2, 4, ..., 1, 3, 5, ...]``."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_half`."""
+    d = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+# -- state dicts --------------------------------------------------------------------------------
+
+def require_dense(cfg: ModelConfig) -> None:
+    if cfg.is_moe:
+        raise LLMTrainError(f"model.moe: {cfg.moe.num_experts} experts; Hugging Face Llama export/import "
+                            "supports dense models only", "use a dense model (model.moe.num_experts: 1)",
+                            path="model.moe")
+
+
+def to_hf_state(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Our full (unsharded) model state dict -> ``LlamaForCausalLM`` state dict (new tensors)."""
+    require_dense(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for name, t in ours.items():
+        if name in TOP_NAMES:
+            if name == "output.weight" and cfg.tie_embeddings:
+                continue
+            out[TOP_NAMES[name]] = t.detach().clone().contiguous()
+            continue
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in LAYER_NAMES:
+            raise LLMTrainError(f"checkpoint tensor {name!r} has no Hugging Face Llama counterpart",
+                                "only dense Llama-style checkpoints can be exported", path="model")
+        t = t.detach()
+        if parts[2] == "attention.wq.weight":
+            t = interleaved_to_half(t, cfg.heads)
+        elif parts[2] == "attention.wk.weight":
+            t = interleaved_to_half(t, cfg.kv_heads)
+        out[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = t.clone().contiguous()
+    return out
+
+
+def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``LlamaForCausalLM`` state dict -> ours (``output.weight`` = the embedding when tied)."""
+    require_dense(cfg)
+    top = {v: k for k, v in TOP_NAMES.items()}
+    layer = {v: k for k, v in LAYER_NAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        if name in top:
+            out[top[name]] = t
+            continue
+        parts = name.split(".", 3)  # model, layers, N, suffix
+        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
+            ours = layer[parts[3]]
+            if ours == "attention.wq.weight":
+                t = half_to_interleaved(t, cfg.heads)
+            elif ours == "attention.wk.weight":
+                t = half_to_interleaved(t, cfg.kv_heads)
+            out[f"layers.{parts[2]}.{ours}"] = t
+        elif name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some old exports carry; recomputed from rope_theta
+        else:
+            raise LLMTrainError(f"Hugging Face tensor {name!r} has no counterpart in our Llama model",
+                                "only dense LlamaForCausalLM weights can be loaded", path="--init-from-hf")
+    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
+        out.setdefault("output.weight", out["tok_embeddings.weight"])
+    return out
+
+
+# -- config.json --------------------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` of a ``LlamaForCausalLM`` equal to our dense model ``cfg`` (fp32)."""
+    require_dense(cfg)
+    theta = float(cfg.rope_theta)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": float(cfg.norm_eps),
+        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "tie_word_embeddings": bool(cfg.tie_embeddings), "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
+        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
+        "torch_dtype": "float32", "dtype": "float32",
+    }
+
+
+def _hf_theta(conf: dict) -> float | None:
+    params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
+
+
+def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf") -> list[Problem]:
+    """Every way an HF ``config.json`` differs from the recipe's model (empty: it loads exactly)."""
+    heads = conf.get("num_attention_heads")
+    hidden = conf.get("hidden_size")
+    fields = [("model.hidden", cfg.hidden, hidden, "hidden_size"),
+              ("model.layers", cfg.layers, conf.get("num_hidden_layers"), "num_hidden_layers"),
+              ("model.heads", cfg.heads, heads, "num_attention_heads"),
+              ("model.kv_heads", cfg.kv_heads, conf.get("num_key_value_heads", heads), "num_key_value_heads"),
+              ("model.ffn_hidden", cfg.ffn_hidden, conf.get("intermediate_size"), "intermediate_size"),
+              ("model.vocab_size", cfg.vocab_size, conf.get("vocab_size"), "vocab_size"),
+              ("model.tie_embeddings", bool(cfg.tie_embeddings), bool(conf.get("tie_word_embeddings", False)),
+               "tie_word_embeddings"),
+              ("model.norm_eps", float(cfg.norm_eps), conf.get("rms_norm_eps"), "rms_norm_eps"),
+              ("model.rope_theta", float(cfg.rope_theta), _hf_theta(conf), "rope_theta")]
+    head_dim = conf.get("head_dim") or (hidden // heads if hidden and heads else None)
+    problems = []
+    for path, ours, theirs, key in fields:
+        if theirs is None or (float(ours) != float(theirs) if isinstance(ours, float) else ours != theirs):
+            problems.append(Problem(path, f"recipe has {ours}, {where} config.json has {key}={theirs}",
+                                    f"set {path}={theirs} with --set, or use matching weights"))
+    if head_dim != cfg.head_dim:  # our head_dim is always hidden / heads
+        problems.append(Problem("model.heads", f"head_dim {cfg.head_dim} (hidden / heads), {where} config.json "
+                                f"has head_dim={head_dim}", "our model needs head_dim = hidden_size / num_attention_heads"))
+    if conf.get("model_type", "llama") != "llama":
+        problems.append(Problem(where, f"config.json model_type={conf.get('model_type')!r}", "need a Llama model"))
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if conf.get(key, want) != want:
+            problems.append(Problem(where, f"config.json {key}={conf.get(key)!r} (our model has {key}={want!r})",
+                                    "only standard Llama blocks are supported"))
+    rope = conf.get("rope_parameters") or conf.get("rope_scaling")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(Problem(where, f"config.json rope type {rope.get('rope_type', rope.get('type'))!r}",
+                                "only plain RoPE (rope_type default) is supported"))
+    return problems
+
+
+# -- files --------------------------------------------------------------------------------------
+
+def check_hf_dir(directory: str | Path, flag: str = "--init-from-hf") -> tuple[dict, list[Path]]:
+    """``(config, weight files)`` of an HF model directory; :class:`LLMTrainError` naming ``flag``."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise LLMTrainError(f"{d}: no such directory", "pass a directory made by `llmtrain ckpt export --hf`",
+                            path=flag)
+    files = sorted(d.glob("*.safetensors"))
+    if not (d / CONFIG).is_file() or not files:
+        raise LLMTrainError(f"{d}: needs {CONFIG} and *.safetensors (has {', '.join(sorted(p.name for p in d.iterdir())) or 'nothing'})",
+                            "pass a directory made by `llmtrain ckpt export --hf` or a Hugging Face Llama model",
+                            path=flag)
+    try:
+        conf = json.loads((d / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise LLMTrainError(f"{d / CONFIG}: unreadable ({exc})", "", path=flag) from None
+    if not isinstance(conf, dict):
+        raise LLMTrainError(f"{d / CONFIG}: not a JSON object", "", path=flag)
+    return conf, files
+
+
+def read_hf_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def save_hf(directory: str | Path, ours: dict[str, torch.Tensor], cfg: ModelConfig) -> list[Path]:
+    """Write ``model.safetensors`` + ``config.json`` (+ ``generation_config.json``) of ``ours``."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    state = to_hf_state(ours, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2) + "\n")
+    return [out / WEIGHTS, out / CONFIG, out / "generation_config.json"]
+
+
+def read_checkpoint_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) ``model.*`` tensors of a DCP checkpoint saved from any layout, read in
+    this one process without a process group (DCP assembles every shard from its global offsets)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+        state = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path))
+    return dict(state["model"])
+
+
+# -- into the engine's (sharded) model ----------------------------------------------------------
+
+def load_hf_weights(parts, directory: str | Path, model_cfg: ModelConfig) -> None:
+    """Load HF Llama weights from ``directory`` into the model chunks ``parts.parts`` (any layout)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    require_dense(model_cfg)
+    conf, files = check_hf_dir(directory, "checkpoint.init_from_hf")
+    problems = config_problems(conf, model_cfg, "checkpoint.init_from_hf")
+    if problems:
+        raise LLMTrainError(problems)
+    state = from_hf_state(read_hf_state(files), model_cfg)
+    options = StateDictOptions(full_state_dict=True)
+    for part in parts.parts:
+        current = get_model_state_dict(part)
+        missing = sorted(k for k in current if k not in state)
+        if missing:
+            raise LLMTrainError(f"{directory}: no weights for {', '.join(missing[:3])}"
+                                + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""),
+                                "the safetensors do not hold the whole model", path="checkpoint.init_from_hf")
+        for k, full in ((k, state[k]) for k in current):
+            if tuple(full.shape) != tuple(current[k].shape):
+                raise LLMTrainError(f"{k}: Hugging Face shape {tuple(full.shape)}, model {tuple(current[k].shape)}",
+                                    "the weights do not match the recipe's model", path="checkpoint.init_from_hf")
+        set_model_state_dict(part, {k: state[k].to(current[k].dtype) for k in current}, options=options)
