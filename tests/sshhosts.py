@@ -76,7 +76,8 @@ class Cluster:
         keep = {k: v for k, v in os.environ.items()
                 if not k.startswith(("FAKE_ENGINE_", "LLMTRAIN_", "SSH_", "NCCL_", "GLOO_", "TORCH_", "HF_", "WANDB_"))}
         keep.update(HOME=str(self.home), PYTHONPATH=str(repo / "tests"), LLMTRAIN_ENGINE_MODULE="fake_engine",
-                    COLUMNS="250", **extra)
+                    COLUMNS="250")
+        keep.update(extra)
         return keep
 
     def netns_inode(self, host: str) -> str | None:

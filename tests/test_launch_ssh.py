@@ -361,3 +361,56 @@ def test_hung_rank_is_detected_by_the_watchdog_and_torn_down(cluster, tmp_path):
     assert elapsed < 60
     run = next((tmp_path / "runs" / "debug").iterdir())
     assert run_processes(run.name) == []
+
+
+# ----------------------------------------------------------------------------- lost node, whole-job retry
+
+
+def node_pids(run_id: str, node_rank: int) -> list[int]:
+    """Every process of the run on one node: they carry ``LLMTRAIN_NODE_ID=<run id>.<node rank>``."""
+    needle = f"LLMTRAIN_NODE_ID={run_id}.{node_rank}".encode()
+    found = []
+    for pid in run_processes(run_id):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fp:
+                if needle in fp.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_lost_node_retries_the_whole_job_without_it_and_resumes(cluster, tmp_path):
+    """Real engine, 2 hosts x 2 ranks, checkpoints every 2 steps, ``--max-restarts 1`` with
+    ``launch.exclude_lost_hosts``. After step-2 is committed every process of the run on node1
+    is SIGKILLed (the node "crashes": its SSH session ends without an exit status). The launcher
+    stops node0, drops node1, re-validates the recipe for 2 ranks (tp 2, dp 1) and retries the
+    job in the same run directory; the ranks resume from the latest checkpoint (resharded) and
+    finish all 8 steps; nothing of the run is left anywhere."""
+    recipe = write_recipe(tmp_path / "r.yaml", cluster, steps=8, exclude_lost_hosts=True,
+                          watchdog={"heartbeat_timeout_s": 10})
+    recipe.write_text(recipe.read_text() + "checkpoint: {interval: 2}\n")
+    hosts = write_hosts(tmp_path / "hosts", "node0 slots=2", "node1 slots=2")
+    bg = Background(cluster, tmp_path, "launch", str(recipe), "--hosts", str(hosts), "--skip-preflight",
+                    "--max-restarts", "1", LLMTRAIN_ENGINE_MODULE="llmtrain.engine.main")
+    try:
+        bg.wait_for("checkpoint: committed", timeout=180)
+        run_id = bg.run_id
+        victims = node_pids(run_id, 1)
+        assert victims, "no process of node1 found"
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+        rc = bg.proc.wait(timeout=240)
+    finally:
+        bg.kill()
+    bg.reader.join(5)
+    out = bg.text
+    assert rc == 0, out[-6000:]
+    assert "node1 was lost: retrying the whole job (retry 1 of 1) on 1 host(s), 2 ranks" in out
+    assert re.search(r"checkpoint: resumed from \S+/step-\d+ at step \d+ .*on 4 ranks.* / now tp2 zero3 on 2 ranks", out), out[-4000:]
+    assert "== run finished: exit code 0" in out
+    run = next((tmp_path / "runs" / "debug").iterdir())
+    assert (run / "logs.prev-1").is_dir() and (run / "hostfile").read_text().split() == ["node0", "slots=2"]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8 and set(steps) == set(range(1, 9))
+    assert wait_gone(run_id, 5.0) == []

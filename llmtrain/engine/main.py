@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     # On an exception the rank exits at once (non-zero) and torchrun stops the others; a
     # barrier here would wait for peers that are themselves blocked in a collective.
     # A worker group restarted by torchrun (--max-restarts) resumes from the latest checkpoint.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    # So does a job the SSH launcher retried after losing a node (LLMTRAIN_AUTO_RESUME=1).
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 or \
+        os.environ.get("LLMTRAIN_AUTO_RESUME") == "1"
     train(recipe, device, run_dir=args.run_dir, resume=args.resume, auto_resume=restarted)
     shutdown()
     return 0

@@ -27,12 +27,15 @@ What happens, in order (:func:`launch_ssh`):
    ~5 s with the default 3 s grace. A launcher killed with SIGKILL cannot do this; the pty
    hang-up then makes each node's helper do it.
 6. Exit code: 0; the first failing node's (torchrun's) code; 255 for a lost node; 124 for a
-   hang; 130/143/129 for SIGINT/SIGTERM/SIGHUP. The summary names the failing host and rank,
+   hang; 130/143/129 for SIGINT/SIGTERM/SIGHUP. With ``launch.max_restarts`` K > 0 a lost node
+   makes the launcher retry the whole job up to K times (:mod:`llmtrain.launch.jobretry`:
+   optionally without the lost host, re-validated; ranks resume from the latest checkpoint). The summary names the failing host and rank,
    the last lines of that rank's log and torchelastic's error message when there is one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.launch import jobretry
 from llmtrain.launch.commands import LaunchSpec, NodeSpec, build_spec, describe
 from llmtrain.launch.envpolicy import MASK, is_secret
 from llmtrain.launch.filters import select_hosts
@@ -135,7 +139,33 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
         run = create_run_dir(lock_recipe(prepared.recipe), prepared.hostfile, runs_root)
         spec = prepared.with_run_id(run.run_id)
         _copy_recipe(spec, conns, run)
-        return SSHRun(run, spec, conns, console, opts).run()
+        retries = prepared.recipe.launch.max_restarts
+        for attempt in range(retries + 1):
+            sshrun = SSHRun(run, spec, conns, console, opts)
+            code = sshrun.run()
+            lost = jobretry.lost_host(code, sshrun)
+            if lost is None or attempt == retries:
+                return code
+            for conn in conns.values():
+                ssh.close(conn)
+            conns = {}
+            if prepared.recipe.launch.exclude_lost_hosts:
+                remaining = jobretry.without_host(prepared.hostfile, lost)
+                if not remaining.hosts:
+                    raise LLMTrainError(f"{lost} was lost and no other host is left", "fix the host and resume",
+                                        path="launch.exclude_lost_hosts")
+                visible = {h: v for h, v in prepared.visible_devices.items() if h != lost}
+                prepared = dataclasses.replace(prepare(prepared.recipe, remaining, runs_root=runs_root),
+                                               visible_devices=visible)
+                jobretry.write_hostfile(run, prepared.hostfile)
+            say(f"[launcher] {lost} was lost: retrying the whole job (retry {attempt + 1} of {retries}) on "
+                f"{len(prepared.hostfile.hosts)} host(s), {prepared.hostfile.world_size} ranks; "
+                "ranks resume from the latest checkpoint", "yellow")
+            jobretry.rotate_logs(run)
+            spec = jobretry.with_auto_resume(prepared.with_run_id(run.run_id))
+            conns = _connect_all(spec, opts)
+            _copy_recipe(spec, conns, run)
+        return code
     finally:
         for conn in conns.values():
             ssh.close(conn)

@@ -308,7 +308,12 @@ class LaunchConfig(Strict):
         "static", description="static: node ranks follow the hostfile (--node-rank); c10d: torch sorts nodes by address (checked)."
     )
     rdzv_port: int = Field(29500, ge=1, le=65535, description="Rendezvous (TCPStore) port on the first host.")
-    max_restarts: int = Field(0, ge=0, le=1000, description="torchrun --max-restarts: worker-group restarts per node before failing.")
+    max_restarts: int = Field(
+        0, ge=0, le=1000, description="torchrun --max-restarts per node; over SSH also whole-job retries after a lost node."
+    )
+    exclude_lost_hosts: bool = Field(
+        False, description="On a whole-job retry, drop the lost host and re-validate the recipe for the smaller world."
+    )
     grace_s: float = Field(
         3.0, ge=0, le=600, description="Seconds between SIGTERM and SIGKILL when the run is stopped (keep < 5 for a 5 s teardown)."
     )
