@@ -414,3 +414,15 @@ def test_lost_node_retries_the_whole_job_without_it_and_resumes(cluster, tmp_pat
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 8 and set(steps) == set(range(1, 9))
     assert wait_gone(run_id, 5.0) == []
+    # node1 is back: `llmtrain resume --hosts` continues the run on both hosts (2 -> 4 ranks)
+    env = cluster.env(LLMTRAIN_ENGINE_MODULE="llmtrain.engine.main")
+    resumed = subprocess.run([*CLI, "resume", "--run", str(run), "--hosts", str(hosts), "--skip-preflight",
+                              "--set", "train.steps=10"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-6000:]
+    assert "run dir " in out and ": 4 ranks on 2 nodes" in out
+    assert re.search(r"resumed from \S+/step-8 at step 8 .*on 2 ranks.* / now dp_shard2 tp2 zero3 on 4 ranks", out), out[-3000:]
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-2:] == [9, 10] and (run / "logs.prev-2").is_dir() and (run / "recipe.lock.yaml.prev-2").is_file()
+    assert wait_gone(run_id, 5.0) == []

@@ -5,11 +5,14 @@ Examples::
     llmtrain resume                                   # newest run under ./runs, its latest checkpoint
     llmtrain resume --run runs/debug/20260101-120000-ab12 --ckpt step-20
     llmtrain resume --ckpt latest --set parallel.tp=1 # same run, a different layout (resharded)
+    llmtrain resume --run RUN --hosts hostfile        # continue on a cluster over SSH (shared storage)
 
 The run's locked recipe (``recipe.lock.yaml``, plus ``--set`` overrides) is validated like
 ``llmtrain launch``, the checkpoint is verified (checksums; ``latest`` falls back to the newest
 intact one with a warning), and the run is relaunched in its own directory with the local
-launcher; the engine loads the checkpoint into the new layout and continues at its step.
+launcher (or, with ``--hosts``, over SSH like ``llmtrain launch --hosts``: preflight, one
+torchrun per node; the run directory and checkpoint must be at the same path on the nodes);
+the engine loads the checkpoint into the new layout and continues at its step.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ def resume(
     run: Optional[Path] = typer.Option(None, "--run", help="Run directory (default: the newest under --runs)."),
     runs: Path = typer.Option(Path("runs"), "--runs", help="Root of the run directories."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    hosts: Optional[Path] = typer.Option(None, "--hosts", help="Continue on these hosts over SSH (the checkpoint "
+                                         "must be at the same path on them: shared storage)."),
+    skip_preflight: bool = typer.Option(False, "--skip-preflight", help="With --hosts: do not run `hosts check` first."),
+    accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="With --hosts: trust unknown host keys."),
 ) -> None:
     """Relaunch a run from a checkpoint (optionally with a new layout) and continue exactly where it stopped."""
     from llmtrain.engine.checkpoint_store import STEP_RE, resolve
@@ -63,5 +70,15 @@ def resume(
         raise LLMTrainError(f"checkpoint {path.name} is at step {meta['step']}, the run has {recipe.train.steps} steps",
                             "nothing to do; raise train.steps with --set to train further", path="--ckpt")
     typer.echo(f"resuming {run_path} from {path} (step {meta['step']} of {recipe.train.steps})")
-    code = relaunch_local(run_path, recipe, extra_env={"LLMTRAIN_RESUME": str(path.resolve())})
+    env = {"LLMTRAIN_RESUME": str(path.resolve())}
+    if hosts is not None:
+        from llmtrain.launch.sshlaunch import launch_ssh
+
+        code = launch_ssh(recipe, hosts, skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys,
+                          resume_run=run_path, extra_env=env)
+    else:
+        for flag, value in (("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
+            if value:
+                raise LLMTrainError(f"{flag} needs --hosts", "pass a hostfile, or drop the flag", path=flag)
+        code = relaunch_local(run_path, recipe, extra_env=env)
     raise typer.Exit(code)

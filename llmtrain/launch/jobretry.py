@@ -21,12 +21,10 @@ the launcher ends the launch as before.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from llmtrain.launch.commands import LaunchSpec
 from llmtrain.launch.envpolicy import EnvVar
 from llmtrain.launch.hostfile import Hostfile
-from llmtrain.launch.rundir import RunDir, hostfile_text
 
 EXIT_LOST = 255
 AUTO_RESUME_ENV = "LLMTRAIN_AUTO_RESUME"
@@ -44,27 +42,9 @@ def without_host(hostfile: Hostfile, host: str) -> Hostfile:
     return dataclasses.replace(hostfile, hosts=tuple(h for h in hostfile.hosts if h.host != host))
 
 
-def with_auto_resume(spec: LaunchSpec) -> LaunchSpec:
-    """The spec with ``LLMTRAIN_AUTO_RESUME=1`` in every node's environment."""
-    extra = EnvVar(AUTO_RESUME_ENV, "1", "launcher")
-    nodes = tuple(dataclasses.replace(n, env=(*[e for e in n.env if e.name != AUTO_RESUME_ENV], extra))
+def with_env(spec: LaunchSpec, values: dict[str, str]) -> LaunchSpec:
+    """The spec with ``values`` added to (or replacing in) every node's environment."""
+    extra = tuple(EnvVar(k, v, "launcher") for k, v in values.items())
+    nodes = tuple(dataclasses.replace(n, env=(*[e for e in n.env if e.name not in values], *extra))
                   for n in spec.nodes)
     return dataclasses.replace(spec, nodes=nodes)
-
-
-def rotate_logs(run: RunDir) -> Path | None:
-    """Keep the previous attempt's ``logs/`` as ``logs.prev-N/`` and start an empty ``logs/``."""
-    path = run.path
-    n = 1
-    while (path / f"logs.prev-{n}").exists() or (path / f"recipe.lock.yaml.prev-{n}").exists():
-        n += 1
-    kept = None
-    if run.logs.exists():
-        kept = path / f"logs.prev-{n}"
-        run.logs.rename(kept)
-    run.logs.mkdir()
-    return kept
-
-
-def write_hostfile(run: RunDir, hostfile: Hostfile) -> None:
-    run.hostfile.write_text(hostfile_text(hostfile))

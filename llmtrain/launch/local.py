@@ -63,7 +63,7 @@ from llmtrain.errors import LLMTrainError
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
-from llmtrain.launch.rundir import RunDir, create_run_dir
+from llmtrain.launch.rundir import RunDir, create_run_dir, reuse_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
                                    failure_lines, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
@@ -105,8 +105,6 @@ def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, st
     """Run ``recipe`` again in the existing run directory ``run_path`` (``llmtrain resume``): the
     recipe is validated like :func:`launch_local`, becomes the new ``recipe.lock.yaml`` (the old
     one and the old ``logs/`` are kept as ``recipe.lock.yaml.prev-N`` / ``logs.prev-N/``)."""
-    from llmtrain.recipe.load import dump_recipe
-
     world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
     if world > MAX_SLOTS:
         raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
@@ -116,18 +114,7 @@ def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, st
     if not plan.valid:
         raise LLMTrainError(plan.validation.errors)
     module = engine_module()
-    path = Path(run_path)
-    run = RunDir(path, path.parent.name, path.name)
-    n = 1
-    while (path / f"logs.prev-{n}").exists() or (path / f"recipe.lock.yaml.prev-{n}").exists():
-        n += 1
-    if run.logs.exists():
-        run.logs.rename(path / f"logs.prev-{n}")
-    if run.recipe_lock.exists():
-        run.recipe_lock.rename(path / f"recipe.lock.yaml.prev-{n}")
-    run.logs.mkdir()
-    run.recipe_lock.write_text(dump_recipe(recipe))
-    run.hostfile.write_text("".join(f"{h.host} slots={h.slots}\n" for h in hostfile.hosts))
+    run = reuse_run_dir(run_path, recipe, hostfile)
     console = console or Console(highlight=False, soft_wrap=True)
     return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
                     max_restarts=recipe.launch.max_restarts).run()

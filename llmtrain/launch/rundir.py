@@ -104,6 +104,33 @@ def create_run_dir(recipe: Recipe, hostfile: Hostfile, root: str | Path = "runs"
     return run
 
 
+def next_prev_index(path: Path) -> int:
+    """The smallest N with neither ``logs.prev-N`` nor ``recipe.lock.yaml.prev-N`` in ``path``."""
+    n = 1
+    while (path / f"logs.prev-{n}").exists() or (path / f"recipe.lock.yaml.prev-{n}").exists():
+        n += 1
+    return n
+
+
+def reuse_run_dir(path: str | Path, recipe: Recipe | None = None, hostfile: Hostfile | None = None) -> RunDir:
+    """Prepare an existing run directory for another attempt (``llmtrain resume``, a retried job):
+    the old ``logs/`` (and, when a new ``recipe`` is given, the old ``recipe.lock.yaml``) are kept
+    as ``logs.prev-N/`` / ``recipe.lock.yaml.prev-N``; ``hostfile`` is rewritten when given."""
+    path = Path(path)
+    run = RunDir(path, path.parent.name, path.name)
+    n = next_prev_index(path)
+    if run.logs.exists():
+        run.logs.rename(path / f"logs.prev-{n}")
+    run.logs.mkdir()
+    if recipe is not None:
+        if run.recipe_lock.exists():
+            run.recipe_lock.rename(path / f"recipe.lock.yaml.prev-{n}")
+        run.recipe_lock.write_text(dump_recipe(recipe))
+    if hostfile is not None:
+        run.hostfile.write_text(hostfile_text(hostfile))
+    return run
+
+
 def list_runs(root: str | Path = "runs", name: str | None = None) -> list[Path]:
     """Run directories under ``root`` (of recipe ``name`` if given), oldest first."""
     root = Path(root)

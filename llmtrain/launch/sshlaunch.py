@@ -51,7 +51,7 @@ from llmtrain.launch.envpolicy import MASK, is_secret
 from llmtrain.launch.filters import select_hosts
 from llmtrain.launch.hostfile import Hostfile, load_hostfile
 from llmtrain.launch.local import engine_module, resolve_recipe
-from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id
+from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id, reuse_run_dir
 from llmtrain.launch.sshconfig import known_hosts_files, resolve_targets
 from llmtrain.launch.sshrun import SSHRun
 from llmtrain.plan.api import plan_recipe
@@ -105,11 +105,18 @@ def lock_recipe(recipe: Recipe) -> Recipe:
 def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides: list[str] | None = None,
                runs_root: str | Path = "runs", include: str | None = None, exclude: str | None = None,
                dry_run: bool = False, skip_preflight: bool = False, accept_new_host_keys: bool = False,
-               console: Console | None = None) -> int:
-    """Validate, preflight, start every node over SSH, stream, tear down; return the run's exit code."""
+               console: Console | None = None, resume_run: str | Path | None = None,
+               extra_env: dict[str, str] | None = None) -> int:
+    """Validate, preflight, start every node over SSH, stream, tear down; return the run's exit code.
+
+    ``resume_run``: run again in this existing run directory (``llmtrain resume --hosts``; its
+    ``runs_root`` and run id are kept); ``extra_env``: set on every node (``LLMTRAIN_RESUME``)."""
     from llmtrain.launch import preflight, ssh
 
-    prepared = prepare(recipe, hosts, overrides, include, exclude, runs_root)
+    if resume_run is not None:
+        runs_root = Path(resume_run).parent.parent
+    prepared = prepare(recipe, hosts, overrides, include, exclude, runs_root,
+                       run_id=Path(resume_run).name if resume_run is not None else None)
     console = console or Console(highlight=False, soft_wrap=True)
     say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
     for warning in prepared.warnings:
@@ -136,8 +143,11 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
                 for c in r.checks.values():
                     if c.status == "warn":
                         say(f"warning: {r.node.host} {c.name}: {c.value}" + (f"; {c.hint}" if c.hint else ""), "yellow")
-        run = create_run_dir(lock_recipe(prepared.recipe), prepared.hostfile, runs_root)
-        spec = prepared.with_run_id(run.run_id)
+        if resume_run is None:
+            run = create_run_dir(lock_recipe(prepared.recipe), prepared.hostfile, runs_root)
+        else:
+            run = reuse_run_dir(resume_run, lock_recipe(prepared.recipe), prepared.hostfile)
+        spec = jobretry.with_env(prepared.with_run_id(run.run_id), extra_env or {})
         _copy_recipe(spec, conns, run)
         retries = prepared.recipe.launch.max_restarts
         for attempt in range(retries + 1):
@@ -157,12 +167,11 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
                 visible = {h: v for h, v in prepared.visible_devices.items() if h != lost}
                 prepared = dataclasses.replace(prepare(prepared.recipe, remaining, runs_root=runs_root),
                                                visible_devices=visible)
-                jobretry.write_hostfile(run, prepared.hostfile)
             say(f"[launcher] {lost} was lost: retrying the whole job (retry {attempt + 1} of {retries}) on "
                 f"{len(prepared.hostfile.hosts)} host(s), {prepared.hostfile.world_size} ranks; "
                 "ranks resume from the latest checkpoint", "yellow")
-            jobretry.rotate_logs(run)
-            spec = jobretry.with_auto_resume(prepared.with_run_id(run.run_id))
+            run = reuse_run_dir(run.path, hostfile=prepared.hostfile)
+            spec = jobretry.with_env(prepared.with_run_id(run.run_id), {**(extra_env or {}), jobretry.AUTO_RESUME_ENV: "1"})
             conns = _connect_all(spec, opts)
             _copy_recipe(spec, conns, run)
         return code

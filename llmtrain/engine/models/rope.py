@@ -56,12 +56,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     ``cos``/``sin`` come from :func:`rope_cos_sin`, shaped ``[s, head_dim // 2]`` (one set of
     positions for the whole batch) or ``[b, s, head_dim // 2]`` (per-sequence positions).
-    They broadcast over heads.
+    They broadcast over heads. Computed as one complex multiplication per pair,
+    ``(x[2i] + i x[2i+1]) * (cos + i sin)``: the same products and sums as the formula in the
+    module docstring, equal up to fp32 rounding (the complex kernel may fuse multiply-adds), but
+    one kernel forward and one backward instead of strided selects, four multiplies, a stack and
+    their backward (about 3x faster on CPU, see docs/engine.md "Performance").
     """
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [b|1, s, 1, d/2]
-    pairs = x.to(torch.float32).unflatten(-1, (-1, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    # .float(): FSDP2's bf16 MixedPrecisionPolicy casts a block's floating inputs, cos/sin included.
+    rotation = torch.complex(cos.float(), sin.float()).unsqueeze(2)  # [b|1, s, 1, d/2], complex64
+    pairs = torch.view_as_complex(x.to(torch.float32).contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
