@@ -9,7 +9,8 @@
   mode; DCP's stager first copies the tensors, so training may go on); a new save waits for
   the previous one. DCP's collectives use a dedicated gloo group, never the training group.
 * Commit (:func:`checkpoint_store.commit`): once every rank's write finished — checked at each
-  step boundary by a 1-element MIN all-reduce while a save is pending, or forced by the next
+  step boundary by a 1-element MIN all-reduce (on a group of its own, never the one DCP's
+  background thread uses) while a save is pending, or forced by the next
   save / the end of training — rank 0 writes ``metadata.json`` (sha256 of every file),
   renames ``step-N.tmp`` to ``step-N`` and atomically moves ``latest``; then prunes to ``keep``.
 * ``restore(spec, ...)``: rank 0 verifies checksums (``latest`` falls back to the previous
@@ -64,6 +65,11 @@ class Checkpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # DCP's collectives (also from the async thread) must not interleave with training's
         self.group = dist.new_group(backend="gloo")
+        # The "my write finished" flag of poll() has a group of its own: the async save's
+        # background thread may still be running DCP's collectives on self.group, and two
+        # threads issuing collectives on one gloo group in different orders can deadlock
+        # (seen: main thread in poll's all_reduce, the writer in DCP's final broadcast).
+        self.flag_group = dist.new_group(backend="gloo")
         self.pending: tuple | None = None  # (step, meta, future or None)
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -109,7 +115,7 @@ class Checkpointer:
             return
         future = self.pending[2]
         flag = torch.tensor([1 if future is None or future.done() else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.flag_group)
         if int(flag.item()) == 1:
             self._commit()
 

@@ -17,22 +17,22 @@ one direction is half of it; the NIC figure (400 Gb/s) is per direction. NCCL re
 Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens per CP rank,
 ``h`` hidden, ``e`` compute bytes, ``P`` the rank's parameters, ``m`` micro batches):
 
-- DP, zero 0: all-reduce of the fp32 gradients (``4P``) over dp x cp, once per step, after
-  backward (``GradientAllReduce``). zero 1: the same, plus each owner broadcasting its updated
+- DP, zero 0: all-reduce of the fp32 gradients (``4P``, plus the replicated part of a TP
+  embedding's gradient) over dp x cp, once per step, after backward (``GradientAllReduce``). zero 1: the same, plus each owner broadcasting its updated
   fp32 parameters (``4P`` in all). FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
-  forward), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
+  forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
   accumulate unsharded), and for HSDP an all-reduce of the sharded gradients over
   dp_replicate. With pp > 1 parameters are gathered once per step.
 - TP, per layer and micro batch: 2 all-reduces forward and 2 backward of ``bshe``; with
   sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
   recomputation re-runs the forward ones (the engine's selective policy saves matmul and
-  SDPA outputs, not collective outputs). Plus one all-reduce each way for the embedding and
-  for the output layer's input.
+  SDPA outputs, not collective outputs). Plus one all-reduce for the embedding (forward) and
+  one for the output layer's input (backward).
 - PP: per micro batch and stage boundary, the activation ``bshe`` forward and its gradient
   backward (``/t`` with sequence parallelism: each TP rank sends its shard).
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
-  gradients backward; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
+  gradients backward, and one last pass of dK/dV back to their owner; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
   gathered forward, their gradients reduce-scattered backward. The engine repeats K/V to the
   query heads before its attention function, so K/V are counted with ``heads``.
 - EP, per MoE layer and micro batch: dispatch and combine all-to-alls of ``top_k x tokens x h``
@@ -167,6 +167,8 @@ class CommSpec:
     recompute: str
     cp_method: str
     chunks: int  # pipeline chunks on this rank (virtual stages)
+    root: int = 0  # parameters of the FSDP root unit (embedding, final norm, output) on this rank
+    grad_extra: int = 0  # gradient numel beyond ``params`` (TP: the embedding's gradient comes back replicated)
 
 
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",), "dp_replicate": ("dp_replicate",),
@@ -200,7 +202,9 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         shard = d.dp_shard * d.cp
         g = lk("fsdp")
         total = c.params + c.expert_params
-        passes = 1 if d.pp > 1 else (2 * m if c.zero == 3 else m)
+        # zero 3 gathers again for backward, except FSDP2's root unit (embedding, norm, output),
+        # which is not resharded after forward
+        passes = 1 if d.pp > 1 else (2 * m - m * min(c.root, total) / max(1, total) if c.zero == 3 else m)
         out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
                         f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
         out.append(make("dp", "reduce-scatter", shard, 4 * total, 1, g, "fsdp-reduce", "fp32 gradients, last micro batch"))
@@ -209,7 +213,8 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                             "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
         g = lk("dp_cp")
-        out.append(make("dp", "all-reduce", dpcp, 4 * c.params, 1, g, "step", "fp32 gradients after backward"))
+        out.append(make("dp", "all-reduce", dpcp, 4 * (c.params + c.grad_extra), 1, g, "step",
+                        "fp32 gradients after backward"))
         if c.expert_params:
             eg = d.dp_replicate * d.edp
             out.append(make("dp", "all-reduce", eg, 4 * c.expert_params, 1, g, "step", "expert gradients over expert-DP"))
@@ -222,10 +227,11 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         g = lk("tp")
         act = c.e * c.tokens * c.hidden
         # all-reduce equivalents per micro batch: 2 forward + 2 backward per layer (+ 2 re-run forward
-        # with recomputation), and one each way for the embedding and for the output layer's input.
-        # With SP each all-reduce becomes an all-gather plus a reduce-scatter (same bytes).
+        # with recomputation), one for the vocabulary-parallel embedding (forward only) and one for
+        # the output layer's input (backward only). With SP each all-reduce becomes an all-gather
+        # plus a reduce-scatter (same bytes).
         per_layer = 4 + (2 if c.recompute != "none" else 0)
-        count = m * (per_layer * c.layers + 2 * (int(c.embedding) + int(c.output)))
+        count = m * (per_layer * c.layers + int(c.embedding) + int(c.output))
         if c.sp:
             out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
             out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))
@@ -244,8 +250,10 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         kv = 2 * c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # local K and V (heads repeated)
         fwd = 1 + (1 if c.recompute != "none" else 0)
         if c.cp_method == "ring":
-            out.append(make("cp", "p2p", 2, kv, m * c.layers * (d.cp - 1) * (fwd + 2), g, "cp-ring",
-                            "K/V blocks around the ring (backward: K, V and their gradients)"))
+            # cp - 1 ring passes per forward (and recomputed forward), K, V and dK/dV per backward
+            # pass, plus the final pass that brings the accumulated dK/dV home
+            out.append(make("cp", "p2p", 2, kv, m * c.layers * ((d.cp - 1) * (fwd + 2) + 1), g, "cp-ring",
+                            "K/V blocks around the ring (backward: K, V and their gradients, then dK/dV home)"))
         elif c.cp_method == "ulysses":
             one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or k, v, out) each rank re-shards
             out.append(make("cp", "all-to-all", d.cp, one, m * c.layers * 4 * (fwd + 1), g, "microbatch",

@@ -226,7 +226,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), inv.dense_numel, inv.expert_numel,
                         inv.largest_block, batch.microbatches, tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k,
                         len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
-                        recompute, p.cp_method, len(held))
+                        recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv))
         comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
@@ -297,3 +297,12 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
         "bubble_fraction": cm.bubble,
         "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12},
     }
+
+
+def replicated_grad_extra(inv) -> int:
+    """Gradient numel beyond the rank's parameters: the TP embedding's gradient comes back
+    replicated (``grad_factor`` = tp); the embedding is the first parameter of the first stage."""
+    if not inv.first or not inv.params:
+        return 0
+    head = inv.params[0]
+    return head.numel * (head.grad_factor - 1)
