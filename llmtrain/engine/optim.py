@@ -46,8 +46,10 @@ def make_adamw(train: TrainConfig):
     o = train.optimizer
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
+        # fused: one multi-tensor kernel per group (about 8x faster than foreach on CPU for a 60M
+        # model, benchmarks/engine_throughput.py notes; the default of HF's Trainer on torch >= 2.8)
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                                 foreach=True)
+                                 fused=True)
 
     return make
 

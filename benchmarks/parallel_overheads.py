@@ -1,0 +1,151 @@
+"""Parallel overheads on CPU/gloo: one process against each parallel dimension at degree 2.
+
+    python benchmarks/parallel_overheads.py            # full size, writes docs/benchmarks.md
+    python benchmarks/parallel_overheads.py --tiny --out DIR
+
+The same recipe and the SAME GLOBAL BATCH in every layout (recipes/debug.yaml, fp32; the MoE
+layout uses recipes/debug-moe.yaml and its own 1-process reference): 1 process; DP 2 with
+``zero 0`` (DDP-like gradient all-reduce); ZeRO-3 (FSDP2) over DP 2; TP 2 (with sequence
+parallelism, the recipe default); PP 2 (1F1B, ``global batch / micro batch`` micro batches);
+CP 2 (ring attention); EP 2 (MoE, ``dp_shard 2``, FSDP). All 2-rank layouts run in ONE torchrun
+job (benchmarks/parallel_overheads_worker.py builds each layout in turn in the same process
+group), the 1-process references in one plain process; ``OMP_NUM_THREADS=1`` everywhere.
+
+Per layout: the median of rank 0's step times after warm-up (layouts stepped round-robin), and
+profiled steps
+(``torch.profiler``) split into compute, exposed communication, pipeline bubble and other (the
+definitions are in the worker's docstring and in the notes written to docs/benchmarks.md). For
+PP the measured bubble fraction (exposed ``gloo:recv`` wait / compute of the stage) is set
+against the planner's ``bubble_fraction`` for the same recipe (``plan_recipe`` → validation →
+:func:`llmtrain.plan.bubble.bubble_fraction`, i.e. ``(p - 1) / m`` for 1F1B).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common  # noqa: E402
+
+ROOT = common.ROOT
+WORKER = ROOT / "benchmarks" / "parallel_overheads_worker.py"
+DENSE, MOE = "recipes/debug.yaml", "recipes/debug-moe.yaml"
+BASE = ["parallel.tp=1", "parallel.zero=0", "parallel.dp_shard=-1", "train.precision=fp32"]
+LAYOUTS = [  # (name, recipe, overrides, world)
+    ("1 process", DENSE, [], 1),
+    ("dp 2 (zero 0, all-reduce)", DENSE, [], 2),
+    ("zero 3 (FSDP2) dp 2", DENSE, ["parallel.zero=3"], 2),
+    ("tp 2 (+SP)", DENSE, ["parallel.tp=2"], 2),
+    ("pp 2 (1f1b)", DENSE, ["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
+    ("cp 2 (ring)", DENSE, ["parallel.cp=2", "parallel.cp_method=ring"], 2),
+    ("MoE 1 process", MOE, ["parallel.zero=3"], 1),
+    ("MoE ep 2 (dp_shard 2, zero 3)", MOE, ["parallel.zero=3", "parallel.ep=2"], 2),
+]
+FULL = dict(size=["train.seq_len=256", "train.micro_batch_size=4", "train.global_batch_size=16"], warmup=2, steps=7, profiled_steps=3)
+TINY = dict(size=["train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8"], warmup=0, steps=1, profiled_steps=1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(tmp: Path, world: int, cases: list[dict], cfg: dict) -> dict:
+    out = tmp / f"out-{world}.json"
+    spec = tmp / f"spec-{world}.json"
+    spec.write_text(json.dumps({"cases": cases, "set": cfg["size"], "warmup": cfg["warmup"], "steps": cfg["steps"],
+                                "profiled_steps": cfg["profiled_steps"], "out": str(out)}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(ROOT)}
+    if world == 1:  # one plain process: no torchrun agent to start
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
+        cmd = [sys.executable, str(WORKER), str(spec)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(WORKER), str(spec)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    if proc.returncode != 0:
+        sys.exit(f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def planned_bubble(recipe_path: str, overrides: list[str], world: int) -> tuple[float, int]:
+    from llmtrain.plan.api import plan_recipe
+    from llmtrain.plan.bubble import bubble_fraction
+    from llmtrain.recipe.load import load_recipe
+
+    plan = plan_recipe(load_recipe(ROOT / recipe_path, overrides), None, 1, world)
+    assert plan.valid, plan.validation.errors
+    p, m = plan.recipe.parallel, plan.validation.batch.microbatches
+    v = p.pp_virtual_stages
+    return bubble_fraction(p.pp_schedule, plan.validation.dims.pp, v, m), m
+
+
+def main() -> None:
+    args = common.parser(__doc__.split("\n\n")[0]).parse_args()
+    cfg = TINY if args.tiny else FULL
+    # --tiny: one 2-rank layout (PP: all code paths), no 1-process run (each process start costs ~10 s on busy cores)
+    layouts = [lay for lay in LAYOUTS if not args.tiny or lay[0] == "pp 2 (1f1b)"]
+    sys.path.insert(0, str(ROOT))
+    measured: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        worlds = sorted({lay[3] for lay in layouts})
+        # the 1-process references run before AND after the 2-rank job, so that a drift of the
+        # machine's load during the run does not favour one side of the comparison
+        for i, world in enumerate(worlds + ([1] if 1 in worlds else [])):
+            cases = [{"name": n, "recipe": str(ROOT / r), "set": BASE + o} for n, r, o, w in layouts if w == world]
+            got = run_worker(Path(tmp), world, cases, cfg)
+            if i < len(worlds):
+                measured.update(got)
+            else:
+                for name, ranks in got.items():
+                    measured[name][0]["step_times_s"] += ranks[0]["step_times_s"]
+    rows = []
+    for name, recipe, over, world in layouts:
+        ranks = measured[name]
+        r0 = ranks[0]
+        step = common.median(r0["step_times_s"])
+        ref_name = "MoE 1 process" if recipe == MOE else "1 process"
+        ref = common.median(measured[ref_name][0]["step_times_s"]) if ref_name in measured else None
+        row = {"layout": name, "ranks": world, "microbatches": r0["microbatches"], "step_s": step,
+               "step_min_s": min(r0["step_times_s"]),
+               "ideal_s": (ref / world) if ref and world > 1 else None,
+               "speedup": (ref / step) if ref and world > 1 else None,
+               "compute_s": r0["compute_s"], "comm_s": r0["comm_s"], "bubble_s": r0["bubble_s"], "other_s": r0["other_s"],
+               "profiled_step_s": r0["profiled_step_s"]}
+        if "parallel.pp=2" in over:
+            planned, _ = planned_bubble(recipe, cfg["size"] + BASE + over, world)
+            fracs = [r["bubble_s"] / r["compute_s"] for r in ranks if r["compute_s"] > 0]
+            row.update(bubble_planned=planned, bubble_measured=sum(fracs) / len(fracs),
+                       bubble_per_stage=[round(f, 4) for f in fracs])
+        row["per_rank"] = [{k: r[k] for k in ("rank", "compute_s", "comm_s", "bubble_s", "other_s", "profiled_step_s",
+                                             "step_times_s")} for r in ranks]
+        rows.append(row)
+    columns = [("layout", "layout"), ("ranks", "ranks"), ("microbatches", "micro batches / rank"),
+               ("step_s", "step s (median)"), ("step_min_s", "step s (min)"), ("ideal_s", "ideal s (1-proc / 2)"), ("speedup", "speed-up vs 1 proc"),
+               ("compute_s", "compute s"), ("comm_s", "comm s"), ("bubble_s", "bubble s"), ("other_s", "other s"),
+               ("bubble_measured", "bubble fraction measured"), ("bubble_planned", "bubble fraction planned")]
+    size = ", ".join(cfg["size"])
+    spread = [max(r["per_rank"][0]["step_times_s"]) / min(r["per_rank"][0]["step_times_s"]) for r in rows]
+    noise = (f"Repeatability of this run: the slowest of a layout's timed steps was {min(spread):.1f}x to "
+             f"{max(spread):.1f}x its fastest (load average at the end in the line above); ratios between layouts "
+             f"are only as good as that — on a shared machine read the min column too, and rerun on a quiet one.")
+    notes = f"""Recipe sizes: {size} (same global batch in every layout); median of {cfg['steps']} steps after {cfg['warmup']} warm-up steps (the 1-process references: {2 * cfg['steps']}, half run before and half after the 2-rank job), the 2-rank layouts stepped round-robin in one process group (`common.interleaved`) so that load changes hit them alike; `OMP_NUM_THREADS=1`; the 2-rank layouts share the machine's 2 cores (which other jobs were also using).
+
+Definitions. *step s*: rank 0's wall time of one optimizer step (forward, backward, gradient sync, clipping, AdamW), barrier before each step. *ideal s*: the 1-process step time / 2 (each rank does half the work; with 1 thread per rank, 2 ranks use 2 cores while the reference uses 1, so ideal is reachable only if the cores are free). *speed-up*: 1-process time / layout time. The split is rank 0's, averaged over {cfg['profiled_steps']} further steps under `torch.profiler` (which adds overhead: the parts sum to the profiled step, longer than the median): *compute* = main-thread `aten::` ops that contain no collective; *comm* = time inside a gloo collective, waiting for the slower peer included (`gloo:*` events of gloo's threads, main-thread `c10d::`/`_c10d_functional::` ops, DTensor redistributions included) not overlapped by compute; *bubble* (PP only) = the part of that exposed communication spent in `gloo:recv`, i.e. a stage waiting for its neighbour (the transfer itself included, small next to the wait), plus the wait in the loss all-reduce over the pipeline group right after the schedule (where the last stage waits for the first stage's final backward: the drain); *other* = the rest (Python, autograd and FSDP hooks, the pipeline scheduler, idle). Bubble fraction measured = bubble / compute of the stage (the planner's convention: idle over ideal compute time), averaged over the 2 stages (per stage in the JSON); planned = `llmtrain.plan.bubble.bubble_fraction` for the same recipe, (p - 1) / m for 1F1B. The MoE row's speed-up is against its own 1-process run (recipes/debug-moe.yaml, 1 process).
+
+{noise}"""
+    table = common.md_table(rows, columns)
+    common.publish(args, "parallel_overheads", "Parallel overheads: 1 process vs each dimension at 2 (CPU/gloo)",
+                   {"config": cfg, "rows": rows}, table, notes)
+
+
+if __name__ == "__main__":
+    main()
