@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT))
-from tests.sshhosts import run_processes, start_cluster  # noqa: E402
+from tests.sshhosts import run_processes, run_processes_with, start_cluster  # noqa: E402
 
 CLI = [sys.executable, "-c", "from llmtrain.cli.app import main; main()"]
 SEQ, GBS = 32, 8
@@ -124,15 +124,10 @@ class Launcher:
 
 def worker_pid(run_id: str, rank: int) -> int:
     """The engine process with this RANK (torchrun and the node helper carry no RANK)."""
-    for pid in run_processes(run_id):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fp:
-                env = fp.read().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env:
-            return pid
-    raise RuntimeError(f"no worker with RANK={rank} in run {run_id}")
+    found = run_processes_with(run_id, f"RANK={rank}")
+    if not found:
+        raise RuntimeError(f"no worker with RANK={rank} in run {run_id}")
+    return found[0]
 
 
 def kill_leftovers(run_id: str | None) -> None:

@@ -330,6 +330,21 @@ def run_processes(run_id: str) -> list[int]:
     return found
 
 
+def run_processes_with(run_id: str, *entries: str) -> list[int]:
+    """The run's processes whose environment also holds every ``NAME=value`` of ``entries``
+    (``RANK=3`` for a worker; ``LLMTRAIN_NODE_ID=<run id>.1`` for everything on node 1)."""
+    wanted = {e.encode() for e in entries}
+    found = []
+    for pid in run_processes(run_id):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fp:
+                if wanted <= set(fp.read().split(b"\0")):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 _STATE: dict[str, object] = {}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sshhosts import get_cluster, run_processes
+from tests.sshhosts import get_cluster, run_processes, run_processes_with
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "debug.yaml"
@@ -103,16 +103,10 @@ def wait_gone(run_id: str, timeout: float) -> list[int]:
 
 def worker_pid(run_id: str, rank: int) -> int:
     """The pid of the worker with this RANK (torchrun and the helper carry no RANK)."""
-    needle = f"LLMTRAIN_RUN_ID={run_id}".encode()
-    for pid in run_processes(run_id):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fp:
-                env = fp.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in env and f"RANK={rank}".encode() in env:
-            return pid
-    raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
+    found = run_processes_with(run_id, f"RANK={rank}")
+    if not found:
+        raise AssertionError(f"no worker with RANK={rank} in run {run_id}")
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -366,20 +360,6 @@ def test_hung_rank_is_detected_by_the_watchdog_and_torn_down(cluster, tmp_path):
 # ----------------------------------------------------------------------------- lost node, whole-job retry
 
 
-def node_pids(run_id: str, node_rank: int) -> list[int]:
-    """Every process of the run on one node: they carry ``LLMTRAIN_NODE_ID=<run id>.<node rank>``."""
-    needle = f"LLMTRAIN_NODE_ID={run_id}.{node_rank}".encode()
-    found = []
-    for pid in run_processes(run_id):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fp:
-                if needle in fp.read().split(b"\0"):
-                    found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
 def test_lost_node_retries_the_whole_job_without_it_and_resumes(cluster, tmp_path):
     """Real engine, 2 hosts x 2 ranks, checkpoints every 2 steps, ``--max-restarts 1`` with
     ``launch.exclude_lost_hosts``. After step-2 is committed every process of the run on node1
@@ -396,7 +376,7 @@ def test_lost_node_retries_the_whole_job_without_it_and_resumes(cluster, tmp_pat
     try:
         bg.wait_for("checkpoint: committed", timeout=180)
         run_id = bg.run_id
-        victims = node_pids(run_id, 1)
+        victims = run_processes_with(run_id, f"LLMTRAIN_NODE_ID={run_id}.1")  # all of node1
         assert victims, "no process of node1 found"
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
