@@ -162,14 +162,21 @@ def main() -> None:
                                    ("measured", "measured"), ("error", "error %"), ("note", "note")])
     notes = f"""Recipe recipes/debug.yaml with {', '.join(base)}, {world} ranks (`llmtrain plan` of the same recipe on 1 node x {world}); MoE: `model.preset=debug-moe`. Error % = (measured - predicted) / predicted. Model state: the rank whose numbers differ most (all ranks are compared; "exact on n/n"). Activations: bytes alive after one micro batch's forward, parameters excluded, against the planner's saved activations + logits (worst rank). FLOPs: `FlopCounterMode` over one full training step (all micro batches), summed over ranks, against `hardware_flops_per_step`. Communication: every `c10d` / `_c10d_functional` op of one full step (after one warm-up step) seen by a `TorchDispatchMode` that lets DTensor desugar first (as `CommDebugMode` does), attributed to a dimension by the code that issued it, message bytes in the planner's convention (all-reduce / broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the rank's input; P2P: sends only), averaged over ranks; predicted = the planner's `message_bytes x count` summed over the dimension's entries (llmtrain/plan/comm.py; for PP the planner's entries of its slowest pipeline rank). Planned and measured *calls* are not comparable (planned: whole-model passes or all-reduce equivalents; measured: one call per FSDP unit, bucket, owner or tensor).
 
-Why the communication differs where it does (structural, read from the code; the planner is not changed here):
-- **ZeRO-3**: the planner counts 2 m whole-model all-gathers (forward and backward of each micro batch); FSDP2's root unit (embeddings, final norm, output) is never resharded after forward (llmtrain/engine/parallel/data_parallel.py), so it is gathered once per micro batch, not twice.
-- **TP without SP**: the engine issues 7 activation all-reduces per layer and micro batch, not 4: `wq/wk/wv` and `w1/w3` are separate `ColwiseParallel` modules and the non-SP plan has no `PrepareModuleInput` around attention and the MLP, so each one's input gradient is all-reduced on its own in backward (5 instead of 2; llmtrain/engine/parallel/tensor.py). An engine inefficiency more than a planner error.
-- **TP embedding and output**: the engine communicates one all-reduce equivalent each per micro batch (embedding: forward only, token ids need no gradient; output: backward only), the planner counts one *each way* for each (4 instead of 2) — with SP the per-layer count matches and this is the whole difference.
-- **DP all-reduce with TP**: the planner sizes it as 4 x the rank's parameters, but the rank's gradients are larger than its parameters with TP (the planner's own gradient bytes, exact above) and it is the gradients that are all-reduced.
-- **PP**: convention — the planner counts 2 m boundary messages per rank (activations forward, gradients backward: what a middle stage sends); with 2 stages each rank sends m and receives m.
-- **CP ring**: the planner misses the last hop of dK/dV back to their owner (`RingAttention.backward` rotates dK, dV once more after the cp - 1 ring steps): the engine sends (cp - 1) x 3 + 1 K/V-sized blocks per layer and micro batch, the planner (cp - 1) x 3. The FLOPs differ because the ring backward recomputes the QK^T scores block by block, which the planner does not count for ring CP.
-- **EP**: the all-to-all bytes depend on the router's balance (averaged over ranks they match); the small excess is the exchange of split sizes. Activations: tokens routed to this rank's experts, roughly balanced."""
+What this benchmark found, and what was done (the first full run, at git bbb8118, measured TP
+without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6 %):
+- **Fixed in the planner** (llmtrain/plan/comm.py): ZeRO-3 — FSDP2's root unit (embeddings,
+  final norm, output) is not resharded after forward, so it is gathered once per micro batch;
+  TP embedding and output — one all-reduce equivalent each per micro batch (embedding forward
+  only, output backward only), not one each way; DP all-reduce with TP — it carries the
+  gradients, and the TP embedding's gradient comes back replicated; CP ring — the last hop of
+  dK/dV back to their owner.
+- **Fixed in the engine** (llmtrain/engine/parallel/tensor.py): TP without SP issued 7
+  activation all-reduces per layer instead of 4 (each column-parallel layer's input gradient
+  reduced on its own); attention and MLP inputs now pass through one `PrepareModuleInput`.
+- **Left, by definition**: PP — the planner counts 2 m boundary messages per rank (what a middle
+  stage sends); with 2 stages each rank sends m and receives m. EP — the all-to-all bytes depend
+  on the router's balance; the small excess is the exchange of split sizes. CP ring FLOPs — the
+  ring backward recomputes QK^T block by block, which the planner does not count."""
     results = {"world": world, "set": base, "cases": {n: CASES[n] for n in names}, "rows": rows, "raw": measured}
     common.publish(args, "planner_fidelity", "Planner fidelity: predicted vs measured per rank (CPU/gloo)", results,
                    table, notes)

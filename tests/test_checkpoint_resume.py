@@ -206,9 +206,11 @@ def test_resume_resharded(reference, tmp_path, name, sets, truncate):
     assert "resharded" in out and "saved as dp_shard2 tp2 zero3 on 4 ranks (grad_accum 2)" in out
     ref_losses, new_losses = losses(ref_run), losses(run)
     assert sorted(new_losses) == list(range(1, 7))
-    for step in (5, 6):
-        assert abs(new_losses[step] - ref_losses[step]) <= LOSS_TOL, (step, new_losses[step], ref_losses[step])
-    assert max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-6", tmp_path)) <= WEIGHT_TOL
+    loss_diff = max(abs(new_losses[step] - ref_losses[step]) for step in (5, 6))
+    weight_diff = max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-6", tmp_path))
+    print(f"reshard {name}: loss diff {loss_diff:.2e}, weight/moment diff {weight_diff:.2e}")
+    assert loss_diff <= LOSS_TOL, (new_losses, ref_losses)
+    assert weight_diff <= WEIGHT_TOL
     resumed = sample_audit(samples)
     assert sorted(resumed) == [5, 6], sorted(resumed)
     before = {s: p for s, p in sample_audit(ref_samples).items() if s <= 4}
@@ -238,10 +240,12 @@ def test_resume_moe_ep2_as_ep1(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "saved as dp_shard2 ep2 zero3 on 2 ranks" in out and "now dp_shard2 zero3 on 2 ranks" in out
     ref_losses, new_losses = losses(ref_run), losses(run)
-    for step in (3, 4):
-        assert abs(new_losses[step] - ref_losses[step]) <= LOSS_TOL, (step, new_losses[step], ref_losses[step])
     ref_final = load_ckpt(ref_run / "checkpoints" / "step-4", tmp_path)
     assert any(".moe." in k and "exp_avg" in k for k in ref_final)
-    assert max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-4", tmp_path)) <= WEIGHT_TOL
+    loss_diff = max(abs(new_losses[step] - ref_losses[step]) for step in (3, 4))
+    weight_diff = max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-4", tmp_path))
+    print(f"reshard moe ep2 -> ep1: loss diff {loss_diff:.2e}, weight/moment diff {weight_diff:.2e}")
+    assert loss_diff <= LOSS_TOL, (new_losses, ref_losses)
+    assert weight_diff <= WEIGHT_TOL
     kept = {**{s: p for s, p in sample_audit(ref_samples).items() if s <= 2}, **sample_audit(samples)}
     assert {s: p for s, p in kept.items()} == {s: list(range((s - 1) * GBS, s * GBS)) for s in range(1, MOE_STEPS + 1)}
