@@ -81,6 +81,26 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
                  console: Console | None = None, grace_s: float = 5.0) -> int:
     """Validate, create the run dir, run torchrun with all ranks here; return its exit code."""
     recipe = resolve_recipe(recipe, overrides)
+    world, hostfile, module, console = prepare_local(recipe, console)
+    run = create_run_dir(recipe, hostfile, runs_root)
+    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts).run()
+
+
+def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
+                   console: Console | None = None, grace_s: float = 5.0) -> int:
+    """Run ``recipe`` again in the existing run directory ``run_path`` (``llmtrain resume``): the
+    recipe is validated like :func:`launch_local`, becomes the new ``recipe.lock.yaml`` (the old
+    one and the old ``logs/`` are kept as ``recipe.lock.yaml.prev-N`` / ``logs.prev-N/``)."""
+    world, hostfile, module, console = prepare_local(recipe, console)
+    run = reuse_run_dir(run_path, recipe, hostfile)
+    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
+                    max_restarts=recipe.launch.max_restarts).run()
+
+
+def prepare_local(recipe: Recipe, console: Console | None) -> tuple[int, Hostfile, str, Console]:
+    """Everything checked before a local run starts (all ranks on this machine, validated like
+    ``llmtrain plan``, torch importable); prints the plan's warnings. Returns the world size, the
+    localhost hostfile, the engine module and the console."""
     world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
     if world > MAX_SLOTS:
         raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
@@ -96,28 +116,7 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
     console = console or Console(highlight=False, soft_wrap=True)
     for warning in plan.validation.warnings:
         console.print(Text(f"warning: {warning.line()}"), style="yellow")
-    run = create_run_dir(recipe, hostfile, runs_root)
-    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts).run()
-
-
-def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
-                   console: Console | None = None, grace_s: float = 5.0) -> int:
-    """Run ``recipe`` again in the existing run directory ``run_path`` (``llmtrain resume``): the
-    recipe is validated like :func:`launch_local`, becomes the new ``recipe.lock.yaml`` (the old
-    one and the old ``logs/`` are kept as ``recipe.lock.yaml.prev-N`` / ``logs.prev-N/``)."""
-    world = recipe.cluster.nodes * recipe.cluster.gpus_per_node
-    if world > MAX_SLOTS:
-        raise LLMTrainError(f"{world} ranks (cluster.nodes x cluster.gpus_per_node) on one machine",
-                            f"use at most {MAX_SLOTS} locally", path="cluster")
-    hostfile = Hostfile.localhost(world)
-    plan = plan_recipe(recipe, hostfile)
-    if not plan.valid:
-        raise LLMTrainError(plan.validation.errors)
-    module = engine_module()
-    run = reuse_run_dir(run_path, recipe, hostfile)
-    console = console or Console(highlight=False, soft_wrap=True)
-    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
-                    max_restarts=recipe.launch.max_restarts).run()
+    return world, hostfile, module, console
 
 
 def resolve_recipe(recipe: Recipe | str | Path, overrides: list[str] | None) -> Recipe:
