@@ -131,25 +131,11 @@ def _old_apply_rope(x, cos, sin):
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
-def _old_attention_forward(self, x, cos, sin):
-    b, s, _ = x.shape
-    q = _old_apply_rope(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
-    k = _old_apply_rope(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
-    v = self.wv(x).view(b, s, -1, self.head_dim)
-    n_rep = q.shape[2] // k.shape[2]
-    if n_rep > 1:
-        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
-    out = llama_mod.causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
 def build_baseline(cfg: ModelConfig, ours: torch.nn.Module) -> torch.nn.Module:
-    import types
-
     model = llama_mod.Transformer(cfg)
     model.load_state_dict(ours.state_dict())
     for block in model.layers.values():
-        block.attention.forward = types.MethodType(_old_attention_forward, block.attention)
+        block.attention.rope_fn = _old_apply_rope
     return model
 
 
