@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 EXIT_USER_ERROR = 2
+MAX_SHOWN = 50  # an input with thousands of problems prints this many, then a count
 
 
 @dataclass(frozen=True)
@@ -38,4 +39,20 @@ class LLMTrainError(Exception):
         elif isinstance(problems, Problem):
             problems = [problems]
         self.problems: list[Problem] = list(problems)
-        super().__init__("\n".join(p.line() for p in self.problems))
+        super().__init__("\n".join(self.lines()))
+
+    def lines(self, limit: int = MAX_SHOWN) -> list[str]:
+        """One printable line per problem (control characters escaped), the first ``limit`` of
+        them and then ``... and N more problems``; ``self.problems`` keeps all of them."""
+        shown = [_escape(p.line()) for p in self.problems[:limit]]
+        if len(self.problems) > limit:
+            shown.append(f"... and {len(self.problems) - limit} more problems (fix these first)")
+        return shown
+
+
+def _escape(text: str) -> str:
+    # Same rule as llmtrain.safeio.printable, without its length cut: a path or a host name with
+    # an escape sequence or a newline must not rewrite the terminal or fake a second line.
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

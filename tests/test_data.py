@@ -190,8 +190,9 @@ def test_prepare_failure_keeps_previous_output(corpus, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n' * 5 + "not json\n")
     with pytest.raises(LLMTrainError, match="bad.jsonl:6"):
-        prepare([corpus["jsonl"], bad], out, "byte", progress=False)
+        prepare([corpus["jsonl"], bad], out, "byte", progress=False, force=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no build left behind
 
 
 def test_parquet_without_pyarrow_is_a_clear_error(corpus, tmp_path, monkeypatch):

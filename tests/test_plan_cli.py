@@ -124,11 +124,11 @@ def test_missing_file_is_one_line_and_debug_shows_traceback(tmp_path):
     missing = str(tmp_path / "nope.yaml")
     out = run("plan", missing)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip() == f"error: {missing}: recipe file not found: {missing}; check the path " \
+    assert out.stderr.strip() == f"error: {missing}: recipe not found; pass a YAML recipe file " \
                                  "(shipped recipes are in recipes/)"
     debug = run("plan", missing, env={**ENV, "LLMTRAIN_DEBUG": "1"})
     assert debug.returncode not in (0, 2)
-    assert "Traceback" in debug.stderr and "LLMTrainError" in debug.stderr and "recipe file not found" in debug.stderr
+    assert "Traceback" in debug.stderr and "LLMTrainError" in debug.stderr and "recipe not found" in debug.stderr
 
 
 def test_schema_out_writes_json(tmp_path):

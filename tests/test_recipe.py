@@ -279,15 +279,14 @@ def test_missing_and_unreadable_files(tmp_path):
     assert info.value.problems[0].path == str(tmp_path / "nope.yaml") and "not found" in str(info.value)
     with pytest.raises(LLMTrainError) as info:
         load_recipe(tmp_path)
-    assert "cannot read recipe" in str(info.value) and info.value.problems[0].hint
+    assert "is a directory" in str(info.value) and info.value.problems[0].hint
 
 
 def test_huge_file(tmp_path):
     path = tmp_path / "big.yaml"
     path.write_text("model: {preset: debug-dense}\n" + "# pad\n" * 200_000)
-    with pytest.raises(LLMTrainError, match="bytes") as info:
+    with pytest.raises(LLMTrainError, match="over the 1 MiB limit"):
         load_recipe(path)
-    assert "1 MiB" in info.value.problems[0].hint
 
 
 def test_alias_bomb_is_reported_quickly():

@@ -13,15 +13,18 @@ the first step carries warm-up (allocation, compilation) and would skew a short 
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.safeio import PNG_MAGIC, open_regular, output_file, printable, write_file
 
 MAX_LINE_CHARS = 1 << 20
+MAX_METRICS_BYTES = 4 << 30  # ~10M logged steps; read line by line, never whole
 
 
 @dataclass
@@ -29,6 +32,7 @@ class Metrics:
     rows: list[dict[str, Any]]
     skipped: int = 0
     source: Path | None = None
+    relogged: int = 0
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Summary:
     mean_tokens_per_s: float | None
     mean_mfu: float | None
     skipped_lines: int = 0
+    relogged: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -57,29 +62,60 @@ def load_metrics(run_dir: str | Path) -> Metrics:
     if not run_dir.is_dir():
         raise LLMTrainError(f"run directory not found: {run_dir}", "pass a directory like runs/<name>/<run id>")
     path = run_dir / "metrics.jsonl"
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        raise LLMTrainError(f"no metrics.jsonl in {run_dir}", "the run logged no steps (see its logs/)") from None
-    except OSError as exc:
-        raise LLMTrainError(f"cannot read {path}: {exc.strerror or exc}", "check the file's permissions") from None
+    if not path.exists() and not path.is_symlink():
+        raise LLMTrainError(f"no metrics.jsonl in {printable(run_dir)}", "the run logged no steps (see its logs/)")
+    f, _ = open_regular(path, "metrics file", MAX_METRICS_BYTES, field=printable(path),
+                        hint="metrics.jsonl is written by the engine's rank 0; pass the run directory")
     rows, skipped = [], 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line) if len(line) <= MAX_LINE_CHARS else None
-        except (ValueError, RecursionError):
-            row = None
-        if not isinstance(row, dict) or _num(row.get("step")) is None:
-            skipped += 1
-            continue
-        rows.append(row)
+    with f:
+        for line in _lines(f):
+            if line is None:  # a line over MAX_LINE_CHARS: not ours
+                skipped += 1
+                continue
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                row = None
+            if not isinstance(row, dict) or _num(row.get("step")) is None:
+                skipped += 1
+                continue
+            rows.append(row)
     if not rows:
         raise LLMTrainError(f"{path} holds no metrics" + (f" ({skipped} unreadable lines)" if skipped else ""),
                             "the run logged no steps (see its logs/)")
-    rows.sort(key=lambda r: r["step"])
-    return Metrics(rows, skipped, path)
+    rows, relogged = dedupe(rows)
+    return Metrics(rows, skipped, path, relogged)
+
+
+def _lines(f) -> Iterator[bytes | None]:
+    """Lines of ``f``, each at most MAX_LINE_CHARS bytes; a longer one yields None (and is skipped
+    without being held in memory)."""
+    while True:
+        line = f.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        if len(line) > MAX_LINE_CHARS and not line.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_CHARS)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+            continue
+        yield line
+
+
+def dedupe(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Rows sorted by step with re-logged steps collapsed, the last one written winning.
+
+    After a resume (or a guard rollback) the engine trains steps again that an earlier attempt
+    had already logged; metrics.jsonl is append-only, so a step appears once per attempt. The
+    last entry is the one the surviving run took. A rollback marker row is kept apart from the
+    step's own row (it is an event, not a step result). Returns ``(rows, n_dropped)``."""
+    last: dict[tuple[float, bool], dict[str, Any]] = {}
+    for row in rows:
+        last[(float(row["step"]), "rollback" in row)] = row
+    kept = sorted(last.values(), key=lambda r: (float(r["step"]), "rollback" not in r))
+    return kept, len(rows) - len(kept)
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -100,7 +136,8 @@ def _mean_after_warmup(values: list[float]) -> float | None:
 
 
 def summarize(metrics: Metrics) -> Summary:
-    rows = metrics.rows
+    rows = [r for r in metrics.rows if "rollback" not in r]  # rollback markers are events, not steps
+    rows = rows or metrics.rows
     loss_steps, losses = _series(rows, "loss")
     min_loss = min(losses) if losses else None
     return Summary(
@@ -108,7 +145,8 @@ def summarize(metrics: Metrics) -> Summary:
         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
         min_loss=min_loss, min_loss_step=int(loss_steps[losses.index(min_loss)]) if losses else None,
         mean_tokens_per_s=_mean_after_warmup(_series(rows, "tokens_per_s")[1]),
-        mean_mfu=_mean_after_warmup(_series(rows, "mfu")[1]), skipped_lines=metrics.skipped)
+        mean_mfu=_mean_after_warmup(_series(rows, "mfu")[1]), skipped_lines=metrics.skipped,
+        relogged=metrics.relogged)
 
 
 def plot_metrics(metrics: Metrics, out: str | Path, title: str = "") -> Path:
@@ -136,18 +174,19 @@ def plot_metrics(metrics: Metrics, out: str | Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    try:
-        fig.savefig(out, format="png")
-    except OSError as exc:
-        raise LLMTrainError(f"cannot write {out}: {exc.strerror or exc}", "pass a writable --out path") from None
-    return out
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return write_file(out, buf.getvalue(), "--out")
 
 
-def report(run_dir: str | Path, out: str | Path | None = None) -> tuple[Summary, Path]:
-    """Load ``RUN_DIR/metrics.jsonl``, write the curves (default ``RUN_DIR/report.png``), summarize."""
+def report(run_dir: str | Path, out: str | Path | None = None, force: bool = False) -> tuple[Summary, Path]:
+    """Load ``RUN_DIR/metrics.jsonl``, write the curves (default ``RUN_DIR/report.png``), summarize.
+    ``out`` may be a directory (``report.png`` inside it); an existing file that is not a PNG
+    (``RUN/metrics.jsonl``, the lock file) is replaced only with ``force``."""
     run_dir = Path(run_dir)
     metrics = load_metrics(run_dir)
-    png = plot_metrics(metrics, out or run_dir / "report.png", title=f"{run_dir.parent.name}/{run_dir.name}")
+    target = output_file(out if out is not None else run_dir, "--out", "report.png", force, magic=PNG_MAGIC)
+    png = plot_metrics(metrics, target, title=f"{run_dir.parent.name}/{run_dir.name}")
     return summarize(metrics), png
 
 
@@ -165,4 +204,6 @@ def summary_lines(summary: Summary) -> list[str]:
     ]
     if summary.skipped_lines:
         lines.append(f"skipped       {summary.skipped_lines} unreadable line(s) in metrics.jsonl")
+    if summary.relogged:
+        lines.append(f"re-logged     {summary.relogged} step(s) logged again after a resume or rollback (last kept)")
     return lines

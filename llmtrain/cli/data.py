@@ -27,10 +27,12 @@ def prepare_cmd(
     out: Path = typer.Option(..., "--out", help="Output directory: tokens.bin, index.npy, meta.json and the tokenizer."),
     tokenizer: str = typer.Option("byte", "--tokenizer", help="byte, PATH/tokenizer.json, or bpe:VOCAB (trained on the inputs)."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier preparation in --out (all its files "
+                               "together); a directory holding other files is refused even then."),
 ) -> None:
     """Tokenize INPUT... into --out DIR for `data: {source: memmap, path: DIR}`."""
     from llmtrain.engine.data.prepare import prepare
 
-    meta = prepare(inputs, out, tokenizer, progress=progress)
+    meta = prepare(inputs, out, tokenizer, progress=progress, force=force)
     print(f"prepared {meta['n_tokens']:,} tokens in {meta['n_docs']:,} documents "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,}) -> {out}")

@@ -13,6 +13,7 @@ never pay for it unless a picture is asked for); the Agg backend needs no displa
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from llmtrain.plan.dims import ParallelDims
@@ -81,9 +82,7 @@ def schedule_png(tl: Timeline, path: str | Path) -> Path:
     ax.legend(handles, labels, loc="upper right", fontsize=8)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def layout_png(dims: ParallelDims, placement: Placement, path: str | Path, max_nodes: int = 16) -> Path:
@@ -117,6 +116,15 @@ def layout_png(dims: ParallelDims, placement: Placement, path: str | Path, max_n
                  + "\ncolour = pipeline stage; label = rank, d<replica>.<shard>, c<cp>, t<tp>", fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Render to memory, then write through safeio (temp file + rename: a failed write never
+    leaves half a PNG over the previous one). The caller checked ``path`` with output_file."""
+    from llmtrain.safeio import write_file
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
-    return path
+    return write_file(Path(path), buf.getvalue(), "--out")

@@ -6,6 +6,7 @@ its dotted recipe path and a fix; nothing here raises anything else for bad inpu
 
 from __future__ import annotations
 
+import re
 import reprlib
 import typing
 from pathlib import Path
@@ -16,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import Recipe
+from llmtrain.safeio import printable, read_text
 
 MAX_RECIPE_BYTES = 1 << 20
 
@@ -23,22 +25,9 @@ MAX_RECIPE_BYTES = 1 << 20
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read ``path`` and return the validated recipe (name defaults to the file's stem)."""
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise LLMTrainError(f"recipe file not found: {path}", "check the path (shipped recipes are in recipes/)",
-                            path=str(path)) from None
-    except (IsADirectoryError, PermissionError, OSError) as exc:
-        raise LLMTrainError(f"cannot read recipe {path}: {exc.strerror or exc}", "pass a readable YAML file",
-                            path=str(path)) from None
-    if len(raw) > MAX_RECIPE_BYTES:
-        raise LLMTrainError(f"recipe {path} is {len(raw)} bytes", "a recipe is a small YAML file (< 1 MiB)", path=str(path))
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise LLMTrainError(f"not UTF-8 text (byte {exc.start})", "save it as UTF-8 YAML", path=f"{path}:{line}") from None
-    return load_recipe_text(text, overrides, default_name=_safe_name(path.stem), source=str(path))
+    text = read_text(path, "recipe", MAX_RECIPE_BYTES, field=printable(path),
+                     hint="pass a YAML recipe file (shipped recipes are in recipes/)")
+    return load_recipe_text(text, overrides, default_name=_safe_name(path.stem), source=printable(path))
 
 
 def load_recipe_text(text: str, overrides: list[str] | None = None, default_name: str | None = None,
@@ -58,7 +47,8 @@ def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
         line, column = yaml_error_position(exc, text)
         problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or "invalid YAML"
         where = f" (column {column})" if column else ""
-        raise LLMTrainError(f"invalid YAML{where}: {problem}", "fix the YAML syntax there", path=f"{source}:{line}") from None
+        hint = getattr(exc, "hint", None) or "fix the YAML syntax there"
+        raise LLMTrainError(f"invalid YAML{where}: {problem}", hint, path=f"{source}:{line}") from None
     except (RecursionError, ValueError, OverflowError, TypeError) as exc:  # absurd nesting
         raise LLMTrainError(f"cannot parse YAML ({type(exc).__name__})", "write a plain YAML mapping",
                             path=f"{source}:1") from None
@@ -74,13 +64,49 @@ def parse_yaml_mapping(text: str, source: str) -> dict[str, Any]:
 
 
 class SafeLineLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # libyaml's parser: ~8x faster
-    """SafeLoader whose value errors (``2020-13-45``, ``!!int 0x``) carry the line of the value."""
+    """SafeLoader for YAML as a person writes it.
+
+    * value errors (``2020-13-45``, ``!!int 0x``) carry the line of the value;
+    * floats follow YAML 1.2 (``3e-4``, ``1e5``, ``-2.5E-3`` are numbers; PyYAML's YAML 1.1
+      resolver wants a dot and reads them as strings) — see :data:`YAML12_FLOAT`;
+    * a key written twice in one mapping is an error naming the key and both lines (PyYAML
+      silently keeps the last one). Keys merged in with ``<<:`` may be overridden, as YAML says.
+    """
 
     def construct_object(self, node, deep=False):
         try:
             return super().construct_object(node, deep)
         except (ValueError, OverflowError) as exc:
             raise yaml.constructor.ConstructorError(None, None, f"cannot read value: {exc}", node.start_mark) from None
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                    seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # unhashable key: the constructor reports it
+                    continue
+                if first is not None:
+                    raise DuplicateKeyError(key, first, key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    def __init__(self, key: Any, first_line: int, mark):
+        line = mark.line + 1
+        super().__init__(None, None, f"duplicate key {_short(key)} (lines {first_line} and {line})", mark)
+        self.hint = f"keep one of the two {_short(key)} entries"
+
+
+# YAML 1.2 core schema floats (plus 1.1's forms PyYAML already knows, kept by its own resolver):
+# 3e-4, 1E5, -2.5e-3, .5e1, 6.02e+23. Checked after PyYAML's int and float resolvers.
+YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+SafeLineLoader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
 
 
 def yaml_error_position(exc: yaml.YAMLError, text: str) -> tuple[int, int | None]:
@@ -108,7 +134,7 @@ def apply_override(data: dict[str, Any], item: str) -> None:
     if not sep or not all(parts):
         raise LLMTrainError(f"--set {item!r} is not KEY=VALUE", "use e.g. --set parallel.tp=2", path="--set")
     try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else raw_value
+        value = yaml.load(raw_value, Loader=SafeLineLoader) if raw_value.strip() else raw_value
     except (yaml.YAMLError, ValueError, OverflowError, RecursionError, TypeError):
         value = raw_value  # not YAML: keep the text; the schema reports it if a string is not allowed
     node = data
@@ -154,7 +180,11 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
         return Problem(path or "recipe", text, hint)
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return Problem(path or "recipe", f"expected a mapping, got {got}", "write `key: value` pairs under it")
-    return Problem(path or "recipe", f"{err.get('msg', 'invalid')}, got {got}", _hint_for(kind, err))
+    hint = _hint_for(kind, err)
+    value = err.get("input")
+    if kind in ("int_type", "int_from_float") and isinstance(value, float) and value.is_integer() and abs(value) < 1e18:
+        hint = f"write it as a whole number, e.g. {int(value)} (YAML reads {got} as a float)"
+    return Problem(path or "recipe", f"{err.get('msg', 'invalid')}, got {got}", hint)
 
 
 def _key_text(part: Any) -> str:

@@ -24,8 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.safeio import MIB, read_text
 
 DTYPES = ("uint16", "uint32")
+MAX_META_BYTES = 64 * MIB  # meta.json lists every input file: large only for huge corpora
 PREPARE_HINT = "run `llmtrain data prepare INPUT... --out DIR` and set data.path to DIR"
 
 
@@ -35,10 +37,11 @@ def read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
     if not path.is_dir():
         raise LLMTrainError(f"data directory {path} does not exist", PREPARE_HINT, path="data.path")
-    if not meta_path.is_file():
+    if not meta_path.exists():
         raise LLMTrainError(f"{meta_path} is missing (not prepared, or preparation did not finish)", PREPARE_HINT, path="data.path")
+    text = read_text(meta_path, "data meta.json", MAX_META_BYTES, field="data.path", hint=PREPARE_HINT)
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(text)
     except ValueError as exc:
         raise LLMTrainError(f"{meta_path}: not valid JSON ({exc})", PREPARE_HINT, path="data.path") from None
     if not isinstance(meta, dict):
@@ -67,8 +70,10 @@ class MemmapDataset:
         self.n_tokens = int(self.meta["n_tokens"])
         dtype = np.dtype(self.meta["dtype"])
         bin_path = self.path / "tokens.bin"
-        if not bin_path.is_file():
+        if not bin_path.exists():
             raise LLMTrainError(f"{bin_path} is missing", PREPARE_HINT, path="data.path")
+        if not bin_path.is_file():
+            raise LLMTrainError(f"{bin_path} is not a regular file", PREPARE_HINT, path="data.path")
         size = bin_path.stat().st_size
         if size != self.n_tokens * dtype.itemsize:
             raise LLMTrainError(

@@ -17,10 +17,16 @@ Design decisions:
 - **Streaming**: documents are encoded in batches (HF ``encode_batch`` runs in parallel in
   Rust) and appended to the token file, so memory is bounded by one batch (plus one ``.txt``
   file, which is a single document by definition).
-- **Atomic result**: everything is written to ``*.tmp`` names and renamed at the end, old
-  ``meta.json`` first removed and the new one written last. A failed run (bad JSONL line,
-  Ctrl-C) leaves an earlier preparation intact, and a directory without ``meta.json`` is
-  never mistaken for complete data.
+- **Atomic result, all files together**: the output is built in a hidden sibling directory
+  (``.DIR.prepare-PID``) and swapped in by renames at the end, so a failed run (bad JSONL line,
+  Ctrl-C) leaves an earlier preparation intact and a re-preparation never leaves a stale file
+  of the previous one behind (a byte tokenizer's ``tokenizer.llmtrain.json`` beside a new
+  ``tokenizer.json`` would load the wrong tokenizer).
+- **Never destroys an input**: ``--out`` must be missing or empty; a directory holding an
+  earlier preparation is replaced only with ``--force``, and a directory holding any other file
+  is refused even then (it would be deleted along with the old output).
+- **Bounded reads**: inputs must be regular files (a FIFO or device is refused, not read); a
+  ``.txt`` is read whole up to ``MAX_TXT_BYTES``, a ``.jsonl`` line up to ``MAX_JSONL_LINE``.
 - **Empty documents** (empty string) are skipped and counted in ``meta["skipped_empty_docs"]``:
   they would contribute nothing but an EOS.
 - **bpe:VOCAB** reads the inputs twice: once to train the tokenizer, once to encode.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -40,12 +47,18 @@ import numpy as np
 
 from llmtrain.engine.data.tokenizer import BYTE_FILE, HF_FILE, ByteTokenizer, load_tokenizer, parse_bpe_vocab
 from llmtrain.errors import LLMTrainError
+from llmtrain.safeio import GIB, MIB, human_bytes, open_regular, output_dir, printable
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 BATCH_DOCS = 1024  # documents per encode_batch call
 BATCH_CHARS = 8 << 20  # ... or this many characters, whichever comes first
 FORMAT = "llmtrain-tokens"
 FORMAT_VERSION = 1
+MAX_TXT_BYTES = 2 * GIB  # one .txt is one document, held in memory whole
+MAX_JSONL_LINE = 256 * MIB
+# Every name a preparation writes: an --out directory holding only these is an earlier output.
+OUTPUT_NAMES = frozenset({"tokens.bin", "index.npy", "meta.json", HF_FILE, BYTE_FILE,
+                          "tokens.bin.tmp", "index.npy.tmp", "meta.json.tmp"})
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -67,21 +80,30 @@ def collect_files(inputs: list[Path]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES)
             if not found:
-                raise LLMTrainError(f"{path}: directory holds no .txt, .jsonl or .parquet files",
+                raise LLMTrainError(f"{printable(path)}: directory holds no .txt, .jsonl or .parquet files",
                                     "point at a directory with such files, or list the files")
             files.extend(found)
-        elif path.is_file():
+        elif path.exists():
+            if not path.is_file():
+                raise LLMTrainError(f"{printable(path)}: not a regular file (a FIFO, device or socket)",
+                                    "pass regular .txt, .jsonl or .parquet files")
             if path.suffix.lower() not in SUFFIXES:
-                raise LLMTrainError(f"{path}: unsupported file type {path.suffix or '(no extension)'!r}",
+                raise LLMTrainError(f"{printable(path)}: unsupported file type {path.suffix or '(no extension)'!r}",
                                     "use .txt (one document per file), .jsonl (field 'text') or .parquet (column 'text')")
             files.append(path)
         else:
-            raise LLMTrainError(f"{path}: no such file or directory", "check the input path")
+            raise LLMTrainError(f"{printable(path)}: no such file or directory", "check the input path")
     return files
 
 
 def _read_txt(path: Path) -> Iterator[tuple[str | None, int]]:
-    data = path.read_bytes()
+    f, _ = open_regular(path, "input file", MAX_TXT_BYTES, field=printable(path),
+                        hint=f"a .txt is one document (at most {human_bytes(MAX_TXT_BYTES)}); split it or use .jsonl")
+    with f:
+        data = f.read(MAX_TXT_BYTES + 1)
+    if len(data) > MAX_TXT_BYTES:
+        raise LLMTrainError(f"{printable(path)}: over the {human_bytes(MAX_TXT_BYTES)} limit for one .txt document",
+                            "split it or use .jsonl")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -91,8 +113,12 @@ def _read_txt(path: Path) -> Iterator[tuple[str | None, int]]:
 
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str | None, int]]:
-    with path.open("rb") as f:
-        for lineno, line in enumerate(f, start=1):
+    f, _ = open_regular(path, "input file", field=printable(path))
+    with f:
+        for lineno, line in enumerate(iter(lambda: f.readline(MAX_JSONL_LINE + 1), b""), start=1):
+            if len(line) > MAX_JSONL_LINE:
+                raise LLMTrainError(f"{printable(path)}:{lineno}: line over the {human_bytes(MAX_JSONL_LINE)} limit",
+                                    "write one document per line, each under the limit")
             if not line.strip():
                 yield None, len(line)  # blank line: no document
                 continue
@@ -199,14 +225,14 @@ def _encode(tok, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, list[in
     return flat, lengths
 
 
-def prepare(inputs: list[Path], out_dir: Path, tokenizer_spec: str, progress: bool = True) -> dict:
-    """Tokenize ``inputs`` into ``out_dir`` (tokens.bin, index.npy, meta.json, tokenizer); return the meta."""
+def prepare(inputs: list[Path], out_dir: Path, tokenizer_spec: str, progress: bool = True,
+            force: bool = False) -> dict:
+    """Tokenize ``inputs`` into ``out_dir`` (tokens.bin, index.npy, meta.json, tokenizer); return the meta.
+    ``out_dir`` must be missing or empty, or (with ``force``) hold only an earlier preparation."""
     files = collect_files([Path(p) for p in inputs])
     sizes = [f.stat().st_size for f in files]
     total_bytes = sum(sizes)
-    out_dir = Path(out_dir).expanduser()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise LLMTrainError(f"--out {out_dir} exists and is not a directory", "choose a directory for the prepared data")
+    out_dir = output_dir(out_dir, "--out", force, ours=OUTPUT_NAMES)
 
     def documents(advance):
         for f in files:
@@ -223,8 +249,11 @@ def prepare(inputs: list[Path], out_dir: Path, tokenizer_spec: str, progress: bo
         tok = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(tok.vocab_size)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp_tokens, tmp_index = out_dir / "tokens.bin.tmp", out_dir / "index.npy.tmp"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    build = out_dir.parent / f".{out_dir.name}.prepare-{os.getpid()}"
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir()
+    tmp_tokens, tmp_index = build / "tokens.bin", build / "index.npy"
     starts: list[int] = []
     n_tokens = 0
     n_empty = 0
@@ -273,14 +302,23 @@ def prepare(inputs: list[Path], out_dir: Path, tokenizer_spec: str, progress: bo
             "skipped_empty_docs": n_empty,
             "inputs": [{"path": str(f.resolve()), "bytes": s} for f, s in zip(files, sizes)],
         }
-        (out_dir / "meta.json").unlink(missing_ok=True)  # the directory is "incomplete" from here
-        os.replace(tmp_tokens, out_dir / "tokens.bin")
-        os.replace(tmp_index, out_dir / "index.npy")
-        tok.save(out_dir)
-        tmp_meta = out_dir / "meta.json.tmp"
-        tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-        os.replace(tmp_meta, out_dir / "meta.json")
+        tok.save(build)
+        (build / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _publish(build, out_dir)
     finally:
-        tmp_tokens.unlink(missing_ok=True)
-        tmp_index.unlink(missing_ok=True)
+        shutil.rmtree(build, ignore_errors=True)
     return meta
+
+
+def _publish(build: Path, out_dir: Path) -> None:
+    """Swap the finished ``build`` directory in for ``out_dir`` (which, if present, holds only an
+    earlier preparation: checked by :func:`output_dir`). Between the two renames ``out_dir`` is
+    briefly absent, never a mix of old and new files."""
+    if not out_dir.exists():
+        os.rename(build, out_dir)
+        return
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(out_dir, old)
+    os.rename(build, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

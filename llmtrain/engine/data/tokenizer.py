@@ -35,11 +35,13 @@ from pathlib import Path
 from typing import Iterable, Protocol
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.safeio import MIB, printable, read_text
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
 BYTE_FILE = "tokenizer.llmtrain.json"
 HF_FILE = "tokenizer.json"
+MAX_TOKENIZER_BYTES = 256 * MIB
 SPEC_HINT = "use byte, PATH/tokenizer.json (or a directory holding one) or bpe:VOCAB (e.g. bpe:8000)"
 
 
@@ -151,11 +153,15 @@ def train_bpe(texts: Iterable[str], vocab_size: int, spec: str | None = None) ->
 
 def _load_hf_file(path: Path, spec: str) -> HFTokenizer:
     tk = _import_tokenizers()
+    # Read through safeio (regular file, capped) and parse from the string: from_file would
+    # block on a FIFO and read a device without end. Large real tokenizers are ~10-35 MB.
+    text = read_text(path, "tokenizer file", MAX_TOKENIZER_BYTES, field=printable(path),
+                     hint="pass the tokenizer.json of a Hugging Face tokenizer")
     try:
-        tok = tk.Tokenizer.from_file(str(path))
+        tok = tk.Tokenizer.from_str(text)
     except Exception as exc:  # the Rust side raises a plain Exception with a serde message
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise LLMTrainError(f"{path}: not a valid Hugging Face tokenizer file ({first})",
+        raise LLMTrainError(f"{printable(path)}: not a valid Hugging Face tokenizer file ({printable(first, 120)})",
                             "pass the tokenizer.json of a Hugging Face tokenizer") from None
     return HFTokenizer(tok, spec)
 
@@ -184,8 +190,8 @@ def load_tokenizer(spec: str, train_texts: Iterable[str] | None = None) -> Token
             return ByteTokenizer()
         raise LLMTrainError(f"tokenizer directory {path} holds neither {HF_FILE} nor {BYTE_FILE}", SPEC_HINT)
     if path.suffix == ".json":
-        if not path.is_file():
-            raise LLMTrainError(f"tokenizer file {path} does not exist", SPEC_HINT)
+        if not path.exists():
+            raise LLMTrainError(f"tokenizer file {printable(path)} does not exist", SPEC_HINT)
         if path.name == BYTE_FILE:
             return ByteTokenizer()
         return _load_hf_file(path, spec)
