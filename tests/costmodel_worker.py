@@ -6,7 +6,9 @@ gradient all-reduce). Without PP, run one micro batch forward while recording ev
 produced (a TorchDispatchMode keeping weak references) and count the bytes still alive after
 the loss, by unique storage, without the parameters' storages (FSDP's all-gathered weights
 included): the memory held for backward. For layouts without recomputation the bytes packed by
-``saved_tensors_hooks`` are counted too. Then backward (PP: one pipelined step), gradient sync,
+``saved_tensors_hooks`` are counted too. Before counting, the harness waits until gloo's worker
+threads are idle (:func:`wait_for_idle_comm_threads`): a finished collective's buffer can stay
+referenced by the worker thread for milliseconds on a loaded machine. Then backward (PP: one pipelined step), gradient sync,
 one optimizer step, and the local bytes (``_local_tensor`` for DTensors) of parameters,
 gradients and optimizer states. Results of every rank go to a JSON file.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import os
 import sys
 import time
 import weakref
@@ -88,6 +91,42 @@ class LiveTensors(TorchDispatchMode):
         return sum(storages.values())
 
 
+def _comm_threads_busy() -> bool:
+    """Whether one of this process's gloo worker threads (``pt_gloo_runloop``) is runnable."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        if name == "pt_gloo_runloop" and state not in "SI":
+            return True
+    return False
+
+
+def wait_for_idle_comm_threads(timeout_s: float = 10.0) -> bool:
+    """Wait until every gloo worker thread sleeps, i.e. has let go of the collectives it finished.
+
+    A gloo worker thread completes a collective's future (the caller's ``wait()`` returns) and
+    only then, once it is scheduled again, drops its reference to the work object, which holds
+    the collective's input and output tensors. On a loaded 2-core machine that can take
+    milliseconds, so a buffer the caller already freed (FSDP's flat all-gather output of the last
+    block: 738,304 bytes for debug-dense over 4 ranks; a TP all-reduce output) is still alive
+    after forward and would be counted as held for backward (measured: ~7 % of synchronous
+    all-gathers still held their output 3 ms later beside two CPU hogs; 0 % after this wait).
+    A sleeping worker holds nothing: it drops the work before it waits for the next one. Returns
+    False if the threads did not settle in ``timeout_s`` (or /proc is missing: not Linux)."""
+    if not os.path.isdir("/proc/self/task"):
+        return False
+    deadline = time.monotonic() + timeout_s
+    while _comm_threads_busy():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)  # give the CPU to the worker thread
+    return True
+
+
 def param_storages(parts) -> set[int]:
     return {st.data_ptr() for part in parts.parts for p in part.parameters() for st in storages_of(p)}
 
@@ -129,7 +168,7 @@ def run_case(recipe, device) -> dict:
             part.positions = positions
         batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
     tp_loss = dims.tp > 1
-    held = hooked = None
+    held = hooked = comm_idle = None
     if dims.pp > 1:  # model state only: one pipelined step
         schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule,
                                           grad_accum, cross_entropy, device, meshes.pp.get_group())
@@ -169,6 +208,7 @@ def run_case(recipe, device) -> dict:
         live = LiveTensors()
         with live:
             logits, loss = forward()
+        comm_idle = wait_for_idle_comm_threads()
         held = live.alive_bytes(param_storages(parts))
         backward(loss)
         del logits, loss, live
@@ -178,7 +218,7 @@ def run_case(recipe, device) -> dict:
     optimizer.step()
     out = {"rank": dist.get_rank(), "coords": dims.coord_dict(dist.get_rank()), "dp_cp_index": meshes.dp_cp.get_local_rank(),
            "params": sum(nbytes(p) for p in params), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
-           "held_after_forward": held, "saved_hooks": hooked}
+           "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle}
     del parts, optimizer, params
     gc.collect()
     return out

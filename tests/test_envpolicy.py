@@ -59,7 +59,7 @@ def test_env_file_errors_name_file_and_line(tmp_path):
         read_env_file(path)
     where = [p.path for p in info.value.problems]
     assert where == [f"{path}:2", f"{path}:3", f"{path}:4"]
-    with pytest.raises(LLMTrainError, match="cannot read env file"):
+    with pytest.raises(LLMTrainError, match="env file not found"):  # llmtrain.safeio's message
         read_env_file(tmp_path / "missing")
     path.write_text("A=\"x y\"\nB='$(id)'\nC=plain value # not a comment\n")
     assert read_env_file(path) == {"A": "x y", "B": "$(id)", "C": "plain value # not a comment"}
@@ -85,7 +85,8 @@ def test_secrets_are_masked_and_redacted():
     redact = Redactor(env)
     assert redact("token hf_abcdef, pw line-secret and multi") == "token ****, pw **** and ****"  # each line
     assert redact("k3y stays (too short to search for)") == "k3y stays (too short to search for)"
-    assert not Redactor([EnvVar("PLAIN", "x", "env")])
+    plain = Redactor([EnvVar("PLAIN", "x", "env")])  # knows no secret value, still masks token shapes
+    assert not plain.needles and plain("hf_" + "A" * 30 + " x") == "**** x"
 
 
 def test_schema_rejects_bad_names_patterns_and_non_strings():

@@ -140,7 +140,7 @@ def test_yaml_unknown_key_with_its_line(tmp_path):
     text = "hosts:\n  - host: a\n    slots: 2\n    gpus: 8\nextra: 1\n"
     path, errs = problems(tmp_path, text, "h.yaml")
     p = find(errs, f"{path}:4", "hosts[0].gpus: unknown key")
-    assert p.hint == "valid keys: host, slots, user, port, identity_file, addr, python, workdir"
+    assert p.hint == "valid keys: host, slots, max_slots, user, port, identity_file, addr, python, workdir"
     p = find(errs, f"{path}:5", "extra: unknown key")
     assert p.hint == "valid keys: hosts, known_hosts, ssh_config, python, workdir"
 

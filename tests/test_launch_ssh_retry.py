@@ -57,7 +57,8 @@ def test_lost_node_retries_the_whole_job_without_it_and_resumes(cluster, tmp_pat
     assert steps[-1] == 8 and set(steps) == set(range(1, 9))
     assert wait_gone(run_id, 5.0) == []
     # node1 is back: `llmtrain resume --hosts` continues the run on both hosts (2 -> 4 ranks)
-    env = cluster.env(LLMTRAIN_ENGINE_MODULE="llmtrain.engine.main")
+    # launch.env values are not stored with the run: the caller gives them again (tests/test_secrets.py)
+    env = cluster.env(LLMTRAIN_ENGINE_MODULE="llmtrain.engine.main", GLOO_SOCKET_IFNAME=cluster.ifname)
     resumed = subprocess.run([*CLI, "resume", "--run", str(run), "--hosts", str(hosts), "--skip-preflight",
                               "--set", "train.steps=10"], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=300)

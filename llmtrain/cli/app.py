@@ -1,4 +1,5 @@
-"""The ``llmtrain`` typer app. Project errors print one line per problem and exit 2.
+"""The ``llmtrain`` typer app. Project errors print one line per problem and exit 2; Ctrl-C
+outside a launcher's own teardown prints ``interrupted`` and exits 130.
 
 ``LLMTRAIN_DEBUG=1`` re-raises instead, to show the traceback. Commands register themselves
 from one module per command group; heavy imports happen inside the commands so that
@@ -16,12 +17,15 @@ import typer
 
 from llmtrain.errors import EXIT_USER_ERROR, LLMTrainError
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report Ctrl-C
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Plan, launch and run 5D-parallel LLM training from one YAML recipe.")
 
 
 def report_errors(fn: Callable) -> Callable:
-    """Turn :class:`LLMTrainError` into one stderr line per problem and exit code 2."""
+    """Turn :class:`LLMTrainError` into one stderr line per problem and exit code 2, and a
+    ``KeyboardInterrupt`` into ``interrupted`` and exit code 130 (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -30,9 +34,14 @@ def report_errors(fn: Callable) -> Callable:
         except LLMTrainError as exc:
             if os.environ.get("LLMTRAIN_DEBUG") == "1":
                 raise
-            for problem in exc.problems:
-                print(f"error: {problem.line()}", file=sys.stderr)
+            for line in exc.lines():  # control characters escaped; the first 50, then a count
+                print(f"error: {line}", file=sys.stderr)
             raise typer.Exit(EXIT_USER_ERROR) from None
+        except KeyboardInterrupt:  # Ctrl-C outside a launcher's own handling (loading, preflight): one line
+            if os.environ.get("LLMTRAIN_DEBUG") == "1":
+                raise
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
     return wrapper
 

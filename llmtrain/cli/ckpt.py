@@ -11,27 +11,36 @@ Examples::
 ``RUN_DIR/checkpoints``), a checkpoint root (holding ``latest`` / ``step-N/``), or one
 ``step-N/`` directory. Decisions:
 
-* ``inspect`` verifies every file against ``metadata.json`` (size and sha256, the check
-  ``resume`` runs: :func:`llmtrain.engine.checkpoint_store.verify`) and exits 2 when the
-  inspected checkpoint is damaged, naming each bad file. ``--ckpt latest`` inspects the one
-  ``latest`` points to (not a fallback: the point is to see it), and says which intact one
-  ``resume`` would fall back to.
+* Checkpoint directories are untrusted (docs/security.md): every command validates
+  ``metadata.json``'s shape (:mod:`llmtrain.engine.checkpoint_meta`) and reports a wrong one
+  in one line that names the file, exit 2 — ``list`` prints the table first, marking such a
+  checkpoint ``invalid``. Nothing is read through a symlink that leaves the checkpoint.
+* ``inspect`` runs the check ``resume`` runs (:func:`check_all`: files inside the checkpoint,
+  regular, size and sha256 against ``metadata.json``, no unlisted file DCP would read, DCP's
+  ``.metadata`` through the allow-list unpickler, the RNG states with
+  ``torch.load(weights_only=True)``) and exits 2 when the inspected checkpoint is damaged,
+  naming each bad file. ``--ckpt latest`` inspects the one ``latest`` points to (not a
+  fallback: the point is to see it), and says which intact one ``resume`` would fall back to;
+  a damaged ``latest`` pointer itself is an error.
 * ``export`` reads the DCP shards of any layout in this one process (no process group) and
   writes a ``LlamaForCausalLM`` directory (:mod:`llmtrain.engine.hf`: names, the per-head
   RoPE row permutation of wq/wk, config.json). It verifies the checkpoint first, like
-  ``resume``: ``latest`` falls back to the newest intact one with a warning.
+  ``resume``: ``latest`` falls back to the newest intact one with a warning; the index's model
+  tensors must be exactly those of ``metadata.json``'s ``recipe.model``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import typer
 
 from llmtrain.cli.app import app, report_errors
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.safeio import inside, printable
 
 ckpt_app = typer.Typer(no_args_is_help=True, help="List, inspect (verify) and export checkpoints (Hugging Face).")
 app.add_typer(ckpt_app, name="ckpt")
@@ -50,13 +59,7 @@ def checkpoint_root(run_dir: Path) -> tuple[Path, Path | None]:
         raise LLMTrainError(f"{d}: no such directory", "pass a run directory or a checkpoint directory", path="RUN_DIR")
     lock = d / "recipe.lock.yaml"
     if lock.is_file():
-        import yaml
-
-        try:
-            conf = (yaml.safe_load(lock.read_text()) or {}).get("checkpoint") or {}
-        except (OSError, yaml.YAMLError, AttributeError):
-            conf = {}
-        return (Path(conf["dir"]) if conf.get("dir") else d / "checkpoints"), None
+        return lock_checkpoint_dir(lock) or d / "checkpoints", None
     if (d / "checkpoints").is_dir():
         return d / "checkpoints", None
     if (d / META).is_file() or DIR_RE.match(d.name):
@@ -67,25 +70,60 @@ def checkpoint_root(run_dir: Path) -> tuple[Path, Path | None]:
                         "checkpoints/, latest or step-N/)", "pass RUN_DIR made by `llmtrain launch`", path="RUN_DIR")
 
 
+def lock_checkpoint_dir(lock: Path) -> Path | None:
+    """``checkpoint.dir`` of a run's ``recipe.lock.yaml`` (None: the default), read capped."""
+    import yaml
+
+    from llmtrain.safeio import MIB, read_regular
+
+    try:
+        doc = yaml.safe_load(read_regular(lock, "recipe lock file", 16 * MIB, field="RUN_DIR"))
+    except (yaml.YAMLError, ValueError, RecursionError):
+        return None
+    conf = doc.get("checkpoint") if isinstance(doc, dict) else None
+    value = conf.get("dir") if isinstance(conf, dict) else None
+    return Path(value) if isinstance(value, str) and value else None
+
+
 def pick(root: Path, spec: str, named: Path | None) -> Path:
-    """The directory ``spec`` names (no verification)."""
-    from llmtrain.engine.checkpoint_store import STEP_RE, committed, read_latest
+    """The directory ``spec`` names (no verification). ``latest`` is the one the pointer names;
+    a damaged pointer is an error that says which checkpoint ``resume`` would use instead."""
+    from llmtrain.engine.checkpoint_store import STEP_RE, check_latest, committed
 
     if spec == "latest":
         if named is not None:
             return named
-        pointed = read_latest(root)
+        pointed, problem = check_latest(root)
+        if problem is not None:
+            fallback = next((p.name for p in reversed(committed(root)) if not verify(p, root)), None)
+            raise LLMTrainError(problem, f"`resume --ckpt latest` would use {fallback} instead" if fallback
+                                else "no intact checkpoint to fall back to", path="--ckpt")
         if pointed is not None and (root / pointed).is_dir():
             return root / pointed
         found = committed(root)
         if not found:
-            raise LLMTrainError(f"no committed checkpoint under {root}", "train with checkpoint.interval > 0",
+            raise LLMTrainError(f"no committed checkpoint under {printable(root)}", "train with checkpoint.interval > 0",
                                 path="--ckpt")
         return found[-1]
     path = root / spec if STEP_RE.match(spec) else Path(spec)
     if not path.is_dir():
-        raise LLMTrainError(f"{path}: no such checkpoint directory", "see `llmtrain ckpt list RUN_DIR`", path="--ckpt")
+        raise LLMTrainError(f"{printable(path)}: no such checkpoint directory", "see `llmtrain ckpt list RUN_DIR`",
+                            path="--ckpt")
     return path
+
+
+def verify(path: Path, root: Path | None) -> list[str]:
+    """Every problem of a checkpoint, DCP's index included (what ``resume`` checks)."""
+    return check_all(path, root)[1]
+
+
+def check_all(path: Path, root: Path | None) -> tuple[object, list[str]]:
+    from llmtrain.engine.checkpoint_verify import check, index_problems
+
+    meta, problems = check(path, root if root is not None and path.parent == root else None)
+    if meta is not None and not problems:
+        problems = index_problems(path, meta)
+    return meta, problems
 
 
 def human(n: float) -> str:
@@ -102,33 +140,56 @@ def layout(dims: dict | None) -> str:
     return " ".join(f"{k}{v}" for k, v in dims.items() if v != 1) or "1 process"
 
 
-def disk_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def read_meta_or_none(path: Path) -> dict | None:
+def lsize(path: Path) -> int | None:
+    """Size of the entry itself (a symlink is not followed out of the checkpoint)."""
     try:
-        return json.loads((path / "metadata.json").read_text())
-    except (OSError, ValueError):
+        return os.lstat(path).st_size
+    except OSError:
         return None
 
 
-def list_rows(root: Path) -> list[dict]:
-    from llmtrain.engine.checkpoint_store import read_latest
+def disk_bytes(path: Path) -> int:
+    from llmtrain.engine.checkpoint_verify import walk_files
 
-    latest = read_latest(root)
-    rows = []
-    for p in root.iterdir() if root.is_dir() else []:
+    return sum(lsize(path / rel) or 0 for rel in walk_files(path))
+
+
+def read_meta(path: Path) -> tuple[dict | None, str | None]:
+    """``(validated metadata.json, None)``, ``(None, None)`` when there is none (not committed), or
+    ``(None, problem)`` when it is not a valid one."""
+    from llmtrain.engine.checkpoint_meta import META, load_meta
+    from llmtrain.engine.checkpoint_verify import message_of
+
+    if not os.path.lexists(path / META):
+        return None, None
+    try:
+        return load_meta(path).as_dict(), None
+    except LLMTrainError as exc:
+        return None, message_of(exc, printable(path / META))
+
+
+def list_rows(root: Path) -> tuple[list[dict], list[str]]:
+    """Rows of ``ckpt list`` and the problems found (a malformed ``metadata.json``, a bad ``latest``)."""
+    from llmtrain.engine.checkpoint_store import check_latest
+
+    latest, latest_problem = check_latest(root)
+    rows, problems = [], [latest_problem] if latest_problem else []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = DIR_RE.match(p.name)
         if not m or not p.is_dir():
             continue
-        meta = read_meta_or_none(p)
-        state = "tmp" if m.group(2) else ("committed" if meta is not None else "incomplete")
+        outside = not inside(root, p)
+        meta, problem = (None, None) if m.group(2) else read_meta(p) if not outside else (
+            None, f"{printable(p)}: resolves outside the checkpoint root (symlink)")
+        if problem:
+            problems.append(problem)
+        state = "tmp" if m.group(2) else "committed" if meta else "invalid" if problem else "incomplete"
+        meta = meta or {}
         rows.append({"name": p.name, "step": int(m.group(1)), "state": state, "latest": p.name == latest,
-                     "dims": (meta or {}).get("dims"), "layout": layout((meta or {}).get("dims")),
-                     "world_size": (meta or {}).get("world_size"), "bytes": disk_bytes(p),
-                     "created": (meta or {}).get("created"), "path": str(p)})
-    return sorted(rows, key=lambda r: (r["step"], r["state"] == "tmp"))
+                     "dims": meta.get("dims"), "layout": layout(meta.get("dims")),
+                     "world_size": meta.get("world_size"), "bytes": 0 if outside else disk_bytes(p),
+                     "created": meta.get("created"), "path": str(p)})
+    return sorted(rows, key=lambda r: (r["step"], r["state"] == "tmp")), problems
 
 
 def table(rows: list[list[str]]) -> str:
@@ -142,25 +203,28 @@ def list_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
              as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Table of the run's checkpoints: step, committed/tmp, latest, layout, world size, size, created."""
     root, _ = checkpoint_root(run_dir)
-    rows = list_rows(root)
+    rows, problems = list_rows(root)
     if as_json:
-        typer.echo(json.dumps({"root": str(root), "checkpoints": rows}, indent=1))
-        return
-    if not rows:
-        typer.echo(f"no checkpoints under {root}")
-        return
-    head = ["step", "state", "latest", "layout", "world", "size", "created", "name"]
-    body = [[str(r["step"]), r["state"], "*" if r["latest"] else "", r["layout"], str(r["world_size"] or "?"),
-             human(r["bytes"]), r["created"] or "?", r["name"]] for r in rows]
-    typer.echo(f"{root}\n" + table([head, *body]))
+        typer.echo(json.dumps({"root": str(root), "checkpoints": rows, "problems": problems}, indent=1))
+    elif not rows:
+        typer.echo(f"no checkpoints under {printable(root)}")
+    else:
+        head = ["step", "state", "latest", "layout", "world", "size", "created", "name"]
+        body = [[str(r["step"]), r["state"], "*" if r["latest"] else "", r["layout"], str(r["world_size"] or "?"),
+                 human(r["bytes"]), printable(r["created"] or "?", 40), r["name"]] for r in rows]
+        typer.echo(f"{printable(root)}\n" + table([head, *body]))
+    if problems:  # shown after the table: the intact checkpoints are still listed
+        raise LLMTrainError([Problem("RUN_DIR", p, "see `llmtrain ckpt inspect RUN_DIR --ckpt step-N`")
+                             for p in problems])
 
 
 def model_summary(model: dict) -> str:
-    moe = model.get("moe") or {}
+    moe = model.get("moe") if isinstance(model.get("moe"), dict) else {}
     experts = moe.get("num_experts", 1) or 1
-    text = (f"{model.get('preset') or 'custom'}: layers {model.get('layers')}, hidden {model.get('hidden')}, "
-            f"heads {model.get('heads')}/{model.get('kv_heads')} kv, ffn {model.get('ffn_hidden')}, "
-            f"vocab {model.get('vocab_size')}")
+    experts = experts if type(experts) is int else 1
+    g = lambda k: printable(model.get(k), 40)  # noqa: E731  (untrusted values, echoed)
+    text = (f"{g('preset') if model.get('preset') else 'custom'}: layers {g('layers')}, hidden {g('hidden')}, "
+            f"heads {g('heads')}/{g('kv_heads')} kv, ffn {g('ffn_hidden')}, vocab {g('vocab_size')}")
     try:
         from llmtrain.plan.params import count_params
         from llmtrain.recipe.schema import ModelConfig
@@ -172,50 +236,57 @@ def model_summary(model: dict) -> str:
 
 
 def inspect_report(path: Path, root: Path) -> dict:
-    from llmtrain.engine.checkpoint_store import committed, verify
+    from llmtrain.engine.checkpoint_store import committed
+    from llmtrain.engine.checkpoint_verify import walk_files
 
-    meta = read_meta_or_none(path)
-    problems = verify(path)
+    checked, problems = check_all(path, root)
+    meta = checked.as_dict() if checked is not None else {}
     files = []
-    listed = (meta or {}).get("files") or {}
-    for rel in sorted(set(listed) | {f.relative_to(path).as_posix() for f in path.rglob("*") if f.is_file()}):
+    listed = meta.get("files") or {}
+    outside = path.parent == root and not inside(root, path)  # do not even list what lies out of it
+    for rel in sorted(set(listed) | set(() if outside else walk_files(path))):
         f = path / rel
-        files.append({"file": rel, "bytes": f.stat().st_size if f.is_file() else None,
-                      "expected_bytes": (listed.get(rel) or {}).get("bytes"), "listed": rel in listed})
+        regular = os.path.isfile(f) and not os.path.islink(f)
+        files.append({"file": rel, "bytes": lsize(f) if regular or os.path.islink(f) else None,
+                      "expected_bytes": (listed.get(rel) or {}).get("bytes"), "listed": rel in listed,
+                      "symlink": os.path.islink(f)})
     fallback = None
     if problems:
-        fallback = next((p.name for p in reversed(committed(root)) if p != path and not verify(p)), None)
-    recipe = (meta or {}).get("recipe") or {}
-    return {"path": str(path), "step": (meta or {}).get("step"), "tokens_seen": (meta or {}).get("tokens_seen"),
-            "consumed_samples": (meta or {}).get("consumed_samples"), "world_size": (meta or {}).get("world_size"),
-            "dims": (meta or {}).get("dims"), "layout": layout((meta or {}).get("dims")),
-            "zero": (recipe.get("parallel") or {}).get("zero"), "grad_accum": (meta or {}).get("grad_accum"),
-            "versions": (meta or {}).get("versions"), "created": (meta or {}).get("created"),
+        fallback = next((p.name for p in reversed(committed(root)) if p != path and not verify(p, root)), None)
+    recipe = meta.get("recipe") or {}
+    return {"path": str(path), "step": meta.get("step"), "tokens_seen": meta.get("tokens_seen"),
+            "consumed_samples": meta.get("consumed_samples"), "world_size": meta.get("world_size"),
+            "dims": meta.get("dims"), "layout": layout(meta.get("dims")),
+            "zero": (recipe.get("parallel") or {}).get("zero"), "grad_accum": meta.get("grad_accum"),
+            "versions": meta.get("versions"), "created": meta.get("created"),
             "model": model_summary(recipe.get("model") or {}) if recipe.get("model") else None,
             "files": files, "bytes": sum(f["bytes"] or 0 for f in files),
             "integrity": "ok" if not problems else "damaged", "problems": problems, "intact_fallback": fallback}
 
 
 def print_report(r: dict) -> None:
-    typer.echo(f"checkpoint {r['path']}")
+    typer.echo(f"checkpoint {printable(r['path'])}")
     if r["step"] is not None:
         typer.echo(f"  step {r['step']}, {r['tokens_seen']} tokens, {r['consumed_samples']} samples consumed")
-        typer.echo(f"  layout {r['layout']} zero{r['zero']} on {r['world_size']} ranks (grad_accum {r['grad_accum']})")
+        typer.echo(f"  layout {r['layout']} zero{printable(r['zero'], 20)} on {r['world_size']} ranks "
+                   f"(grad_accum {r['grad_accum']})")
         v = r["versions"] or {}
-        typer.echo(f"  saved {r['created']} with torch {v.get('torch')}, python {v.get('python')}, "
-                   f"llmtrain {v.get('llmtrain')}")
+        typer.echo(f"  saved {printable(r['created'])} with torch {printable(v.get('torch'), 40)}, python "
+                   f"{printable(v.get('python'), 40)}, llmtrain {printable(v.get('llmtrain'), 40)}")
     if r["model"]:
         typer.echo(f"  model {r['model']}")
-    typer.echo(f"  files ({human(r['bytes'])}):")
-    typer.echo(table([[f"    {f['file']}", human(f["bytes"]) if f["bytes"] is not None else "missing",
-                       "" if f["listed"] or f["file"] == "metadata.json" else "(not in metadata.json)"]
-                      for f in r["files"]]))
+    if r["files"]:
+        typer.echo(f"  files ({human(r['bytes'])}):")
+        typer.echo(table([[f"    {printable(f['file'])}", human(f["bytes"]) if f["bytes"] is not None else "missing",
+                           ("symlink " if f["symlink"] else "")
+                           + ("" if f["listed"] or f["file"] == "metadata.json" else "(not in metadata.json)")]
+                          for f in r["files"]]))
     if r["integrity"] == "ok":
         typer.echo(f"  integrity ok: {sum(f['listed'] for f in r['files'])} files match metadata.json (size, sha256)")
         return
     typer.echo("  integrity DAMAGED:")
     for p in r["problems"]:
-        typer.echo(f"    {p}")
+        typer.echo(f"    {printable(p, 1000)}")
     if r["intact_fallback"]:
         typer.echo(f"  `resume --ckpt latest` would fall back to {r['intact_fallback']}")
 
@@ -234,7 +305,7 @@ def inspect_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
     else:
         print_report(report)
     if report["problems"]:
-        raise LLMTrainError(f"checkpoint {path} is damaged: " + "; ".join(report["problems"]),
+        raise LLMTrainError(f"checkpoint {printable(path)} is damaged: " + "; ".join(report["problems"]),
                             "use another checkpoint (--ckpt step-N); `resume --ckpt latest` skips damaged ones",
                             path="--ckpt")
 
@@ -246,25 +317,44 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
                hf: Path = typer.Option(..., "--hf", help="Output directory for model.safetensors + config.json.")) -> None:
     """Export a (verified) checkpoint's model to a Hugging Face LlamaForCausalLM directory (dense models)."""
     from llmtrain.engine.checkpoint_store import STEP_RE, resolve
-    from llmtrain.recipe.schema import ModelConfig
 
     root, named = checkpoint_root(run_dir)
     spec = str(named) if named is not None and ckpt == "latest" else ckpt
     spec = spec if spec == "latest" or STEP_RE.match(spec) else str(Path(spec).resolve())
-    path, meta, warnings = resolve(root, spec)
+    path, meta, warnings = resolve(root, spec, require=("recipe",), check_index=True)
     for w in warnings:
         typer.echo(f"warning: {w}", err=True)
     if hf.exists() and not hf.is_dir():
         raise LLMTrainError(f"{hf} exists and is not a directory", "pick another --hf directory", path="--hf")
-    model = (meta.get("recipe") or {}).get("model")
-    if not model:
-        raise LLMTrainError(f"{path}/metadata.json has no recipe.model", "re-save the checkpoint", path="--ckpt")
-    cfg = ModelConfig.model_validate(model)
-    from llmtrain.engine.hf import require_dense, read_checkpoint_model, save_hf
+    cfg = checkpoint_model(path, meta)
+    from llmtrain.engine.checkpoint_meta import CheckpointMeta
+    from llmtrain.engine.hf import read_checkpoint_model, save_hf
 
-    require_dense(cfg)
-    state = read_checkpoint_model(path)
+    state = read_checkpoint_model(path, CheckpointMeta.model_validate(meta).files, cfg)
     written = save_hf(hf, state, cfg)
     total = sum(f.stat().st_size for f in written)
     typer.echo(f"exported {path} (step {meta['step']}, saved as {layout(meta.get('dims'))}) -> {hf} "
                f"({', '.join(f.name for f in written)}; {human(total)})")
+
+
+def checkpoint_model(path: Path, meta: dict):
+    """The dense :class:`ModelConfig` of ``metadata.json``'s ``recipe.model``; a problem names the file."""
+    from pydantic import ValidationError
+
+    from llmtrain.engine.checkpoint_meta import validation_line
+    from llmtrain.engine.hf import require_dense
+    from llmtrain.recipe.schema import ModelConfig
+
+    where = printable(path / "metadata.json")
+    model = (meta.get("recipe") or {}).get("model")
+    if not model:
+        raise LLMTrainError(f"{where}: no recipe.model", "re-save the checkpoint", path="--ckpt")
+    try:
+        cfg = ModelConfig.model_validate(model)
+        require_dense(cfg)
+    except ValidationError as exc:
+        raise LLMTrainError(f"{where}: recipe.model.{validation_line(exc)}", "the checkpoint's recipe is damaged",
+                            path="--ckpt") from None
+    except LLMTrainError as exc:
+        raise LLMTrainError([Problem(p.path, f"{where}: {p.message}", p.hint) for p in exc.problems]) from None
+    return cfg

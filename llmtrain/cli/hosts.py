@@ -57,8 +57,8 @@ def check(
     console = Console(highlight=False, soft_wrap=True, stderr=as_json)
     loaded = load_recipe(recipe, set_) if recipe else load_recipe_text(DEFAULT_RECIPE, set_)
     selection = select_hosts(load_hostfile(hosts), include, exclude)
-    spec = build_spec(loaded, selection.hostfile, resolve_targets(selection.hostfile), new_run_id(), runs,
-                      engine_module(), selection.visible_devices)
+    targets = resolve_targets(selection.hostfile, check_identities=True)  # a bad key file: exit 2, nothing connected
+    spec = build_spec(loaded, selection.hostfile, targets, new_run_id(), runs, engine_module(), selection.visible_devices)
     opts = ssh_options(selection.hostfile, loaded, accept_new_host_keys, lambda m: console.print(Text(m), style="yellow"))
     reports = preflight.run_preflight(spec, opts)
     for report in reports:

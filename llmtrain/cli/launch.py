@@ -22,12 +22,14 @@ import typer
 
 from llmtrain.cli.app import app, report_errors
 from llmtrain.errors import LLMTrainError
+from llmtrain.launch.secrets import masked_errors
 
 SET_HELP = "Override a recipe key: --set parallel.tp=2 (repeatable; the value is parsed as YAML)."
 
 
 @app.command()
 @report_errors
+@masked_errors
 def launch(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
@@ -55,7 +57,7 @@ def launch(
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
-            if value:
+            if value or value == "":  # --include '' too
                 raise LLMTrainError(f"{flag} needs --hosts", "pass a hostfile, or drop the flag", path=flag)
         from llmtrain.launch.local import launch_local
 

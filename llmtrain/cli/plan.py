@@ -11,12 +11,14 @@ import typer
 
 from llmtrain.cli.app import app, report_errors
 from llmtrain.errors import EXIT_USER_ERROR
+from llmtrain.launch.secrets import masked_errors
 
 SET_HELP = "Override a recipe key: --set parallel.tp=2 (repeatable; the value is parsed as YAML)."
 
 
 @app.command()
 @report_errors
+@masked_errors
 def plan(
     recipe: Path = typer.Argument(..., help="Recipe YAML file."),
     hosts: Optional[Path] = typer.Option(None, "--hosts", help="Hostfile: world size and node placement come from it."),
@@ -30,10 +32,13 @@ def plan(
     schedule: bool = typer.Option(False, "--schedule", help="Draw the pipeline schedule's timeline in the terminal."),
     schedule_png: Optional[Path] = typer.Option(None, "--schedule-png", help="Write the pipeline schedule's timeline as a PNG."),
     layout_png: Optional[Path] = typer.Option(None, "--layout-png", help="Write the rank layout over nodes and GPUs as a PNG."),
+    force: bool = typer.Option(False, "--force", help="Let --schedule-png / --layout-png replace an existing file that "
+                               "is not a PNG."),
 ) -> None:
     """Validate a recipe and show layout, batch math, memory, step time and MFU, before anything starts."""
     from llmtrain.plan.api import make_plan
 
+    schedule_png, layout_png = _png_targets(schedule_png, layout_png, force)
     result = make_plan(recipe, hosts, nodes, gpus_per_node, set_)
     if search:
         _search(result, top, as_json)
@@ -81,6 +86,17 @@ def _schedule_text(result) -> str:
     return "Schedule " + schedule_text(timeline)
 
 
+def _png_targets(schedule_png: Optional[Path], layout_png: Optional[Path], force: bool):
+    """Check both picture paths before planning (a directory means a default name inside it)."""
+    from llmtrain.safeio import PNG_MAGIC, output_file
+
+    if schedule_png is not None:
+        schedule_png = output_file(schedule_png, "--schedule-png", "schedule.png", force, PNG_MAGIC)
+    if layout_png is not None:
+        layout_png = output_file(layout_png, "--layout-png", "layout.png", force, PNG_MAGIC)
+    return schedule_png, layout_png
+
+
 def _pictures(result, schedule_png: Optional[Path], layout_png: Optional[Path]) -> None:
     if schedule_png is not None:
         from llmtrain.plan.pictures import schedule_png as draw
@@ -117,13 +133,19 @@ def _search(result, top: int, as_json: bool) -> None:
 
 @app.command()
 @report_errors
-def schema(out: Optional[Path] = typer.Option(None, "--out", help="Write to this file instead of stdout.")) -> None:
+def schema(out: Optional[Path] = typer.Option(None, "--out", help="Write to this file (or recipe.schema.json in this "
+                                              "directory) instead of stdout."),
+           force: bool = typer.Option(False, "--force", help="Replace an existing --out file that is not an "
+                                      "earlier schema.")) -> None:
     """Write the recipe's JSON Schema (for editor completion)."""
     from llmtrain.recipe.schema import Recipe
+    from llmtrain.safeio import output_file, printable, write_file
 
     text = json.dumps(Recipe.model_json_schema(by_alias=True), indent=2)
     if out is None:
         print(text)
     else:
-        out.write_text(text + "\n")
-        print(f"wrote {out}", file=sys.stderr)
+        # An earlier schema starts with the same bytes as this one (its first key): replaceable.
+        target = output_file(out, "--out", "recipe.schema.json", force, magic=text[:40].encode())
+        write_file(target, text + "\n", "--out")
+        print(f"wrote {printable(target)}", file=sys.stderr)

@@ -8,11 +8,17 @@ Examples::
     llmtrain resume --run RUN --hosts hostfile        # continue on a cluster over SSH (shared storage)
 
 The run's locked recipe (``recipe.lock.yaml``, plus ``--set`` overrides) is validated like
-``llmtrain launch``, the checkpoint is verified (checksums; ``latest`` falls back to the newest
-intact one with a warning), and the run is relaunched in its own directory with the local
+``llmtrain launch``, the checkpoint is verified (:func:`pick_checkpoint`: metadata shape, files
+inside the checkpoint, checksums, DCP's index read without executing code; ``latest`` falls back
+to the newest intact one with a warning), and the run is relaunched in its own directory with the local
 launcher (or, with ``--hosts``, over SSH like ``llmtrain launch --hosts``: preflight, one
 torchrun per node; the run directory and checkpoint must be at the same path on the nodes);
 the engine loads the checkpoint into the new layout and continues at its step.
+
+The lock holds no ``launch.env`` / env file value (secrets never reach disk), only their names
+and sources (``launch.env_sources``): each value is taken again from this shell's environment
+(``recipe``) or the env file (``env_file``, else the environment). A missing one is an error
+naming the variable (exit 2) before anything is started or changed in the run directory.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import typer
 
 from llmtrain.cli.app import app, report_errors
 from llmtrain.errors import LLMTrainError
+from llmtrain.launch.secrets import masked_errors
 
 SET_HELP = "Override a recipe key of the locked recipe: --set parallel.tp=1 (repeatable; parsed as YAML)."
 
@@ -42,8 +49,22 @@ def find_run(run: Path | None, runs: Path) -> Path:
     return found
 
 
+def pick_checkpoint(recipe, run_path: Path, ckpt: str) -> tuple[Path, dict, list[str]]:
+    """The verified checkpoint ``--ckpt`` names: ``metadata.json``'s shape (with the fields a
+    resume needs), every file inside the checkpoint with its size and sha256, DCP's index through
+    the allow-list unpickler; ``latest`` falls back past damaged ones with warnings
+    (:func:`llmtrain.engine.checkpoint_store.resolve`)."""
+    from llmtrain.engine.checkpoint_meta import RESUME_FIELDS
+    from llmtrain.engine.checkpoint_store import STEP_RE, resolve
+
+    root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_path / "checkpoints"
+    spec = ckpt if ckpt == "latest" or STEP_RE.match(ckpt) else str(Path(ckpt).resolve())
+    return resolve(root, spec, require=RESUME_FIELDS, check_index=True)
+
+
 @app.command()
 @report_errors
+@masked_errors
 def resume(
     ckpt: str = typer.Option("latest", "--ckpt", help="Checkpoint: latest | step-N | PATH."),
     run: Optional[Path] = typer.Option(None, "--run", help="Run directory (default: the newest under --runs)."),
@@ -55,19 +76,18 @@ def resume(
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="With --hosts: trust unknown host keys."),
 ) -> None:
     """Relaunch a run from a checkpoint (optionally with a new layout) and continue exactly where it stopped."""
-    from llmtrain.engine.checkpoint_store import STEP_RE, resolve
+    from llmtrain.launch.envpolicy import restore_env
     from llmtrain.launch.local import relaunch_local
     from llmtrain.recipe.load import load_recipe
 
     run_path = find_run(run, runs).resolve()
-    recipe = load_recipe(run_path / "recipe.lock.yaml", set_)
-    root = Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else run_path / "checkpoints"
-    spec = ckpt if ckpt == "latest" or STEP_RE.match(ckpt) else str(Path(ckpt).resolve())
-    path, meta, warnings = resolve(root, spec)
+    # secret values again from the caller (never stored); a missing one stops here, exit 2
+    recipe = restore_env(load_recipe(run_path / "recipe.lock.yaml", set_), base_dir=Path.cwd())
+    path, meta, warnings = pick_checkpoint(recipe, run_path, ckpt)
     for w in warnings:
         typer.echo(f"warning: {w}", err=True)
     if meta["step"] >= recipe.train.steps:
-        raise LLMTrainError(f"checkpoint {path.name} is at step {meta['step']}, the run has {recipe.train.steps} steps",
+        raise LLMTrainError(f"checkpoint {path} is at step {meta['step']}, the run has {recipe.train.steps} steps",
                             "nothing to do; raise train.steps with --set to train further", path="--ckpt")
     typer.echo(f"resuming {run_path} from {path} (step {meta['step']} of {recipe.train.steps})")
     env = {"LLMTRAIN_RESUME": str(path.resolve())}

@@ -13,15 +13,17 @@
   background thread uses) while a save is pending, or forced by the next
   save / the end of training — rank 0 writes ``metadata.json`` (sha256 of every file),
   renames ``step-N.tmp`` to ``step-N`` and atomically moves ``latest``; then prunes to ``keep``.
-* ``restore(spec, ...)``: rank 0 verifies checksums (``latest`` falls back to the previous
-  complete checkpoint with a warning), every rank DCP-loads into its own layout's shapes, so a
-  checkpoint from any layout loads into any other. The data position is the global sample
+* ``restore(spec, ...)``: rank 0 verifies the checkpoint (``metadata.json``'s shape, every file
+  inside the directory with its size and sha256, DCP's index through the allow-list unpickler;
+  ``latest`` falls back to the previous complete checkpoint with a warning), every rank
+  DCP-loads into its own layout's shapes through :class:`~llmtrain.engine.safe_reader.SafeReader`
+  (no pickle beyond the allow-list, only listed shards), so a checkpoint from any layout loads
+  into any other. The data position is the global sample
   index (``consumed_samples``); the step's grad accumulation follows the new layout.
 """
 
 from __future__ import annotations
 
-import json
 import platform
 import sys
 import time
@@ -33,7 +35,10 @@ import torch.distributed.checkpoint as dcp
 
 from llmtrain.engine import checkpoint_state as cs
 from llmtrain.engine import checkpoint_store as store
+from llmtrain.engine.checkpoint_meta import RESUME_FIELDS, CheckpointMeta, load_meta
+from llmtrain.engine.safe_reader import SafeReader, dcp_guard, load_rng
 from llmtrain.errors import LLMTrainError
+from llmtrain.recipe.lock import secret_free_dict
 
 DIMS_FIELDS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
@@ -93,7 +98,7 @@ class Checkpointer:
         consumed = int(sampler.state_dict()["consumed_samples"])
         meta = {"tokens_seen": consumed * seq_len, "sampler": sampler.state_dict(), "consumed_samples": consumed,
                 "world_size": self.world, "dims": dims_dict(self.dims), "grad_accum": self.grad_accum,
-                "recipe": self.recipe.model_dump(mode="json", by_alias=True),
+                "recipe": secret_free_dict(self.recipe),  # no launch.env value ever reaches disk
                 "versions": {"torch": torch.__version__, "python": platform.python_version(),
                              "llmtrain": _llmtrain_version()},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -142,15 +147,15 @@ class Checkpointer:
         """Load checkpoint ``spec`` (latest | step-N | PATH) into this layout; return its step.
         With ``missing_ok`` and ``latest``, return None when nothing has been committed yet."""
         found = [None]
-        if self.rank == 0:
+        if self.rank == 0:  # rank 0 verifies (files, sizes, sha256, the DCP index); the others wait
             try:
                 if missing_ok and spec == "latest" and not store.committed(self.root):
                     found[0] = ("missing", None, None, [])
                 else:
-                    path, meta, warnings = store.resolve(self.root, spec)
+                    path, meta, warnings = store.resolve(self.root, spec, require=RESUME_FIELDS, check_index=True)
                     found[0] = ("ok", str(path), meta, warnings)
             except LLMTrainError as exc:
-                found[0] = ("error", str(exc), None, [])
+                found[0] = ("error", exc.problems, None, [])
         dist.broadcast_object_list(found, src=0, group=self.group)
         status, path, meta, warnings = found[0]
         if status == "missing":
@@ -160,17 +165,22 @@ class Checkpointer:
         if self.rank == 0:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr, flush=True)
+        files = CheckpointMeta.model_validate(meta).files
         state = cs.template_state(parts, optimizer)
-        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        with dcp_guard(path):  # every rank reads .metadata through the allow-list, shards by name
+            dcp.load(state, storage_reader=SafeReader(path, files), process_group=self.group)
         cs.apply_state(parts, optimizer, state)
         sampler.load_state_dict(meta["sampler"])
         same_layout = meta.get("world_size") == self.world and meta.get("dims") == dims_dict(self.dims)
-        rng_file = Path(path) / "rng" / f"rank-{self.rank}.pt"
-        if same_layout and rng_file.is_file():
-            rng = torch.load(rng_file, weights_only=True)
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"])
+        rng = load_rng(path, f"rng/rank-{self.rank}.pt", files) if same_layout else None
+        if rng is not None:
+            try:
+                torch.set_rng_state(rng["torch"])
+                if "cuda" in rng and torch.cuda.is_available():
+                    torch.cuda.set_rng_state(rng["cuda"])
+            except RuntimeError as exc:
+                raise LLMTrainError(f"{Path(path) / 'rng' / f'rank-{self.rank}.pt'}: not a valid RNG state ({exc})",
+                                    "resume from another checkpoint", path="--ckpt") from None
         if self.rank == 0 and self.verbose:
             print(f"checkpoint: resumed from {path} at step {meta['step']} "
                   f"(sample {meta['consumed_samples']}, {meta['tokens_seen']} tokens); "
@@ -194,6 +204,7 @@ def checkpoint_root(recipe, run_dir: str | Path | None) -> Path | None:
 
 
 def load_meta_json(path: Path) -> dict:
-    return json.loads((Path(path) / store.META).read_text())
+    """The validated ``metadata.json`` of a checkpoint (:class:`LLMTrainError` naming it if not)."""
+    return load_meta(path).as_dict()
 
 

@@ -21,12 +21,16 @@ import re
 import shutil
 from pathlib import Path
 
+from llmtrain.engine.checkpoint_meta import FORMAT, META
+from llmtrain.engine.checkpoint_verify import check, index_problems, message_of, verify, walk_files
 from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.safeio import inside, printable, read_regular
 
-FORMAT = 1
 STEP_RE = re.compile(r"^step-(\d+)$")
-META = "metadata.json"
 LATEST = "latest"
+LATEST_CAP = 4096
+__all__ = ["FORMAT", "META", "LATEST", "STEP_RE", "check", "commit", "committed", "prune", "read_latest",
+           "check_latest", "resolve", "verify", "read_meta"]
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -73,8 +77,8 @@ def commit(root: Path, step: int, meta: dict) -> Path:
     then point ``latest`` at it. Call only after every rank's writes completed."""
     root, tmp = Path(root), tmp_dir(root, step)
     files = {}
-    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        rel = f.relative_to(tmp).as_posix()
+    for rel in walk_files(tmp):  # our own files, just written: no symlinks
+        f = tmp / rel
         files[rel] = {"sha256": sha256(f), "bytes": f.stat().st_size}
     meta = {"format": FORMAT, **meta, "step": step, "files": files}
     _write_atomic(tmp / META, json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -113,64 +117,74 @@ def remove_stale_tmp(root: Path) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def check_latest(root: Path) -> tuple[str | None, str | None]:
+    """``(name, problem)`` of the ``latest`` pointer: the ``step-N`` it names, or None with why
+    (None, None: there is no pointer). It must be a small regular file inside ``root`` whose
+    one line is ``step-N``."""
+    path = Path(root) / LATEST
+    shown = printable(path)
+    if not os.path.lexists(path):
+        return None, None
+    if not inside(root, path):
+        return None, f"{shown}: resolves outside the checkpoint root (symlink)"
+    try:
+        raw = read_regular(path, "latest pointer", LATEST_CAP)
+    except LLMTrainError as exc:
+        return None, message_of(exc, shown)
+    name = raw.decode("utf-8", "replace").strip()
+    if not STEP_RE.match(name):
+        return None, f"{shown}: does not name a checkpoint (holds {printable(repr(name), 60)}, expected step-N)"
+    return name, None
+
+
 def read_latest(root: Path) -> str | None:
-    try:
-        name = (Path(root) / LATEST).read_text().strip()
-    except OSError:
-        return None
-    return name if STEP_RE.match(name) else None
-
-
-def verify(path: Path) -> list[str]:
-    """Problems with a checkpoint directory, each naming the file (empty list: intact)."""
-    path = Path(path)
-    meta_path = path / META
-    if not meta_path.is_file():
-        return [f"{path}: no {META} (not committed: written partially or interrupted)"]
-    try:
-        meta = json.loads(meta_path.read_text())
-        files = meta["files"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return [f"{meta_path}: unreadable ({exc})"]
-    problems = []
-    for rel, info in sorted(files.items()):
-        f = path / rel
-        if not f.is_file():
-            problems.append(f"{f}: missing")
-        elif f.stat().st_size != info["bytes"]:
-            problems.append(f"{f}: {f.stat().st_size} bytes, expected {info['bytes']} (truncated or changed)")
-        elif sha256(f) != info["sha256"]:
-            problems.append(f"{f}: sha256 mismatch (corrupted)")
-    return problems
+    return check_latest(root)[0]
 
 
 def read_meta(path: Path) -> dict:
-    return json.loads((Path(path) / META).read_text())
+    """The validated ``metadata.json`` of ``path`` as a dict (:class:`LLMTrainError` if it is not)."""
+    from llmtrain.engine.checkpoint_meta import load_meta
+
+    return load_meta(path).as_dict()
 
 
-def resolve(root: Path, spec: str) -> tuple[Path, dict, list[str]]:
+def _problems(path: Path, root: Path | None, require: tuple[str, ...], check_index: bool) -> tuple[dict | None, list[str]]:
+    meta, problems = check(path, root, require)
+    if meta is not None and not problems and check_index:
+        problems = index_problems(path, meta)
+    return (meta.as_dict() if meta is not None else None), problems
+
+
+def resolve(root: Path, spec: str, require: tuple[str, ...] = (),
+            check_index: bool = False) -> tuple[Path, dict, list[str]]:
     """Pick a verified checkpoint: ``latest`` (falls back to older complete ones, with warnings),
-    ``step-N`` (under ``root``) or a path. Raises :class:`LLMTrainError` naming bad files."""
+    ``step-N`` (under ``root``) or a path. Raises :class:`LLMTrainError` naming bad files.
+
+    ``require``: optional ``metadata.json`` fields the caller needs (a checkpoint without them is
+    damaged). ``check_index``: also check DCP's ``.metadata`` through the allow-list unpickler
+    (needs torch; every reader of tensors passes it, so a crafted index falls back like a bad
+    checksum). Returns ``(path, metadata dict, warnings)``."""
     root = Path(root)
     if spec == "latest":
         candidates = list(reversed(committed(root)))
-        pointed = read_latest(root)
+        pointed, pointer_problem = check_latest(root)
+        warnings = [f"{pointer_problem}; ignoring it"] if pointer_problem else []
         if pointed is not None and (root / pointed) in candidates:  # the pointer first, then newest first
             candidates.remove(root / pointed)
             candidates.insert(0, root / pointed)
         if not candidates:
-            raise LLMTrainError(f"no complete checkpoint under {root}",
+            raise LLMTrainError(f"no complete checkpoint under {printable(root)}",
                                 "train with checkpoint.interval > 0, or start a new run with `llmtrain launch`")
-        warnings = []
         for cand in candidates:
-            problems = verify(cand)
+            meta, problems = _problems(cand, root, require, check_index)
             if not problems:
-                return cand, read_meta(cand), warnings
+                return cand, meta, warnings
             warnings.append(f"checkpoint {cand.name} is damaged, falling back to an older one: " + "; ".join(problems))
         raise LLMTrainError([Problem("--ckpt", w, "") for w in warnings]
-                            + [Problem("--ckpt", f"no intact checkpoint under {root}", "start a new run")])
-    path = root / spec if STEP_RE.match(spec) else Path(spec)
-    problems = verify(path) if path.is_dir() else [f"{path}: no such checkpoint directory"]
+                            + [Problem("--ckpt", f"no intact checkpoint under {printable(root)}", "start a new run")])
+    in_root = bool(STEP_RE.match(spec))
+    path = root / spec if in_root else Path(spec)
+    meta, problems = _problems(path, root if in_root else None, require, check_index)
     if problems:
         raise LLMTrainError([Problem("--ckpt", p, "pick another checkpoint with --ckpt (or latest)") for p in problems])
-    return path, read_meta(path), []
+    return path, meta, []

@@ -28,12 +28,14 @@ Decisions:
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import ModelConfig
+from llmtrain.safeio import MIB, inside, open_regular, printable, read_regular
 
 if TYPE_CHECKING:  # torch is imported by the functions that read or write tensors, so that
     import torch   # `llmtrain launch --init-from-hf` can check a directory without importing it
@@ -156,8 +158,37 @@ def _hf_theta(conf: dict) -> float | None:
     return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
 
 
+INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "head_dim")
+FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+
+
+def _type_problems(conf: dict, where: str) -> list[Problem]:
+    """``config.json`` values of the wrong type (an untrusted file: checked before arithmetic)."""
+    problems = []
+    for key in INT_KEYS:
+        v = conf.get(key)
+        if v is not None and (type(v) is not int or v <= 0):
+            problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive integer",
+                                    "use a Hugging Face Llama config.json"))
+    for params in (conf, conf.get("rope_parameters"), conf.get("rope_scaling")):
+        if params is not None and not isinstance(params, dict):
+            problems.append(Problem(where, "config.json rope_parameters/rope_scaling is not an object",
+                                    "use a Hugging Face Llama config.json"))
+            continue
+        for key in FLOAT_KEYS:
+            v = (params or {}).get(key)
+            if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
+                problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive number",
+                                        "use a Hugging Face Llama config.json"))
+    return problems
+
+
 def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf") -> list[Problem]:
     """Every way an HF ``config.json`` differs from the recipe's model (empty: it loads exactly)."""
+    wrong_types = _type_problems(conf, where)
+    if wrong_types:
+        return wrong_types
     heads = conf.get("num_attention_heads")
     hidden = conf.get("hidden_size")
     fields = [("model.hidden", cfg.hidden, hidden, "hidden_size"),
@@ -194,23 +225,45 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
 
 # -- files --------------------------------------------------------------------------------------
 
+CONFIG_CAP = 16 * MIB
+
+
+def _inside_model_dir(d: Path, f: Path) -> bool:
+    """``f`` resolves inside ``d`` — or, for a Hugging Face cache snapshot
+    (``models--X/snapshots/<rev>/``, whose files link to ``../../blobs/``), inside its blobs."""
+    return inside(d, f) or (d.parent.name == "snapshots" and inside(d.parent.parent / "blobs", f))
+
+
 def check_hf_dir(directory: str | Path, flag: str = "--init-from-hf") -> tuple[dict, list[Path]]:
-    """``(config, weight files)`` of an HF model directory; :class:`LLMTrainError` naming ``flag``."""
+    """``(config, weight files)`` of an HF model directory; :class:`LLMTrainError` naming ``flag``.
+
+    The directory is untrusted: ``config.json`` is read as a regular file of at most
+    :data:`CONFIG_CAP` bytes, every file must be a regular file that resolves inside it (symlinks
+    out of it are refused, except a Hugging Face cache snapshot's links to its blobs), and the
+    weights are safetensors only (a format that holds no code)."""
     d = Path(directory)
     if not d.is_dir():
-        raise LLMTrainError(f"{d}: no such directory", "pass a directory made by `llmtrain ckpt export --hf`",
+        raise LLMTrainError(f"{printable(d)}: no such directory", "pass a directory made by `llmtrain ckpt export --hf`",
                             path=flag)
     files = sorted(d.glob("*.safetensors"))
-    if not (d / CONFIG).is_file() or not files:
-        raise LLMTrainError(f"{d}: needs {CONFIG} and *.safetensors (has {', '.join(sorted(p.name for p in d.iterdir())) or 'nothing'})",
+    if not os.path.lexists(d / CONFIG) or not files:  # a FIFO or link named config.json is refused below
+        names = ", ".join(printable(n, 60) for n in sorted(p.name for p in d.iterdir())[:20]) or "nothing"
+        raise LLMTrainError(f"{printable(d)}: needs {CONFIG} and *.safetensors (has {names})",
                             "pass a directory made by `llmtrain ckpt export --hf` or a Hugging Face Llama model",
                             path=flag)
+    for f in (d / CONFIG, *files):
+        if not _inside_model_dir(d, f):
+            raise LLMTrainError(f"{printable(f)}: resolves outside {printable(d)} (symlink)",
+                                "copy the model into the directory instead of linking out of it", path=flag)
+        fobj, _ = open_regular(f, "model file", field=flag)
+        fobj.close()
+    raw = read_regular(d / CONFIG, CONFIG, CONFIG_CAP, field=flag)
     try:
-        conf = json.loads((d / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise LLMTrainError(f"{d / CONFIG}: unreadable ({exc})", "", path=flag) from None
+        conf = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise LLMTrainError(f"{printable(d / CONFIG)}: unreadable ({printable(exc, 120)})", "", path=flag) from None
     if not isinstance(conf, dict):
-        raise LLMTrainError(f"{d / CONFIG}: not a JSON object", "", path=flag)
+        raise LLMTrainError(f"{printable(d / CONFIG)}: not a JSON object", "", path=flag)
     return conf, files
 
 
@@ -236,15 +289,61 @@ def save_hf(directory: str | Path, ours: dict[str, torch.Tensor], cfg: ModelConf
     return [out / WEIGHTS, out / CONFIG, out / "generation_config.json"]
 
 
-def read_checkpoint_model(path: str | Path) -> dict[str, torch.Tensor]:
+def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """``model.<name> -> shape`` of every tensor our model with ``cfg`` has (built on the meta
+    device: nothing is allocated)."""
+    import torch
+
+    from llmtrain.engine.models.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def read_checkpoint_model(path: str | Path, files=None, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """The full (unsharded) ``model.*`` tensors of a DCP checkpoint saved from any layout, read in
-    this one process without a process group (DCP assembles every shard from its global offsets)."""
+    this one process without a process group (DCP assembles every shard from its global offsets).
+
+    Read through :class:`~llmtrain.engine.safe_reader.SafeReader` (DCP's index via the allow-list,
+    only shards ``metadata.json`` lists: ``files``, read from it when None). With ``cfg`` the
+    index's ``model.*`` entries must be exactly that model's names and shapes, so nothing else
+    is allocated or read."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-        state = _load_state_dict_from_keys({"model"}, checkpoint_id=str(path))
+    from llmtrain.engine.checkpoint_meta import load_meta
+    from llmtrain.engine.safe_reader import SafeReader, dcp_guard
+
+    if files is None:
+        files = load_meta(path).files
+    with dcp_guard(path):
+        reader = SafeReader(path, files)
+        if cfg is not None:
+            _check_model_entries(reader.index, cfg, Path(path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+            state = _load_state_dict_from_keys({"model"}, storage_reader=reader)
     return dict(state["model"])
+
+
+def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
+    have = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if k.startswith("model.")}
+    layers = {k.split(".")[2] for k in have if k.startswith("model.layers.")}
+    embed = have.get("model.tok_embeddings.weight")
+    if len(layers) != cfg.layers or embed != (cfg.vocab_size, cfg.hidden):  # before building anything from cfg
+        raise LLMTrainError(f"{printable(path / '.metadata')}: the index holds {len(layers)} layers and embeddings "
+                            f"{list(embed) if embed else None}, metadata.json's recipe.model has {cfg.layers} layers "
+                            f"and [{cfg.vocab_size}, {cfg.hidden}]",
+                            "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
+    want = expected_model_shapes(cfg)
+    extra, absent = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+    wrong = sorted(k for k in set(have) & set(want) if have[k] != want[k])
+    if extra or absent or wrong:
+        what = (f"unexpected {printable(extra[0], 80)}" if extra else f"no {absent[0]}" if absent
+                else f"{wrong[0]} is {list(have[wrong[0]])}, the recipe's model has {list(want[wrong[0]])}")
+        raise LLMTrainError(f"{printable(path / '.metadata')}: model tensors do not match metadata.json's "
+                            f"recipe.model ({what}; {len(extra) + len(absent) + len(wrong)} differences)",
+                            "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
 
 
 # -- into the engine's (sharded) model ----------------------------------------------------------

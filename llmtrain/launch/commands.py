@@ -192,8 +192,9 @@ def node_env(spec: LaunchSpec, node: NodeSpec) -> list[EnvVar]:
     return env
 
 
-def node_command(spec: LaunchSpec, node: NodeSpec, masked: bool = False) -> str:
-    """The exact shell command for ``node`` (secret values as ``****`` when ``masked``)."""
+def node_command(spec: LaunchSpec, node: NodeSpec, masked: bool | str = False) -> str:
+    """The exact shell command for ``node`` (secret values as ``****`` when ``masked``; with
+    ``"disk"`` every launch.env / env file value too: :func:`~llmtrain.launch.envpolicy.shell_assignments`)."""
     words = ["env", *shell_assignments(node_env(spec, node), masked=masked)]
     words += [shlex.quote(w) for w in helper_argv(spec, node) + torchrun_argv(spec, node)]
     return f"cd {shlex.quote(node.workdir)} && exec " + " ".join(words)
@@ -210,7 +211,7 @@ def kill_command(spec: LaunchSpec, node: NodeSpec, pgid: int | None = None, pgid
     return shlex.join(argv)
 
 
-def describe(spec: LaunchSpec, masked: bool = True) -> list[str]:
+def describe(spec: LaunchSpec, masked: bool | str = True) -> list[str]:
     """Human-readable lines for ``--dry-run``: per node, where it goes and its exact command."""
     lines = [f"run {spec.run_name}/{spec.run_id}: {len(spec.nodes)} node(s), world size {spec.world_size}, "
              f"rendezvous {spec.launch.rendezvous} at {spec.endpoint}"]

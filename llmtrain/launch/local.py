@@ -15,8 +15,13 @@ What happens, in order (:func:`launch_local`):
            --log-dir RUN_DIR/logs/torchrun -m llmtrain.engine.main \\
            --recipe RUN_DIR/recipe.lock.yaml --run-dir RUN_DIR
 
-   with the launcher's environment plus ``PYTHONUNBUFFERED=1``, ``OMP_NUM_THREADS`` =
-   ``max(1, cpus // W)`` (unless set), ``LLMTRAIN_RUN_ID`` and ``LLMTRAIN_RUN_DIR``.
+   with the launcher's environment (this machine's, as a node's login environment over SSH)
+   plus the recipe's environment policy (:mod:`llmtrain.launch.envpolicy`, the same code as
+   the SSH launcher: passthrough < ``launch.env_file`` < ``launch.env``; values restored from
+   the caller's environment on resume), ``OMP_NUM_THREADS`` = ``max(1, cpus // W)`` (unless
+   set), and the launcher's own ``LLMTRAIN_RUN_ID``, ``LLMTRAIN_RUN_DIR``, ``LLMTRAIN_NODE_ID``,
+   ``PYTHONUNBUFFERED=1``. Secret values are masked in every line shown or written to
+   ``logs/`` and never written to disk (``recipe.lock.yaml`` keeps names and sources only).
    ``LLMTRAIN_ENGINE_MODULE`` (a test/debug hook) replaces ``llmtrain.engine.main``.
    ``--redirects`` rather than ``--tee``: see :mod:`llmtrain.launch.stream` (whole lines).
 4. Output is streamed (:mod:`llmtrain.launch.stream`): ``[localhost:R] line`` per rank,
@@ -60,12 +65,13 @@ from rich.console import Console
 from rich.text import Text
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.launch.envpolicy import EnvVar, Redactor, launcher_env, lock_recipe, run_env
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
 from llmtrain.launch.rundir import RunDir, create_run_dir, reuse_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
-                                   failure_lines, parse_failures, stats_summary)
+                                   failure_lines, interrupted_line, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
 from llmtrain.recipe.load import apply_override, load_recipe, validate_recipe_dict
 from llmtrain.recipe.schema import Recipe
@@ -82,8 +88,9 @@ def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None
     """Validate, create the run dir, run torchrun with all ranks here; return its exit code."""
     recipe = resolve_recipe(recipe, overrides)
     world, hostfile, module, console = prepare_local(recipe, console)
-    run = create_run_dir(recipe, hostfile, runs_root)
-    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts).run()
+    recipe, policy = run_env(recipe, base_dir=os.getcwd())
+    run = create_run_dir(lock_recipe(recipe, policy, os.getcwd()), hostfile, runs_root)
+    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts, policy=policy).run()
 
 
 def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
@@ -92,9 +99,10 @@ def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, st
     recipe is validated like :func:`launch_local`, becomes the new ``recipe.lock.yaml`` (the old
     one and the old ``logs/`` are kept as ``recipe.lock.yaml.prev-N`` / ``logs.prev-N/``)."""
     world, hostfile, module, console = prepare_local(recipe, console)
-    run = reuse_run_dir(run_path, recipe, hostfile)
+    recipe, policy = run_env(recipe, base_dir=os.getcwd())  # secret values again, from the caller: nothing stored
+    run = reuse_run_dir(run_path, lock_recipe(recipe, policy, os.getcwd()), hostfile)
     return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
-                    max_restarts=recipe.launch.max_restarts).run()
+                    max_restarts=recipe.launch.max_restarts, policy=policy).run()
 
 
 def prepare_local(recipe: Recipe, console: Console | None) -> tuple[int, Hostfile, str, Console]:
@@ -147,9 +155,11 @@ def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE, max_r
             "-m", module, "--recipe", str(run.recipe_lock.resolve()), "--run-dir", str(run.path.resolve())]
 
 
-def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_restarts: int = 0) -> dict[str, str]:
+def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_restarts: int = 0,
+               policy: list[EnvVar] | tuple[EnvVar, ...] = ()) -> dict[str, str]:
+    """``base`` (this machine's environment) < the env policy's ``policy`` < the launcher's own."""
     env = dict(os.environ if base is None else base)
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update({v.name: v.value for v in policy})
     if max_restarts > 0:
         # CPU facts note, trap 5: restarted gloo workers otherwise read stale peer addresses from
         # the rendezvous store that torchrun shares with them (connectFullMesh refused / hang)
@@ -157,8 +167,7 @@ def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_
     if not env.get("OMP_NUM_THREADS"):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cpus // world))
-    env["LLMTRAIN_RUN_ID"] = run.run_id
-    env["LLMTRAIN_RUN_DIR"] = str(run.path.resolve())
+    env.update({v.name: v.value for v in launcher_env(run.run_id, str(run.path.resolve()), 0)})
     return env
 
 
@@ -169,10 +178,13 @@ class LocalRun:
     """One torchrun child, its output, its progress bar and its teardown."""
 
     def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0,
-                 extra_env: dict[str, str] | None = None, max_restarts: int = 0):
+                 extra_env: dict[str, str] | None = None, max_restarts: int = 0,
+                 policy: list[EnvVar] | tuple[EnvVar, ...] = ()):
         self.run_dir, self.world, self.module, self.grace_s = run, world, module, grace_s
         self.max_restarts = max_restarts
         self.extra_env = dict(extra_env or {})
+        self.policy = tuple(policy)
+        self.redact = Redactor(self.policy)  # every line shown or written to logs/
         self.stats = RunStats()
         self.display = Display(console, label=run.name)
         self.router = LineRouter(run.logs, self.display, self.stats)
@@ -193,10 +205,11 @@ class LocalRun:
     def _run(self) -> int:
         cmd = torchrun_command(self.run_dir, self.world, self.module, self.max_restarts)
         self.display.line(f"run dir {self.run_dir.path}: {self.world} ranks on localhost")
-        (self.run_dir.logs / "command.txt").write_text(shlex.join(cmd) + "\n")
+        (self.run_dir.logs / "command.txt").write_text(self.redact(shlex.join(cmd)) + "\n")
         self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts), **self.extra_env}, start_new_session=True,
+                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts, policy=self.policy),
+                                     **self.extra_env}, start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec())
         self.proc, self.tree = proc, ProcessTree(proc.pid)
         self.pipes = PipeReader({"stdout": proc.stdout, "stderr": proc.stderr})
@@ -230,7 +243,7 @@ class LocalRun:
         finally:
             self._pump(final=True)
             for _, line in self.pipes.close():
-                self.router.launcher_line(line)
+                self.router.launcher_line(self.redact(line))
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
             self.router.flush()
@@ -247,15 +260,17 @@ class LocalRun:
         # torchrun says (e.g. its failure report) is mostly a reaction to what a worker did
         launcher_lines = self.pipes.poll(0 if final else POLL_S)
         for rank, stream, line in self.tailer.poll(final=final):
-            self.router.rank_line(rank, stream, line)
+            self.router.rank_line(rank, stream, self.redact(line))
         for _, line in launcher_lines:
-            self.router.launcher_line(line)
+            self.router.launcher_line(self.redact(line))
         self.router.flush()
 
     def _teardown(self) -> None:
         name = signal.Signals(self.signals[0]).name
         self.display.line(f"[launcher] {name} received: stopping the run "
                           f"(SIGTERM now, SIGKILL after {self.grace_s:g} s)")
+        if self.signals[0] == signal.SIGINT:  # Ctrl-C: torchrun's tracebacks go to the logs only
+            self.display.mute()
         self.tree.scan()
         targets = self.tree.alive() | marked_pids(self.run_dir.run_id) | {self.proc.pid}
         self.leftovers = self._stop(targets, include_torchrun=True)
@@ -304,6 +319,9 @@ class LocalRun:
 
     def _summary(self, code: int, stopped_by: int | None) -> None:
         run, stats, say = self.run_dir, self.stats, self.display.line
+        if stopped_by == signal.SIGINT:
+            say(interrupted_line("SIGINT", code, self.world, 1, self.leftovers, stats, run.logs, self.display.hidden))
+            return
         if stopped_by is not None:
             head = f"run stopped by {signal.Signals(stopped_by).name}"
         else:
@@ -317,7 +335,7 @@ class LocalRun:
             return
         failures = parse_failures(self.router.launcher_lines)
         for line in failure_lines(failures, self.router.rank_tails, run.rank_log,
-                                  lambda failure: error_file_message(failure.error_file)):
+                                  lambda failure: self.redact(error_file_message(failure.error_file) or "") or None):
             say(line)
         if not failures:
             say(f"   torchrun failed before a rank did; last lines of {run.launcher_log}:")

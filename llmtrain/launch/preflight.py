@@ -174,7 +174,7 @@ def check_host(spec: LaunchSpec, node: NodeSpec, opts: Any, local: dict[str, str
     except ssh.SSHError as exc:
         report.add("ssh", "fail", exc.message, exc.hint, exc.kind.replace("_", " "))
         return report
-    report.add("ssh", "ok", f"{node.target.address}{node.target.route}", short="ok" + node.target.route)
+    report.add("ssh", "ok", f"{node.target.address}{node.target.route}", short="ok" + node.target.short_route)
     t0 = time.time()
     try:
         code, out, err = ssh.run_capture(report.conn, probe_command(spec, node), PROBE_TIMEOUT_S)

@@ -3,7 +3,8 @@
 Layout (see DESIGN.md section 3)::
 
     runs/debug/20260129-081640-3fa2/
-      recipe.lock.yaml      the resolved recipe the engine runs (presets expanded, overrides applied)
+      recipe.lock.yaml      the resolved recipe the engine runs (presets expanded, overrides applied;
+                            launch.env / env_file values never: names and sources only, recipe/lock.py)
       hostfile              the hosts used, DeepSpeed form (``localhost slots=4``)
       logs/rank-<R>.log     every line of rank R (stdout and stderr), as the launcher saw it
       logs/launcher.log     torchrun's own output
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.launch.hostfile import Hostfile
-from llmtrain.recipe.load import dump_recipe
+from llmtrain.recipe.lock import lock_text
 from llmtrain.recipe.schema import Recipe
 
 RUN_ID_RE = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
@@ -96,7 +97,7 @@ def create_run_dir(recipe: Recipe, hostfile: Hostfile, root: str | Path = "runs"
             raise LLMTrainError(f"cannot pick a fresh run id under {parent}", "try again")
         run = RunDir(path, name, run_id)
         run.logs.mkdir()
-        run.recipe_lock.write_text(dump_recipe(recipe))
+        run.recipe_lock.write_text(lock_text(recipe))
         run.hostfile.write_text(hostfile_text(hostfile))
     except OSError as exc:
         raise LLMTrainError(f"cannot create run directory under {parent}: {exc.strerror or exc}",
@@ -125,7 +126,7 @@ def reuse_run_dir(path: str | Path, recipe: Recipe | None = None, hostfile: Host
     if recipe is not None:
         if run.recipe_lock.exists():
             run.recipe_lock.rename(path / f"recipe.lock.yaml.prev-{n}")
-        run.recipe_lock.write_text(dump_recipe(recipe))
+        run.recipe_lock.write_text(lock_text(recipe))
     if hostfile is not None:
         run.hostfile.write_text(hostfile_text(hostfile))
     return run

@@ -20,6 +20,8 @@ Decisions (each one closes a hole measured with fabric 3.2 / paramiko, see docs/
   output in memory (``Result.stdout``), which a multi-day run cannot afford.
 * Every failure becomes one sentence naming the host plus a fix (:func:`describe`); paramiko's
   own tracebacks on stderr are silenced.
+* **ProxyCommand** (ssh config) runs only here, when connecting: as OpenSSH runs it,
+  ``/bin/sh -c 'exec COMMAND'``, as the socket of that hop; it is stopped with the connection.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import logging
 import os
 import secrets
 import shlex
+import signal
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +47,7 @@ from invoke.exceptions import CommandTimedOut
 from paramiko.ssh_exception import NoValidConnectionsError
 
 from llmtrain.launch.sshconfig import SSHTarget
+from llmtrain.safeio import printable
 
 _log = logging.getLogger("paramiko")
 _log.addHandler(logging.NullHandler())
@@ -137,13 +142,41 @@ def _connection(target: SSHTarget, opts: SSHOptions) -> Connection:
                       connect_timeout=max(1, round(opts.connect_timeout)), connect_kwargs=kwargs)
     _client_setup(conn, opts)
     conn._llmtrain_target = target  # for error messages about the hop that failed
+    conn._llmtrain_proxy = None  # the ProxyCommand process, started by connect()
     return conn
+
+
+class _ProxyCommand(paramiko.ProxyCommand):
+    """paramiko's ProxyCommand, run as OpenSSH runs it (``/bin/sh -c 'exec COMMAND'``; paramiko
+    shlex-splits it and runs no shell) and in its own session, so a Ctrl-C on the terminal
+    reaches the launcher (which then stops the run over this very connection), not the proxy."""
+
+    def __init__(self, command: str):  # noqa: D107 - paramiko's __init__ starts the process itself
+        self.cmd = ["/bin/sh", "-c", f"exec {command}"]
+        self.process = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.DEVNULL, bufsize=0, start_new_session=True)
+        self.timeout = None
+
+    def close(self) -> None:  # paramiko's raises ProcessLookupError for a proxy that already exited
+        if self.process.poll() is None:
+            try:
+                os.kill(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def _start_proxy(conn: Connection) -> None:
+    """Start the hop's ProxyCommand (if any) as the socket its connect() uses."""
+    command = conn._llmtrain_target.proxy_command
+    if command and conn._llmtrain_proxy is None:
+        conn._llmtrain_proxy = _ProxyCommand(command)
+        conn.connect_kwargs["sock"] = conn._llmtrain_proxy
 
 
 def connect(target: SSHTarget, opts: SSHOptions) -> Connection:
     """An open, host-key-checked connection to ``target`` (through its ProxyJump hosts), or SSHError."""
     conn = _connection(target, opts)
-    hop, t0 = target, time.monotonic()
+    hop, hop_conn, t0 = target, conn, time.monotonic()
     try:
         gateway = conn.gateway
         chain = []
@@ -151,14 +184,18 @@ def connect(target: SSHTarget, opts: SSHOptions) -> Connection:
             chain.append(gateway)
             gateway = gateway.gateway
         for gw in reversed(chain):  # open the outermost jump host first, so its errors name it
-            hop = gw._llmtrain_target
+            hop, hop_conn = gw._llmtrain_target, gw
+            _start_proxy(gw)
             gw.open()
-        hop = target
+        hop, hop_conn = target, conn
+        _start_proxy(conn)
         conn.open()
         conn.transport.set_keepalive(KEEPALIVE_S)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one sentence
+        proxy = getattr(hop_conn, "_llmtrain_proxy", None)
+        proxy_exit = proxy.process.poll() if proxy is not None else None
         close(conn)
-        raise describe(hop, exc, opts, time.monotonic() - t0) from None
+        raise describe(hop, exc, opts, time.monotonic() - t0, proxy_exit) from None
     return conn
 
 
@@ -168,6 +205,14 @@ def close(conn: Connection | None) -> None:
             conn.close()
         except Exception:  # noqa: BLE001 - closing a broken connection
             pass
+        proxy = getattr(conn, "_llmtrain_proxy", None)
+        if proxy is not None:  # a ProxyCommand whose connection never opened is not closed by paramiko
+            try:
+                if proxy.process.poll() is None:
+                    proxy.close()
+                proxy.process.wait(timeout=2)
+            except Exception:  # noqa: BLE001 - it is gone already
+                pass
         conn = conn.gateway
 
 
@@ -187,8 +232,10 @@ def _owner_of(name: str, files: list[str]) -> str | None:
     return None
 
 
-def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions, elapsed: float = 0.0) -> SSHError:
-    """Turn an exception from connecting to ``target`` into one sentence and a fix."""
+def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions, elapsed: float = 0.0,
+             proxy_exit: int | None = None) -> SSHError:
+    """Turn an exception from connecting to ``target`` into one sentence and a fix
+    (``proxy_exit``: the exit code of the hop's ProxyCommand when it had already ended)."""
     where, port = target.hostname, target.port
     name = target.known_hosts_name
     if isinstance(exc, UnknownHostKey):
@@ -203,6 +250,13 @@ def describe(target: SSHTarget, exc: BaseException, opts: SSHOptions, elapsed: f
                                 f"{fingerprint(exc.expected_key)}; someone may be intercepting the connection",
                         f"if the host was reinstalled, verify the new key, then remove the old one: "
                         f"ssh-keygen -R {shlex.quote(name)} -f {file}", "changed_host_key")
+    if isinstance(exc, paramiko.ProxyCommandFailure) or (
+            target.proxy_command and isinstance(exc, (paramiko.SSHException, EOFError, OSError))
+            and not isinstance(exc, (paramiko.AuthenticationException, paramiko.BadHostKeyException))):
+        why = (f"exited with code {proxy_exit}{' (command not found)' if proxy_exit == 127 else ''}"
+               if proxy_exit is not None else f"did not connect ({printable(exc, 120) or type(exc).__name__})")
+        return SSHError(target, f"ProxyCommand `{printable(target.proxy_command or '', 120)}` {why}",
+                        "check ProxyCommand in the ssh config (run it by hand: it must relay to the host's sshd)", "proxy")
     if isinstance(exc, NoValidConnectionsError):
         return SSHError(target, f"connection refused at {where}:{port} (nothing listens there)",
                         "check that sshd runs on the host and the port (hostfile `port:` / ssh config Port)", "refused")

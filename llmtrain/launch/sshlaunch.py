@@ -12,8 +12,11 @@ What happens, in order (:func:`launch_ssh`):
 2. Preflight (:mod:`llmtrain.launch.preflight`) checks every host in parallel over one strict
    SSH connection each (``--skip-preflight``: only connect). Any failure: one line per problem,
    exit 2, nothing started anywhere.
-3. The run directory is created here; ``recipe.lock.yaml`` (``launch.env`` secrets masked) is
-   copied to each node's run directory unless ``launch.shared_fs``.
+3. The run directory is created here; ``recipe.lock.yaml`` (without any ``launch.env`` /
+   env file value: names and sources only, :mod:`llmtrain.recipe.lock`) is copied to each
+   node's run directory unless ``launch.shared_fs``. A locked recipe (``llmtrain resume
+   --hosts``, a whole-job retry) gets its values again from the caller's environment or env
+   file first (:func:`~llmtrain.launch.envpolicy.restore_env`); a missing one: exit 2.
 4. All nodes start at once, each command under a pty on its own channel. Lines are streamed
    live as ``[host:rank] text`` (``[host] text`` for torchrun and the node helper), written to
    ``logs/rank-<R>.log`` and ``logs/node-<i>.log``; rank 0's events drive one progress bar and
@@ -36,6 +39,7 @@ What happens, in order (:func:`launch_ssh`):
 from __future__ import annotations
 
 import dataclasses
+import os
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +51,7 @@ from rich.text import Text
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.launch import jobretry
 from llmtrain.launch.commands import LaunchSpec, NodeSpec, build_spec, describe
-from llmtrain.launch.envpolicy import MASK, is_secret
+from llmtrain.launch.envpolicy import Redactor, lock_recipe, restore_env
 from llmtrain.launch.filters import select_hosts
 from llmtrain.launch.hostfile import Hostfile, load_hostfile
 from llmtrain.launch.local import engine_module, resolve_recipe
@@ -66,6 +70,7 @@ class Prepared:
     visible_devices: dict[str, tuple[int, ...]]
     targets: list[Any]
     runs_root: str | Path
+    notes: list[str] = dataclasses.field(default_factory=list)  # dry run: what was not run (sshconfig)
 
     def with_run_id(self, run_id: str) -> LaunchSpec:
         return build_spec(self.recipe, self.hostfile, self.targets, run_id, self.runs_root, self.spec.module,
@@ -74,19 +79,22 @@ class Prepared:
 
 def prepare(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides: list[str] | None = None,
             include: str | None = None, exclude: str | None = None, runs_root: str | Path = "runs",
-            run_id: str | None = None, environ: dict[str, str] | None = None) -> Prepared:
-    """Validate everything that can be validated without touching a host; build every node's command."""
-    recipe = resolve_recipe(recipe, overrides)
+            run_id: str | None = None, environ: dict[str, str] | None = None, dry_run: bool = False) -> Prepared:
+    """Validate everything that can be validated without touching a host; build every node's command.
+    ``dry_run``: execute nothing, not even ssh_config ``Match exec`` (:mod:`llmtrain.launch.sshconfig`)."""
+    recipe = restore_env(resolve_recipe(recipe, overrides), environ, base_dir=os.getcwd())
     hostfile = hosts if isinstance(hosts, Hostfile) else load_hostfile(hosts)
     selection = select_hosts(hostfile, include, exclude)
     plan = plan_recipe(recipe, selection.hostfile)
     if not plan.valid:
         raise LLMTrainError(plan.validation.errors)
-    targets = resolve_targets(selection.hostfile)
+    notes: list[str] = []
+    targets = resolve_targets(selection.hostfile, dry_run=dry_run, notes=notes if dry_run else None,
+                              check_identities=True)
     spec = build_spec(recipe, selection.hostfile, targets, run_id or new_run_id(), runs_root, engine_module(),
                       selection.visible_devices, environ)
     return Prepared(recipe, selection.hostfile, spec, [w.line() for w in plan.validation.warnings],
-                    selection.visible_devices, targets, runs_root)
+                    selection.visible_devices, targets, runs_root, notes)
 
 
 def ssh_options(hostfile: Hostfile, recipe: Recipe, accept_new: bool, warn) -> Any:
@@ -94,12 +102,6 @@ def ssh_options(hostfile: Hostfile, recipe: Recipe, accept_new: bool, warn) -> A
 
     files, extra = known_hosts_files(hostfile)
     return SSHOptions(files, accept_new, extra, recipe.launch.connect_timeout_s, recipe.launch.banner_timeout_s, warn)
-
-
-def lock_recipe(recipe: Recipe) -> Recipe:
-    """The recipe as written to recipe.lock.yaml: secret ``launch.env`` values masked."""
-    env = {k: (MASK if is_secret(k) else v) for k, v in recipe.launch.env.items()}
-    return recipe.model_copy(update={"launch": recipe.launch.model_copy(update={"env": env})})
 
 
 def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides: list[str] | None = None,
@@ -116,14 +118,17 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
     if resume_run is not None:
         runs_root = Path(resume_run).parent.parent
     prepared = prepare(recipe, hosts, overrides, include, exclude, runs_root,
-                       run_id=Path(resume_run).name if resume_run is not None else None)
+                       run_id=Path(resume_run).name if resume_run is not None else None, dry_run=dry_run)
     console = console or Console(highlight=False, soft_wrap=True)
     say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
     for warning in prepared.warnings:
         say(f"warning: {warning}", "yellow")
     if dry_run:
+        redact = Redactor(prepared.spec.policy)
         for line in describe(prepared.spec, masked=True):
-            say(line)
+            say(redact(line))
+        for note in prepared.notes:
+            say(f"dry run: {redact(note)}")
         say("dry run: nothing was started (a real launch draws its own run id)")
         return 0
     opts = ssh_options(prepared.hostfile, prepared.recipe, accept_new_host_keys, lambda m: say(m, "yellow"))
@@ -143,10 +148,11 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
                 for c in r.checks.values():
                     if c.status == "warn":
                         say(f"warning: {r.node.host} {c.name}: {c.value}" + (f"; {c.hint}" if c.hint else ""), "yellow")
+        locked = lock_recipe(prepared.recipe, prepared.spec.policy, os.getcwd())  # no value reaches disk
         if resume_run is None:
-            run = create_run_dir(lock_recipe(prepared.recipe), prepared.hostfile, runs_root)
+            run = create_run_dir(locked, prepared.hostfile, runs_root)
         else:
-            run = reuse_run_dir(resume_run, lock_recipe(prepared.recipe), prepared.hostfile)
+            run = reuse_run_dir(resume_run, locked, prepared.hostfile)
         spec = jobretry.with_env(prepared.with_run_id(run.run_id), extra_env or {})
         _copy_recipe(spec, conns, run)
         retries = prepared.recipe.launch.max_restarts

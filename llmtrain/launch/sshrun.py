@@ -15,7 +15,7 @@
   sessions to end (a second signal stops the waiting);
 * exits with the first failure's code (torchrun's; 255 lost node; 124 hang; 130/143/129 signals)
   and prints the summary: each node's outcome, the failing host and rank with the last lines of
-  its log and torchelastic's error message, or the silent ranks of a hang.
+  its log and torchelastic's error message, or the silent ranks of a hang; after Ctrl-C, one line.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from llmtrain.launch.events import RunStats, parse_event
 from llmtrain.launch.local import EXIT_FOR_SIGNAL
 from llmtrain.launch.remote import parse_frame
 from llmtrain.launch.rundir import RunDir
-from llmtrain.launch.stream import Display, LineRouter, LineSplitter, failure_lines, parse_failures, stats_summary
+from llmtrain.launch.stream import (Display, LineRouter, LineSplitter, failure_lines, interrupted_line, parse_failures,
+                                   stats_summary)
 from llmtrain.launch.watchdog import Hang, Watchdog
 from llmtrain.launch.proctree import signals_to
 
@@ -110,7 +111,7 @@ class SSHRun:
         spec, say = self.spec, self.display.line
         say(f"run dir {self.run_dir.path}: {spec.world_size} ranks on {len(spec.nodes)} nodes: "
             + ", ".join(f"{n.host} ({n.rank_span})" for n in spec.nodes))
-        (self.run_dir.logs / "commands.txt").write_text("".join(line + "\n" for line in describe(spec, masked=True)))
+        (self.run_dir.logs / "commands.txt").write_text("".join(line + "\n" for line in describe(spec, masked="disk")))
         for nr in self.nodes:
             nr.router.create_logs(nr.node.ranks)
         self.display.start()
@@ -280,6 +281,8 @@ class SSHRun:
         why = {"failure": f"{self.first_failure.node.host} failed" if self.first_failure else "a node failed",
                "hang": "hang detected", "error": "launcher error"}.get(self.reason, f"{self.reason} received")
         self.display.line(f"[launcher] {why}: stopping all nodes (SIGTERM now, SIGKILL after {grace:g} s)")
+        if self.reason == "SIGINT":  # Ctrl-C: the nodes' stop chatter and tracebacks go to the logs only
+            self.display.mute()
         # 1. Ctrl-C into every live pty: each helper starts stopping its node within a round trip
         #    (not where torchrun already exited: that helper is draining and sweeping on its own)
         for nr in self.nodes:
@@ -352,6 +355,12 @@ class SSHRun:
 
     def _summary(self, code: int) -> None:
         say, run = self.display.line, self.run_dir
+        if self.reason == "SIGINT":  # one line, plus the nodes that need attention (no confirmed stop)
+            say(interrupted_line("SIGINT", code, self.spec.world_size, len(self.nodes), None, self.stats, run.logs,
+                                 self.display.hidden))
+            for nr in (nr for nr in self.nodes if nr.note or nr.error):
+                say(f"   node {nr.node.node_rank} {nr.node.host}: {nr.note or nr.error}")
+            return
         if self.reason in ("SIGINT", "SIGTERM", "SIGHUP"):
             head = f"run stopped by {self.reason}"
         elif self.reason == "hang":

@@ -25,20 +25,23 @@ Where lines go (:class:`LineRouter`): each rank's lines are appended to
 ``logs/launcher.log`` and are shown as ``[localhost] text``. Progress events (``@@llmtrain
 {json}`` on rank 0's stdout, :mod:`llmtrain.launch.events`) are logged but not shown as text:
 they drive the one progress bar of :class:`Display` instead.
+
+After Ctrl-C (:meth:`Display.mute`, called by the launchers on SIGINT) the streamed lines
+still go to every log file, but no longer to the screen: torchrun and its workers answer a
+stop with pages of ``KeyboardInterrupt`` / ``SignalException`` tracebacks, and a user who
+pressed Ctrl-C wants the prompt back with one line saying what was stopped
+(:func:`interrupted_line`). The launcher's own messages (``Display.line``) are still shown.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import selectors
-import signal
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Iterable
+from typing import IO, Iterable
 
 from rich.console import Console
 from rich.text import Text
@@ -202,6 +205,8 @@ class Display:
         self._t0: float | None = None
         self._last_print = 0.0
         self._last_step = -1
+        self.muted = False  # after Ctrl-C: streamed lines go to the logs only
+        self.hidden = 0  # streamed lines not shown since mute()
 
     def start(self) -> None:
         if not self.live:
@@ -221,7 +226,23 @@ class Display:
         # escape codes elsewhere, instead of printing them raw into a CI log
         target.print(Text.from_ansi(text), highlight=False, soft_wrap=True, markup=False, emoji=False)
 
+    def stream_line(self, text: str) -> None:
+        """A line of the run's output (a rank's, torchrun's, a node helper's): shown unless muted."""
+        if self.muted:
+            self.hidden += 1
+            return
+        self.line(text)
+
+    def mute(self) -> None:
+        """From now on streamed lines and progress are not shown (they are still logged)."""
+        self.muted = True
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
     def progress(self, stats: RunStats) -> None:
+        if self.muted:
+            return
         if self._t0 is None and stats.step > 0:
             self._t0 = time.monotonic()
         info = _progress_info(stats)
@@ -288,12 +309,12 @@ class LineRouter:
             self.display.progress(self.stats)
             return
         self.rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
-        self.display.line(f"[{self.host}:{rank}] {text}")
+        self.display.stream_line(f"[{self.host}:{rank}] {text}")
 
     def launcher_line(self, text: str) -> None:
         self._file(self.launcher_log).write(text + "\n")
         self.launcher_lines.append(text)
-        self.display.line(f"[{self.host}] {text}")
+        self.display.stream_line(f"[{self.host}] {text}")
 
     def flush(self) -> None:
         for fp in self._files.values():
@@ -305,101 +326,6 @@ class LineRouter:
         self._files.clear()
 
 
-FAILURE_FIELD_RE = re.compile(r"^\s{2}(rank|exitcode|error_file)\s*:\s*(-?\d+|\S+)")
-
-
-@dataclass(frozen=True)
-class Failure:
-    """One failed worker from torchrun's ``ChildFailedError`` report."""
-
-    rank: int
-    exitcode: str
-    error_file: str | None = None  # written by a worker whose main is wrapped in torch's @record
-
-
-def parse_failures(lines: Iterable[str]) -> list[Failure]:
-    """The failed workers in torchrun's failure report (``Failures:``, ``Root Cause``), root cause first."""
-    root: list[Failure] = []
-    others: list[Failure] = []
-    section: list[Failure] | None = None
-    entry: dict[str, str] | None = None
-
-    def close() -> None:
-        if section is None or not entry or not entry.get("rank", "").isdigit():
-            return
-        rank, error_file = int(entry["rank"]), entry.get("error_file")
-        if all(f.rank != rank for f in root + others):
-            section.append(Failure(rank, entry.get("exitcode", "?"), None if error_file == "<N/A>" else error_file))
-
-    for line in lines:
-        if line.startswith(("Failures:", "Root Cause", "====")):
-            close()
-            section = others if line.startswith("Failures:") else root if line.startswith("Root Cause") else None
-            entry = None
-        elif section is not None and re.match(r"^\[\d+\]:\s*$", line):
-            close()
-            entry = {}
-        elif entry is not None and (m := FAILURE_FIELD_RE.match(line)):
-            entry.setdefault(m.group(1), m.group(2))
-    close()
-    return root + others
-
-
-def error_file_message(path: str | None) -> str | None:
-    """First line of the message in a torchelastic error file (``{"message": {"message": ...}}``)."""
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fp:
-            data = json.load(fp)
-        message = data["message"]
-        message = message["message"] if isinstance(message, dict) else message
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return str(message).strip().splitlines()[0][:500] if str(message).strip() else None
-
-
-def signal_name(exitcode: str) -> str:
-    """"-15" -> "SIGTERM" (torchrun reports a worker killed by a signal as a negative exit code)."""
-    try:
-        number = -int(exitcode)
-    except ValueError:
-        return ""
-    if number <= 0:
-        return ""
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def stats_summary(stats: RunStats) -> str:
-    """``steps 12/12, final loss 1.2345, 5,400 tokens/s``: the summary's progress line."""
-    steps = f"{stats.step}/{stats.steps}" if stats.steps else str(stats.step)
-    loss = stats.final_loss if stats.final_loss is not None else stats.loss
-    parts = [f"steps {steps}"]
-    if loss is not None:
-        parts.append(f"{'final ' if stats.ended else 'last '}loss {loss:.4f}")
-    if stats.tokens_per_s is not None:
-        parts.append(f"{stats.tokens_per_s:,.0f} tokens/s")
-    return ", ".join(parts)
-
-
-def failure_lines(failures: list[Failure], rank_tails: dict[int, deque[str]], rank_log: Callable[[int], Path],
-                  error_message: Callable[[Failure], str | None], host: str | None = None) -> list[str]:
-    """Summary lines for torchrun's failed workers: the root cause with its last log lines and
-    error-file message, then the ranks that were only stopped (by a signal) because of it."""
-    out = []
-    where = f" on {host}" if host else ""
-    for n, failure in enumerate(failures):
-        signame = signal_name(failure.exitcode)
-        if n > 0 and signame:
-            out.append(f"   rank {failure.rank}{where} was stopped by {signame} after the failure")
-            continue
-        out.append(f"   rank {failure.rank}{where} failed (exit code {failure.exitcode}{', ' + signame if signame else ''}); "
-                   f"last lines of {rank_log(failure.rank)}:")
-        out += [f"     | {line}" for line in list(rank_tails.get(failure.rank, []))[-10:]]
-        message = error_message(failure)
-        if message:
-            out.append(f"     error: {message}")
-    return out
+# the run's summary (torchrun's failure report, the Ctrl-C line) lives in its own module; re-exported
+from llmtrain.launch.summary import (Failure, error_file_message, failure_lines, interrupted_line,  # noqa: E402,F401
+                                     parse_failures, signal_name, stats_summary)

@@ -13,7 +13,8 @@ rank, ``breakdown_gib``, ``per_rank`` per pipeline rank, ``fits``, ``hints``), `
 ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``breakdown_s``). ``batch``, ``pipeline``,
 ``layout`` and the cost keys are null when the layout is invalid.
 With ``--hosts``, ``launch`` holds the environment every node gets (``env``: ``{name, value, source,
-secret}``, secret values as ``****``; ``launcher_env``: the per-run variables the launcher adds).
+secret}``, secret values as ``****``, URL user-info and token shapes masked inside other values;
+``launcher_env``: the per-run variables the launcher adds).
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def launch_dict(plan: Plan) -> dict[str, Any]:
     except LLMTrainError as exc:
         out["env_error"] = exc.problems[0].line()
         return out
-    out["env"] = [{"name": v.name, "value": v.shown(), "source": v.source, "secret": v.secret} for v in env]
+    # "secret": the value is (partly) masked: a secret name, an env file value, URL user-info, a token shape
+    out["env"] = [{"name": v.name, "value": v.shown(), "source": v.source, "secret": v.secret or v.shown() != v.value}
+                  for v in env]
     return out
 
 

@@ -295,6 +295,11 @@ class LaunchConfig(Strict):
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment variables set on every node, verbatim (names with TOKEN/KEY/SECRET/PASSWORD are masked)."
     )
+    env_sources: dict[str, Literal["recipe", "env_file"]] = Field(
+        default_factory=dict, description="Written into recipe.lock.yaml instead of the launch.env / env_file values (never "
+        "stored): NAME -> recipe | env_file. A recipe-sourced name without a launch.env value is taken from the "
+        "launching environment (llmtrain resume); missing there: an error."
+    )
     env_passthrough: list[str] = Field(
         default_factory=list, description="Extra name patterns (fnmatch: NCCL_*, MY_VAR) copied from the launching environment."
     )
@@ -321,7 +326,7 @@ class LaunchConfig(Strict):
     banner_timeout_s: float = Field(10, gt=0, le=600, description="Wait this long for a host's SSH banner and authentication.")
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig, description="Hang detection.")
 
-    @field_validator("env")
+    @field_validator("env", "env_sources")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
         bad = [name for name in value if not re.match(ENV_NAME_PATTERN, name)]
