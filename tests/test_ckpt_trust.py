@@ -320,3 +320,25 @@ def test_init_from_hf_directory_is_read_like_a_checkpoint(base, tmp_path):
     os.mkfifo(hf / "config.json")  # opening it for reading would block forever
     with pytest.raises(LLMTrainError, match="FIFO"):
         check_hf_dir(hf)
+
+
+def test_export_never_writes_into_a_used_directory_without_force(run, tmp_path):
+    """Issue 12 item 8: `ckpt export --hf OUT` refuses a non-empty OUT before reading anything;
+    --force writes the three export files and leaves the directory's other files alone."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("precious")
+    code, output, _ = invoke(["ckpt", "export", str(run), "--hf", str(out)])
+    line = refused(code, output, names=str(out))
+    assert "not empty" in line and "--force" in line
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    code, output, _ = invoke(["ckpt", "export", str(run), "--hf", str(out), "--force"])
+    assert code == 0, output
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "notes.txt"]
+    assert (out / "notes.txt").read_text() == "precious"
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    code, output, _ = invoke(["ckpt", "export", str(run), "--hf", str(afile)])
+    refused(code, output, names=str(afile))
+    assert afile.read_text() == "x"

@@ -314,9 +314,16 @@ def inspect_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
 @report_errors
 def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
                ckpt: str = typer.Option("latest", "--ckpt", help=CKPT_HELP),
-               hf: Path = typer.Option(..., "--hf", help="Output directory for model.safetensors + config.json.")) -> None:
+               hf: Path = typer.Option(..., "--hf", help="Output directory for model.safetensors + config.json "
+                                       "(missing or empty)."),
+               force: bool = typer.Option(False, "--force", help="Write into a non-empty --hf directory (its "
+                                          "model.safetensors, config.json and generation_config.json are replaced).")
+               ) -> None:
     """Export a (verified) checkpoint's model to a Hugging Face LlamaForCausalLM directory (dense models)."""
     from llmtrain.engine.checkpoint_store import STEP_RE, resolve
+    from llmtrain.safeio import output_dir
+
+    hf = output_dir(hf, "--hf", force)  # before reading anything: a non-empty directory needs --force
 
     root, named = checkpoint_root(run_dir)
     spec = str(named) if named is not None and ckpt == "latest" else ckpt
@@ -324,8 +331,6 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
     path, meta, warnings = resolve(root, spec, require=("recipe",), check_index=True)
     for w in warnings:
         typer.echo(f"warning: {w}", err=True)
-    if hf.exists() and not hf.is_dir():
-        raise LLMTrainError(f"{hf} exists and is not a directory", "pick another --hf directory", path="--hf")
     cfg = checkpoint_model(path, meta)
     from llmtrain.engine.checkpoint_meta import CheckpointMeta
     from llmtrain.engine.hf import read_checkpoint_model, save_hf
