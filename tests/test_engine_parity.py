@@ -10,9 +10,12 @@ reduce-scatter, TP partial sums, accumulation order), i.e. relative rounding ~1e
 - losses: |diff| <= 2e-5 at loss ~6 (~3e-6 relative), far below any real bug (a wrong gradient
   scale or a missing reduction changes step-2 loss by > 1e-3);
 - weights after 5 AdamW steps: |diff| <= 2e-4 absolute. AdamW normalizes each update to
-  ~lr = 3e-3 per step whatever the gradient's size, so a rounding-level gradient difference on a
-  near-zero gradient can move a weight by a fraction of lr (CPU facts note: ~1e-4 seen); a bug
-  (missing reduction, wrong shard) shows up as errors of order lr * steps = 1.5e-2.
+  ~lr = 3e-3 per step whatever the gradient's size, so a rounding-level gradient difference dg on
+  a near-zero gradient moves a weight by up to lr * dg / eps per step (CPU facts note: ~1e-4
+  seen with torch's eps = 1e-8; which element is hit depends on the CPU's kernels). The runs use
+  eps = 1e-6 (COMMON), ~1000x below the typical |g| ~ 1e-3, which damps that 100x and leaves the
+  update ~lr * sign(g) (measured for the 5D matrix, tests/test_engine_5d.py); a bug (missing
+  reduction, wrong shard) shows up as errors of order lr * steps = 1.5e-2.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from tests.distrun import run_cases
 
 STEPS = 5
 COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=5",
-          "train.grad_clip=1.0", "train.schedule.warmup_steps=2", "parallel.dp_shard=-1"]
+          "train.grad_clip=1.0", "train.schedule.warmup_steps=2", "train.optimizer.eps=1e-6",  # eps: see docstring
+          "parallel.dp_shard=-1"]
 LOSS_TOL = 2e-5
 WEIGHT_TOL = 2e-4
 
