@@ -98,24 +98,43 @@ class Cluster:
 
 
 def _kill_pidfile(pidfile: Path) -> None:
+    """Stop the sshd whose pid the PidFile holds, but only while that pid still is this sshd.
+
+    If the sshd is already gone, its pid may belong to another process by now: pids wrap around
+    quickly here (pid_max 32768; a loaded suite cycles through them in about an hour), and a
+    bare ``kill`` would signal whatever process was given the number (found while chasing a
+    torchrun that died of a SIGTERM nobody in its own test sent; not proven to be that case).
+    The daemon's title keeps its ``-f CONFIG`` argument and the config lies beside the PidFile,
+    so the check is that directory in /proc/PID/cmdline. A zombie counts as gone."""
     try:
         pid = int(pidfile.read_text().split()[0])
     except (OSError, ValueError, IndexError):
+        return
+    if not _is_our_sshd(pid, pidfile.parent):
         return
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
         return
     for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _is_our_sshd(pid, pidfile.parent):
             return
         time.sleep(0.02)
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _is_our_sshd(pid: int, root: Path) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fp:
+            cmdline = fp.read()
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            state = fp.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != b"Z" and b"sshd" in cmdline and f"{root}/".encode() in cmdline
 
 
 def _run(*cmd: str) -> None:
