@@ -44,15 +44,16 @@ class LLMTrainError(Exception):
     def lines(self, limit: int = MAX_SHOWN) -> list[str]:
         """One printable line per problem (control characters escaped), the first ``limit`` of
         them and then ``... and N more problems``; ``self.problems`` keeps all of them."""
-        shown = [_escape(p.line()) for p in self.problems[:limit]]
+        shown = [escape_controls(p.line()) for p in self.problems[:limit]]
         if len(self.problems) > limit:
             shown.append(f"... and {len(self.problems) - limit} more problems (fix these first)")
         return shown
 
 
-def _escape(text: str) -> str:
-    # Same rule as llmtrain.safeio.printable, without its length cut: a path or a host name with
-    # an escape sequence or a newline must not rewrite the terminal or fake a second line.
+def escape_controls(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``): a path or a host name with an
+    escape sequence or a newline must not rewrite the terminal or fake a second line. The one
+    rule for every echo; :func:`llmtrain.safeio.printable` adds a length cut."""
     if text.isprintable():
         return text
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)

@@ -25,7 +25,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from llmtrain.errors import LLMTrainError
+from llmtrain.errors import LLMTrainError, escape_controls
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 
@@ -40,10 +40,7 @@ def human_bytes(n: int) -> str:
 
 def printable(text: object, limit: int = 200) -> str:
     """``text`` with control characters escaped (``\\n``, ``\\x1b``) and cut to ``limit`` chars."""
-    s = str(text)
-    if s.isprintable() and len(s) <= limit:
-        return s
-    out = "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in s)
+    out = escape_controls(str(text))
     return out if len(out) <= limit else out[: limit - 3] + "..."
 
 

@@ -130,11 +130,18 @@ def _is_our_sshd(pid: int, root: Path) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fp:
             cmdline = fp.read()
-        with open(f"/proc/{pid}/stat", "rb") as fp:
-            state = fp.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
+    except OSError:
         return False
-    return state != b"Z" and b"sshd" in cmdline and f"{root}/".encode() in cmdline
+    return _state(pid) not in (None, b"Z") and b"sshd" in cmdline and f"{root}/".encode() in cmdline
+
+
+def _state(pid: int | str) -> bytes | None:
+    """The state letter of /proc/PID/stat (b"Z" for a zombie), None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fp:
+            return fp.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _run(*cmd: str) -> None:
@@ -339,11 +346,8 @@ def run_processes(run_id: str) -> list[int]:
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as fp:
-                if needle in fp.read().split(b"\0"):
-                    with open(f"/proc/{name}/stat", "rb") as st:
-                        state = st.read().rsplit(b")", 1)[1].split()[0]
-                    if state != b"Z":
-                        found.append(int(name))
+                if needle in fp.read().split(b"\0") and _state(name) not in (None, b"Z"):
+                    found.append(int(name))
         except OSError:
             continue
     return found
