@@ -130,7 +130,9 @@ def test_tp_crossing_nodes_is_a_warning():
 
 def test_hidden_divisible_by_heads():
     p = find(errors(debug({"model": {"hidden": 100}})), "model.hidden", "hidden (100) not divisible by heads (8)")
-    assert p.hint == "use heads in {1, 2, 4, 5, 10, 20, 25, 50, 100}"
+    assert p.hint == "use heads in {1, 2, 4, 5, 10, 20, 25, 50, 100}, or set model.head_dim"
+    # an explicit head_dim (Qwen3's form) lifts the requirement: q/k/v widths are heads x head_dim
+    assert not [e for e in errors(debug({"model": {"hidden": 100, "head_dim": 16}})) if e.path == "model.hidden"]
 
 
 def test_heads_divisible_by_kv_heads():
@@ -139,8 +141,17 @@ def test_heads_divisible_by_kv_heads():
 
 
 def test_odd_head_dim():
-    p = find(errors(debug({"model": {"hidden": 120}})), "model.heads", "head_dim = hidden / heads = 15 is odd", "RoPE")
+    p = find(errors(debug({"model": {"hidden": 120}})), "model.head_dim", "head_dim (15) is odd", "RoPE")
     assert "even quotient" in p.hint
+    find(errors(debug({"model": {"head_dim": 15}})), "model.head_dim", "head_dim (15) is odd")
+
+
+def test_sliding_window_longer_than_seq_len_only():
+    """Sliding-window attention is not implemented: a window the sequence never exceeds is exact
+    (full causal attention), a shorter one is refused naming the field."""
+    assert not [e for e in errors(debug({"model": {"sliding_window": 128}})) if e.path == "model.sliding_window"]
+    p = find(errors(debug({"model": {"sliding_window": 64}})), "model.sliding_window", "seq_len (128) exceeds")
+    assert p.hint == "use train.seq_len <= 64"
 
 
 def test_seq_len_exceeds_max_seq_len():

@@ -104,15 +104,22 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
                      "use a tp that divides the slots of every node"))
 
     # -- model shape -------------------------------------------------------------------------
-    if m.hidden % m.heads:
+    if m.hidden % m.heads and not m.explicit_head_dim:
         err(Problem("model.hidden", f"hidden ({m.hidden}) not divisible by heads ({m.heads})",
-                    f"use heads in {_choices(divisors(m.hidden))}"))
+                    f"use heads in {_choices(divisors(m.hidden))}, or set model.head_dim"))
     if m.heads % m.kv_heads:
         err(Problem("model.kv_heads", f"heads ({m.heads}) not divisible by kv_heads ({m.kv_heads})",
                     f"use kv_heads in {_choices(divisors(m.heads))}"))
-    if m.hidden // m.heads % 2 and m.hidden % m.heads == 0:
-        err(Problem("model.heads", f"head_dim = hidden / heads = {m.hidden // m.heads} is odd; RoPE rotates pairs",
-                    "choose hidden and heads with an even quotient"))
+    if m.head_dim % 2 and (m.hidden % m.heads == 0 or m.explicit_head_dim):
+        err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
+                    "choose an even head_dim (or hidden and heads with an even quotient)"))
+    if m.sliding_window is not None and t.seq_len > m.sliding_window:
+        err(Problem("model.sliding_window", f"seq_len ({t.seq_len}) exceeds the sliding window ({m.sliding_window}); "
+                    "sliding-window attention is not implemented, only sequences it does not affect",
+                    f"use train.seq_len <= {m.sliding_window}"))
+    if m.is_moe and not any(m.is_moe_layer(i) for i in range(m.layers)):
+        warn(Problem("model.moe", f"{m.moe.num_experts} experts but no layer is MoE (first_dense_layers, "
+                     "sparse_step, dense_layers exclude all)", "check model.moe's layer selection"))
     if t.seq_len > m.max_seq_len:
         err(Problem("train.seq_len", f"seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
                     f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))

@@ -53,6 +53,38 @@ class MoEConfig(Strict):
     capacity_factor: float | None = Field(
         None, gt=0, le=1024, description="Expert capacity = factor x tokens x top_k / experts; overflow tokens are dropped. None = no dropping."
     )
+    norm_topk_prob: bool = Field(
+        True, description="Softmax router: renormalize the top-k probabilities to sum 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)."
+    )
+    sparse_step: int = Field(
+        1, ge=1, le=BIG, description="Layer i (0-based) is MoE only if (i + 1) is a multiple of this (Qwen's decoder_sparse_step)."
+    )
+    dense_layers: list[int] = Field(
+        default_factory=list, description="Further layer indices (0-based) with a dense MLP of ffn_hidden (Qwen's mlp_only_layers)."
+    )
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        if any(i < 0 or i >= BIG for i in value):
+            raise ValueError("layer indices must be >= 0")
+        return sorted(set(value))
+
+
+class RopeScaling(Strict):
+    """RoPE frequency scaling for long context (Llama 3.1's ``rope_type: llama3``)."""
+
+    type: Literal["llama3"] = Field("llama3", description="Scaling rule; llama3 = Llama 3.1/3.2/3.3 (the only one implemented).")
+    factor: float = Field(8.0, gt=0, le=1e6, description="Wavelengths longer than original_max_seq_len / low_freq_factor are divided by this.")
+    low_freq_factor: float = Field(1.0, gt=0, le=1e6, description="Low-frequency boundary: original_max_seq_len / low_freq_factor.")
+    high_freq_factor: float = Field(4.0, gt=0, le=1e6, description="High-frequency boundary (unchanged above it): original_max_seq_len / high_freq_factor.")
+    original_max_seq_len: int = Field(8192, ge=1, le=BIG, description="Context length of pretraining before scaling (HF original_max_position_embeddings).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+        return self
 
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
@@ -73,6 +105,21 @@ class ModelConfig(Strict):
     rope_theta: float | None = Field(None, gt=0, le=1e12, description="RoPE base frequency.")
     norm_eps: float | None = Field(None, gt=0, le=1, description="RMSNorm epsilon.")
     tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output layer.")
+    head_dim: int | None = Field(
+        None, ge=2, le=BIG, description="Width of one attention head (default hidden / heads; Qwen3 sets it explicitly)."
+    )
+    qkv_bias: bool = Field(False, description="Biases on the q, k and v projections (Qwen2 / Qwen2.5).")
+    qk_norm: bool = Field(False, description="RMSNorm over head_dim on each query and key head before RoPE (Qwen3).")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+); None = plain RoPE.")
+    sliding_window: int | None = Field(
+        None, ge=1, le=BIG,
+        description="Sliding-window attention span (Mistral v0.1). Only train.seq_len <= sliding_window is supported, where it has no effect.",
+    )
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] | None = Field(
+        None,
+        description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
+        "(default: llama when dense, mixtral when MoE).",
+    )
     moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-experts settings.")
 
     @model_validator(mode="before")
@@ -112,6 +159,9 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"missing {', '.join(missing)}; set model.preset (one of: {', '.join(PRESETS)}) or give them explicitly"
             )
+        if self.head_dim is None:  # resolved here so that every reader sees one number
+            self.head_dim = max(1, self.hidden // self.heads)
+            self.model_fields_set.discard("head_dim")  # still "derived" for validate.py's divisibility check
         return self
 
     @property
@@ -119,8 +169,19 @@ class ModelConfig(Strict):
         return self.moe.num_experts > 1
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def explicit_head_dim(self) -> bool:
+        """head_dim was given (not derived as hidden / heads); then hidden % heads need not be 0."""
+        return "head_dim" in self.model_fields_set
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has an MoE MLP (else a dense one of ffn_hidden)."""
+        return (self.is_moe and layer >= self.moe.first_dense_layers and (layer + 1) % self.moe.sparse_step == 0
+                and layer not in self.moe.dense_layers)
+
+    @property
+    def hf_family(self) -> str:
+        """The Hugging Face model_type of this model: ``family``, else llama (dense) or mixtral (MoE)."""
+        return self.family or ("mixtral" if self.is_moe else "llama")
 
     @property
     def expert_ffn(self) -> int:
