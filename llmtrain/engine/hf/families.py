@@ -27,21 +27,16 @@ Decisions:
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import ModelConfig
-from llmtrain.safeio import MIB, inside, open_regular, printable, read_regular
+from llmtrain.safeio import printable
 
 if TYPE_CHECKING:  # torch is imported by the functions that read or write tensors, so that
     import torch   # `llmtrain launch --init-from-hf` can check a directory without importing it
 
-WEIGHTS = "model.safetensors"
-CONFIG = "config.json"
 # our per-layer suffix -> HF per-layer suffix (under model.layers.N.)
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -56,6 +51,64 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+
+
+
+# -- the tensor map: the one description of "which HF tensors make which of ours" ---------------
+
+@dataclass(frozen=True)
+class Source:
+    """How one tensor of our full (unsharded) model state dict is made from HF tensors, and back.
+
+    * ``hf``: the HF tensor names. One name: our tensor is that tensor (same shape). Several
+      names (``stacked``): our tensor stacks them along a new dim 0 (routed experts: our
+      ``w1`` [E, F, H] is HF's ``experts.{e}...weight`` [F, H] for e in 0..E-1).
+    * ``head_dim``: when set, dim 0 of each HF tensor is a run of heads of ``head_dim`` rows in
+      HF's half-split RoPE order; ours is interleaved (:func:`half_to_interleaved` per head).
+      Set for q/k projection weights and biases and for q/k norm weights (one head).
+
+    Readers that want only a slice of our tensor: dim 0 of ours maps to experts (stacked) or to
+    rows of the HF tensor (a row slice needs whole heads when ``head_dim`` is set: read the
+    covering heads, permute, cut); every other dim maps 1:1.
+    """
+
+    hf: tuple[str, ...]
+    stacked: bool = False
+    head_dim: int | None = None
+
+
+def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
+    """Every key of ``Transformer(cfg).state_dict()`` (no ``model.`` prefix) -> its :class:`Source`.
+
+    ``output.weight`` is absent when embeddings are tied (HF stores only the embedding)."""
+    require_dense(cfg)
+    out: dict[str, Source] = {}
+    for ours, theirs in TOP_NAMES.items():
+        if ours == "output.weight" and cfg.tie_embeddings:
+            continue
+        out[ours] = Source((theirs,))
+    for i in range(cfg.layers):
+        for ours, theirs in LAYER_NAMES.items():
+            rope = ours in ("attention.wq.weight", "attention.wk.weight")
+            out[f"layers.{i}.{ours}"] = Source((f"model.layers.{i}.{theirs}",), head_dim=cfg.head_dim if rope else None)
+    return out
+
+
+def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Our tensor from the HF tensors ``src.hf`` names (in that order)."""
+    import torch
+
+    if src.head_dim is not None:
+        tensors = [half_to_interleaved(t, t.shape[0] // src.head_dim) for t in tensors]
+    return torch.stack(tensors) if src.stacked else tensors[0]
+
+
+def to_hf(src: Source, ours: torch.Tensor) -> list[torch.Tensor]:
+    """The HF tensors (in ``src.hf`` order) of our tensor (new, contiguous tensors)."""
+    parts = list(ours.unbind(0)) if src.stacked else [ours]
+    if src.head_dim is not None:
+        return [interleaved_to_half(t, t.shape[0] // src.head_dim) for t in parts]
+    return [t.detach().clone().contiguous() for t in parts]
 
 
 # -- the RoPE row permutation ------------------------------------------------------------------
@@ -223,151 +276,3 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
     return problems
 
 
-# -- files --------------------------------------------------------------------------------------
-
-CONFIG_CAP = 16 * MIB
-
-
-def _inside_model_dir(d: Path, f: Path) -> bool:
-    """``f`` resolves inside ``d`` — or, for a Hugging Face cache snapshot
-    (``models--X/snapshots/<rev>/``, whose files link to ``../../blobs/``), inside its blobs."""
-    return inside(d, f) or (d.parent.name == "snapshots" and inside(d.parent.parent / "blobs", f))
-
-
-def check_hf_dir(directory: str | Path, flag: str = "--init-from-hf") -> tuple[dict, list[Path]]:
-    """``(config, weight files)`` of an HF model directory; :class:`LLMTrainError` naming ``flag``.
-
-    The directory is untrusted: ``config.json`` is read as a regular file of at most
-    :data:`CONFIG_CAP` bytes, every file must be a regular file that resolves inside it (symlinks
-    out of it are refused, except a Hugging Face cache snapshot's links to its blobs), and the
-    weights are safetensors only (a format that holds no code)."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise LLMTrainError(f"{printable(d)}: no such directory", "pass a directory made by `llmtrain ckpt export --hf`",
-                            path=flag)
-    files = sorted(d.glob("*.safetensors"))
-    if not os.path.lexists(d / CONFIG) or not files:  # a FIFO or link named config.json is refused below
-        names = ", ".join(printable(n, 60) for n in sorted(p.name for p in d.iterdir())[:20]) or "nothing"
-        raise LLMTrainError(f"{printable(d)}: needs {CONFIG} and *.safetensors (has {names})",
-                            "pass a directory made by `llmtrain ckpt export --hf` or a Hugging Face Llama model",
-                            path=flag)
-    for f in (d / CONFIG, *files):
-        if not _inside_model_dir(d, f):
-            raise LLMTrainError(f"{printable(f)}: resolves outside {printable(d)} (symlink)",
-                                "copy the model into the directory instead of linking out of it", path=flag)
-        fobj, _ = open_regular(f, "model file", field=flag)
-        fobj.close()
-    raw = read_regular(d / CONFIG, CONFIG, CONFIG_CAP, field=flag)
-    try:
-        conf = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise LLMTrainError(f"{printable(d / CONFIG)}: unreadable ({printable(exc, 120)})", "", path=flag) from None
-    if not isinstance(conf, dict):
-        raise LLMTrainError(f"{printable(d / CONFIG)}: not a JSON object", "", path=flag)
-    return conf, files
-
-
-def read_hf_state(files: list[Path]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    return state
-
-
-def save_hf(directory: str | Path, ours: dict[str, torch.Tensor], cfg: ModelConfig) -> list[Path]:
-    """Write ``model.safetensors`` + ``config.json`` (+ ``generation_config.json``) of ``ours``."""
-    from safetensors.torch import save_file
-
-    out = Path(directory)
-    state = to_hf_state(ours, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2) + "\n")
-    return [out / WEIGHTS, out / CONFIG, out / "generation_config.json"]
-
-
-def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """``model.<name> -> shape`` of every tensor our model with ``cfg`` has (built on the meta
-    device: nothing is allocated)."""
-    import torch
-
-    from llmtrain.engine.models.llama import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def read_checkpoint_model(path: str | Path, files=None, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """The full (unsharded) ``model.*`` tensors of a DCP checkpoint saved from any layout, read in
-    this one process without a process group (DCP assembles every shard from its global offsets).
-
-    Read through :class:`~llmtrain.engine.safe_reader.SafeReader` (DCP's index via the allow-list,
-    only shards ``metadata.json`` lists: ``files``, read from it when None). With ``cfg`` the
-    index's ``model.*`` entries must be exactly that model's names and shapes, so nothing else
-    is allocated or read."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
-    from llmtrain.engine.checkpoint_meta import load_meta
-    from llmtrain.engine.safe_reader import SafeReader, dcp_guard
-
-    if files is None:
-        files = load_meta(path).files
-    with dcp_guard(path):
-        reader = SafeReader(path, files)
-        if cfg is not None:
-            _check_model_entries(reader.index, cfg, Path(path))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-            state = _load_state_dict_from_keys({"model"}, storage_reader=reader)
-    return dict(state["model"])
-
-
-def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
-    have = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if k.startswith("model.")}
-    layers = {k.split(".")[2] for k in have if k.startswith("model.layers.")}
-    embed = have.get("model.tok_embeddings.weight")
-    if len(layers) != cfg.layers or embed != (cfg.vocab_size, cfg.hidden):  # before building anything from cfg
-        raise LLMTrainError(f"{printable(path / '.metadata')}: the index holds {len(layers)} layers and embeddings "
-                            f"{list(embed) if embed else None}, metadata.json's recipe.model has {cfg.layers} layers "
-                            f"and [{cfg.vocab_size}, {cfg.hidden}]",
-                            "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
-    want = expected_model_shapes(cfg)
-    extra, absent = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-    wrong = sorted(k for k in set(have) & set(want) if have[k] != want[k])
-    if extra or absent or wrong:
-        what = (f"unexpected {printable(extra[0], 80)}" if extra else f"no {absent[0]}" if absent
-                else f"{wrong[0]} is {list(have[wrong[0]])}, the recipe's model has {list(want[wrong[0]])}")
-        raise LLMTrainError(f"{printable(path / '.metadata')}: model tensors do not match metadata.json's "
-                            f"recipe.model ({what}; {len(extra) + len(absent) + len(wrong)} differences)",
-                            "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
-
-
-# -- into the engine's (sharded) model ----------------------------------------------------------
-
-def load_hf_weights(parts, directory: str | Path, model_cfg: ModelConfig) -> None:
-    """Load HF Llama weights from ``directory`` into the model chunks ``parts.parts`` (any layout)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-
-    require_dense(model_cfg)
-    conf, files = check_hf_dir(directory, "checkpoint.init_from_hf")
-    problems = config_problems(conf, model_cfg, "checkpoint.init_from_hf")
-    if problems:
-        raise LLMTrainError(problems)
-    state = from_hf_state(read_hf_state(files), model_cfg)
-    options = StateDictOptions(full_state_dict=True)
-    for part in parts.parts:
-        current = get_model_state_dict(part)
-        missing = sorted(k for k in current if k not in state)
-        if missing:
-            raise LLMTrainError(f"{directory}: no weights for {', '.join(missing[:3])}"
-                                + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""),
-                                "the safetensors do not hold the whole model", path="checkpoint.init_from_hf")
-        for k, full in ((k, state[k]) for k in current):
-            if tuple(full.shape) != tuple(current[k].shape):
-                raise LLMTrainError(f"{k}: Hugging Face shape {tuple(full.shape)}, model {tuple(current[k].shape)}",
-                                    "the weights do not match the recipe's model", path="checkpoint.init_from_hf")
-        set_model_state_dict(part, {k: state[k].to(current[k].dtype) for k in current}, options=options)
