@@ -205,16 +205,48 @@ def test_process_tree_keeps_orphaned_grandchildren_in_new_sessions():
     assert grandchild not in tree.alive()
 
 
-def test_marked_pids_matches_the_exact_run_id():
-    env = dict(os.environ, LLMTRAIN_RUN_ID="20000101-000000-abcd")
+def test_marked_pids_matches_the_exact_launch_id():
+    env = dict(os.environ, LLMTRAIN_LAUNCH_ID="0123456789abcdef", LLMTRAIN_RUN_ID="run")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
     try:
         time.sleep(0.2)
-        assert child.pid in marked_pids("20000101-000000-abcd")
-        assert child.pid not in marked_pids("20000101-000000-abc")
+        assert child.pid in marked_pids("0123456789abcdef")
+        assert child.pid not in marked_pids("0123456789abcde") and child.pid not in marked_pids("run")
     finally:
         child.kill()
         child.wait()
+
+
+def test_same_named_runs_side_by_side_do_not_stop_each_other(tmp_path):
+    """Two launches of run directories with the same name (a copied run, as the suite's
+    ``clone_run`` makes them; or two resumes) at the same time: the first to finish sweeps its
+    own processes only. Before launches had their own id, the sweep went by run id and SIGTERMed
+    the other launch's torchrun (exit 143 after it had trained and saved)."""
+    runs = []
+    for side in ("a", "b"):
+        (tmp_path / side).mkdir()
+        result = launch(tmp_path / side)
+        assert result.returncode == 0, result.stdout + result.stderr
+        src = latest_run(tmp_path / side / "runs", "debug")
+        runs.append(src.rename(src.parent / "run"))  # both run ids are now "run"
+    code = ("import sys; from llmtrain.launch.local import relaunch_local; from llmtrain.recipe.load import load_recipe; "
+            "sys.exit(relaunch_local(sys.argv[1], load_recipe(sys.argv[1] + '/recipe.lock.yaml')))")
+    slow = subprocess.Popen([sys.executable, "-c", code, str(runs[1])], cwd=tmp_path, text=True,
+                            env=cli_env(FAKE_ENGINE_SLEEP="1.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not run_processes("run") and time.monotonic() < deadline:  # the slow run's ranks are up
+            time.sleep(0.1)
+        fast = subprocess.run([sys.executable, "-c", code, str(runs[0])], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert fast.returncode == 0, fast.stdout + fast.stderr
+        assert slow.poll() is None, "the slow run ended while the fast one finished"
+        out, _ = slow.communicate(timeout=120)
+    finally:
+        if slow.poll() is None:
+            slow.kill()
+    assert slow.returncode == 0, out[-3000:]
+    assert "run finished: exit code 0" in out
 
 
 def test_line_splitter_keeps_partial_lines_until_complete():

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -50,7 +51,7 @@ from llmtrain.safeio import MIB, read_text
 
 DEFAULT_PASSTHROUGH = ("NCCL_*", "CUDA_*", "TORCH_*", "GLOO_*", "HF_*", "WANDB_*", "PYTHONPATH")
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-RESERVED = ("LLMTRAIN_RUN_ID", "LLMTRAIN_RUN_DIR", "LLMTRAIN_NODE_ID", "PYTHONUNBUFFERED")
+RESERVED = ("LLMTRAIN_RUN_ID", "LLMTRAIN_RUN_DIR", "LLMTRAIN_NODE_ID", "LLMTRAIN_LAUNCH_ID", "PYTHONUNBUFFERED")
 MAX_ENV_FILE = MIB
 __all__ = ["MASK", "MIN_REDACT", "EnvVar", "is_secret", "read_env_file", "policy_env", "launcher_env", "merge",
            "shell_assignments", "Redactor", "lock_recipe", "restore_env", "run_env", "env_file_path"]
@@ -148,9 +149,23 @@ def policy_env(launch: LaunchConfig, environ: Mapping[str, str] | None = None,
     return [out[name] for name in sorted(out)]
 
 
-def launcher_env(run_id: str, run_dir: str, node_rank: int, visible_devices: Iterable[int] | None = None) -> list[EnvVar]:
+def new_launch_id() -> str:
+    """A fresh id for one launcher invocation (``LLMTRAIN_LAUNCH_ID``).
+
+    The run id is not unique enough to find "this launch's processes": a resumed run keeps its
+    id, and a copied run directory has the same name as its original (the test suite's clones
+    are all called ``run``). A launcher that swept by run id killed another launcher's torchrun
+    of a same-named run running at the same time (a SIGTERM, exit 143, seen when two suites ran
+    side by side). 64 random bits per launch cannot collide in practice."""
+    return secrets.token_hex(8)
+
+
+def launcher_env(run_id: str, run_dir: str, node_rank: int, visible_devices: Iterable[int] | None = None,
+                 launch_id: str | None = None) -> list[EnvVar]:
     out = [EnvVar("LLMTRAIN_RUN_ID", run_id, "launcher"), EnvVar("LLMTRAIN_RUN_DIR", run_dir, "launcher"),
            EnvVar("LLMTRAIN_NODE_ID", f"{run_id}.{node_rank}", "launcher"), EnvVar("PYTHONUNBUFFERED", "1", "launcher")]
+    if launch_id is not None:
+        out.insert(3, EnvVar("LLMTRAIN_LAUNCH_ID", launch_id, "launcher"))
     if visible_devices is not None:
         out.append(EnvVar("CUDA_VISIBLE_DEVICES", ",".join(map(str, visible_devices)), "launcher"))
     return out

@@ -19,7 +19,7 @@ What happens, in order (:func:`launch_local`):
    plus the recipe's environment policy (:mod:`llmtrain.launch.envpolicy`, the same code as
    the SSH launcher: passthrough < ``launch.env_file`` < ``launch.env``; values restored from
    the caller's environment on resume), ``OMP_NUM_THREADS`` = ``max(1, cpus // W)`` (unless
-   set), and the launcher's own ``LLMTRAIN_RUN_ID``, ``LLMTRAIN_RUN_DIR``, ``LLMTRAIN_NODE_ID``,
+   set), and the launcher's own ``LLMTRAIN_RUN_ID``, ``LLMTRAIN_RUN_DIR``, ``LLMTRAIN_NODE_ID``, ``LLMTRAIN_LAUNCH_ID``,
    ``PYTHONUNBUFFERED=1``. Secret values are masked in every line shown or written to
    ``logs/`` and never written to disk (``recipe.lock.yaml`` keeps names and sources only).
    ``LLMTRAIN_ENGINE_MODULE`` (a test/debug hook) replaces ``llmtrain.engine.main``.
@@ -41,8 +41,9 @@ name or pattern matching:
   their own sessions, and grandchildren that were orphaned and re-parented to init, stay
   known; the start time guards against pid reuse;
 * as a safety net, processes of the same user whose ``/proc/PID/environ`` holds exactly
-  ``LLMTRAIN_RUN_ID=<this run's id>`` (set by the launcher for this run only), which catches
-  a child that forked and exited between two scans.
+  ``LLMTRAIN_LAUNCH_ID=<this launch's id>`` (a fresh random id per launcher invocation: the
+  run id is shared by a resumed run's launches and by copies of a run directory), which
+  catches a child that forked and exited between two scans.
 
 The same sweep runs after a normal exit, so a run never leaves processes behind. torchrun
 also gets ``PR_SET_PDEATHSIG=SIGTERM`` (Linux), so even a SIGKILLed launcher stops the run.
@@ -65,7 +66,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.envpolicy import EnvVar, Redactor, launcher_env, lock_recipe, run_env
+from llmtrain.launch.envpolicy import EnvVar, Redactor, launcher_env, lock_recipe, new_launch_id, run_env
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
@@ -156,7 +157,7 @@ def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE, max_r
 
 
 def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_restarts: int = 0,
-               policy: list[EnvVar] | tuple[EnvVar, ...] = ()) -> dict[str, str]:
+               policy: list[EnvVar] | tuple[EnvVar, ...] = (), launch_id: str | None = None) -> dict[str, str]:
     """``base`` (this machine's environment) < the env policy's ``policy`` < the launcher's own."""
     env = dict(os.environ if base is None else base)
     env.update({v.name: v.value for v in policy})
@@ -167,7 +168,7 @@ def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_
     if not env.get("OMP_NUM_THREADS"):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         env["OMP_NUM_THREADS"] = str(max(1, cpus // world))
-    env.update({v.name: v.value for v in launcher_env(run.run_id, str(run.path.resolve()), 0)})
+    env.update({v.name: v.value for v in launcher_env(run.run_id, str(run.path.resolve()), 0, launch_id=launch_id)})
     return env
 
 
@@ -191,6 +192,7 @@ class LocalRun:
         self.tailer = WorkerLogTailer(run.torchrun_logs, nproc_per_node=world)
         self.signals: list[int] = []
         self.leftovers = 0
+        self.launch_id = new_launch_id()  # marks this launch's processes (not the run id: see new_launch_id)
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals.append(signum)
@@ -208,7 +210,8 @@ class LocalRun:
         (self.run_dir.logs / "command.txt").write_text(self.redact(shlex.join(cmd)) + "\n")
         self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts, policy=self.policy),
+                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts, policy=self.policy,
+                                                  launch_id=self.launch_id),
                                      **self.extra_env}, start_new_session=True,
                                 preexec_fn=_pdeathsig_preexec())
         self.proc, self.tree = proc, ProcessTree(proc.pid)
@@ -233,12 +236,12 @@ class LocalRun:
                         break
             if stopped_by is None:
                 self.tree.scan()
-                leftovers = (self.tree.alive() | marked_pids(self.run_dir.run_id)) - {proc.pid}
+                leftovers = (self.tree.alive() | marked_pids(self.launch_id)) - {proc.pid}
                 if leftovers:
                     self.leftovers = self._stop(leftovers, include_torchrun=False)
         except BaseException:  # a bug or KeyboardInterrupt outside the handlers: never leave the run behind
             self.tree.scan()
-            self._stop(self.tree.alive() | marked_pids(self.run_dir.run_id) | {proc.pid}, include_torchrun=True)
+            self._stop(self.tree.alive() | marked_pids(self.launch_id) | {proc.pid}, include_torchrun=True)
             raise
         finally:
             self._pump(final=True)
@@ -272,7 +275,7 @@ class LocalRun:
         if self.signals[0] == signal.SIGINT:  # Ctrl-C: torchrun's tracebacks go to the logs only
             self.display.mute()
         self.tree.scan()
-        targets = self.tree.alive() | marked_pids(self.run_dir.run_id) | {self.proc.pid}
+        targets = self.tree.alive() | marked_pids(self.launch_id) | {self.proc.pid}
         self.leftovers = self._stop(targets, include_torchrun=True)
 
     def _stop(self, targets: set[int], include_torchrun: bool) -> int:
@@ -310,7 +313,7 @@ class LocalRun:
         return len(signalled)
 
     def _alive(self, include_torchrun: bool) -> set[int]:
-        alive = self.tree.alive() | marked_pids(self.run_dir.run_id)
+        alive = self.tree.alive() | marked_pids(self.launch_id)
         if self.proc.poll() is not None or not include_torchrun:
             alive.discard(self.proc.pid)
         return alive

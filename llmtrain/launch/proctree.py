@@ -124,9 +124,11 @@ def pids_with_env(name: str, value: str) -> set[int]:
     return out
 
 
-def marked_pids(run_id: str) -> set[int]:
-    """Live processes of this user whose environment holds ``LLMTRAIN_RUN_ID=<run_id>`` exactly."""
-    return pids_with_env("LLMTRAIN_RUN_ID", run_id)
+def marked_pids(launch_id: str) -> set[int]:
+    """Live processes of this user whose environment holds ``LLMTRAIN_LAUNCH_ID=<launch_id>`` exactly
+    (one launcher invocation's id, :func:`~llmtrain.launch.envpolicy.new_launch_id`; not the run
+    id, which a resumed or copied run shares with other launches)."""
+    return pids_with_env("LLMTRAIN_LAUNCH_ID", launch_id)
 
 
 def group_members(pgids: Iterable[int]) -> set[int]:
