@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,9 +130,11 @@ def test_commands_place_ranks_in_hostfile_order_with_static_rendezvous():
     cmd = node_command(spec, spec.nodes[1])
     assert cmd.startswith("cd /work && exec env A='x y' LLMTRAIN_RUN_ID=")
     assert f"LLMTRAIN_NODE_ID={RUN_ID}.1 " in cmd and "-m llmtrain.launch.remote run" in cmd
+    assert re.fullmatch(r"[0-9a-f]{16}", spec.launch_id) and f"LLMTRAIN_LAUNCH_ID={spec.launch_id} " in cmd
+    assert f"remote run --run-id {RUN_ID} --node-rank 1 --launch-id {spec.launch_id} " in cmd
     assert "--first-rank 4 --nproc 2" in cmd and "is_host" not in cmd
     assert kill_command(spec, spec.nodes[1], 4242, 777) == (
-        f"/venv/bin/python -m llmtrain.launch.remote kill --run-id {RUN_ID} --node-rank 1 --grace 3 "
+        f"/venv/bin/python -m llmtrain.launch.remote kill --run-id {RUN_ID} --node-rank 1 --launch-id {spec.launch_id} --grace 3 "
         "--pgid 4242 --pgid-start 777")
     lines = describe(spec)
     assert lines[0].startswith(f"run t/{RUN_ID}: 3 node(s), world size 10, rendezvous static at 10.0.0.1:29600")

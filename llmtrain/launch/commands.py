@@ -43,7 +43,7 @@ from pathlib import Path, PurePosixPath
 from typing import Mapping
 
 from llmtrain.errors import LLMTrainError, Problem
-from llmtrain.launch.envpolicy import EnvVar, launcher_env, merge, policy_env, shell_assignments
+from llmtrain.launch.envpolicy import EnvVar, launcher_env, merge, new_launch_id, policy_env, shell_assignments
 from llmtrain.launch.hostfile import HostEntry, Hostfile
 from llmtrain.launch.sshconfig import SSHTarget
 from llmtrain.recipe.schema import LaunchConfig, Recipe
@@ -102,6 +102,7 @@ class LaunchSpec:
     module: str
     launch: LaunchConfig
     policy: tuple[EnvVar, ...] = field(default=())
+    launch_id: str = ""  # this launch's own id (envpolicy.new_launch_id): the node helpers sweep by it
 
     @property
     def world_size(self) -> int:
@@ -127,6 +128,7 @@ def build_spec(recipe: Recipe, hostfile: Hostfile, targets: list[SSHTarget], run
     cwd = cwd or os.getcwd()
     policy = policy_env(launch, environ, base_dir=cwd)
     problems, nodes, first = [], [], 0
+    launch_id = new_launch_id()
     for index, (entry, target) in enumerate(zip(hostfile.hosts, targets)):
         node_python = entry.python or hostfile.python or launch.python or python or sys.executable
         node_workdir = entry.workdir or hostfile.workdir or launch.workdir or cwd
@@ -136,13 +138,14 @@ def build_spec(recipe: Recipe, hostfile: Hostfile, targets: list[SSHTarget], run
                                         f"give an absolute {what} (the remote shell has no venv on PATH)"))
         run_dir = remote_run_dir(node_workdir, runs_root, name, run_id)
         visible = (visible_devices or {}).get(entry.host)
-        env = merge(policy, launcher_env(run_id, run_dir, index, visible))
+        env = merge(policy, launcher_env(run_id, run_dir, index, visible, launch_id=launch_id))
         nodes.append(NodeSpec(index, entry, target, entry.addr or target.hostname, first, node_python, node_workdir,
                               run_dir, tuple(env), visible))
         first += entry.slots
     if problems:
         raise LLMTrainError(problems)
-    spec = LaunchSpec(run_id, name, tuple(nodes), nodes[0].addr, launch.rdzv_port, module, launch, tuple(policy))
+    spec = LaunchSpec(run_id, name, tuple(nodes), nodes[0].addr, launch.rdzv_port, module, launch, tuple(policy),
+                      launch_id)
     if launch.rendezvous == "c10d":
         check_c10d_order(spec)
     return spec
@@ -177,9 +180,13 @@ def torchrun_argv(spec: LaunchSpec, node: NodeSpec) -> list[str]:
     return argv
 
 
+def _launch_id_args(spec: LaunchSpec) -> list[str]:
+    return ["--launch-id", spec.launch_id] if spec.launch_id else []
+
+
 def helper_argv(spec: LaunchSpec, node: NodeSpec) -> list[str]:
     return [node.python, "-m", HELPER_MODULE, "run", "--run-id", spec.run_id, "--node-rank", str(node.node_rank),
-            "--first-rank", str(node.first_rank), "--nproc", str(node.slots), "--log-dir", node.log_dir,
+            *_launch_id_args(spec), "--first-rank", str(node.first_rank), "--nproc", str(node.slots), "--log-dir", node.log_dir,
             "--grace", f"{spec.launch.grace_s:g}", "--"]
 
 
@@ -205,7 +212,7 @@ def kill_command(spec: LaunchSpec, node: NodeSpec, pgid: int | None = None, pgid
     """Stop everything of this run on ``node``: its recorded process group, descendants, marked processes."""
     grace = spec.launch.grace_s if grace_s is None else grace_s
     argv = [node.python, "-m", HELPER_MODULE, "kill", "--run-id", spec.run_id, "--node-rank", str(node.node_rank),
-            "--grace", f"{grace:g}"]
+            *_launch_id_args(spec), "--grace", f"{grace:g}"]
     if pgid:
         argv += ["--pgid", str(pgid), "--pgid-start", str(pgid_start or 0)]
     return shlex.join(argv)

@@ -106,9 +106,11 @@ class ProcessTree:
         return {pid for pid, start in self.known.items() if is_alive(pid, start)}
 
 
-def pids_with_env(name: str, value: str) -> set[int]:
-    """Live processes of this user (not this one) whose environment holds ``name=value`` exactly."""
-    needle, uid, me, out = f"{name}={value}".encode(), os.getuid(), os.getpid(), set()
+def pids_with_env(name: str, value: str, also: Iterable[tuple[str, str]] = ()) -> set[int]:
+    """Live processes of this user (not this one) whose environment holds ``name=value`` exactly
+    (and every ``(name, value)`` of ``also``)."""
+    needles = [f"{k}={v}".encode() for k, v in ((name, value), *also)]
+    uid, me, out = os.getuid(), os.getpid(), set()
     for pid in all_pids():
         if pid == me:
             continue
@@ -119,7 +121,7 @@ def pids_with_env(name: str, value: str) -> set[int]:
                 env = fp.read().split(b"\0")
         except OSError:
             continue
-        if needle in env and is_alive(pid):
+        if all(n in env for n in needles) and is_alive(pid):
             out.add(pid)
     return out
 

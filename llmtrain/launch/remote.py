@@ -132,6 +132,7 @@ class Helper:
     def __init__(self, args: argparse.Namespace, command: list[str]):
         self.args, self.command = args, command
         self.node_id = f"{args.run_id}.{args.node_rank}"
+        self.launch = launch_marker(args)
         self.out = Output()
         self.signals: list[int] = []
         self.ranks_checked = False
@@ -206,7 +207,7 @@ class Helper:
 
     def _alive_all(self) -> set[int]:
         self.tree.scan()
-        alive = self.tree.alive() | pids_with_env("LLMTRAIN_NODE_ID", self.node_id)
+        alive = self.tree.alive() | pids_with_env("LLMTRAIN_NODE_ID", self.node_id, self.launch)
         if self.proc.poll() is not None:
             alive.discard(self.proc.pid)
         return alive
@@ -253,6 +254,13 @@ class Helper:
                 self.out(node_event("error_file", rank=failure.rank, message=message))
 
 
+def launch_marker(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``LLMTRAIN_LAUNCH_ID`` of this launch, required beside ``LLMTRAIN_NODE_ID`` in a marked
+    process: the node id is the run id plus the node rank, which a resumed or copied run shares
+    with other launches on the same host (see envpolicy.new_launch_id)."""
+    return (("LLMTRAIN_LAUNCH_ID", args.launch_id),) if args.launch_id else ()
+
+
 def kill(args: argparse.Namespace) -> int:
     node_id = f"{args.run_id}.{args.node_rank}"
     pgids, helper, helper_start = [], None, None
@@ -264,10 +272,10 @@ def kill(args: argparse.Namespace) -> int:
             if leader is not None and leader.state != "Z":
                 helper, helper_start = args.pgid, leader.start
     me = os.getpid()
-    tree = ProcessTree(group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id))
+    tree = ProcessTree(group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id, launch_marker(args)))
 
     def alive() -> set[int]:
-        for pid in group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id):
+        for pid in group_members(pgids) | pids_with_env("LLMTRAIN_NODE_ID", node_id, launch_marker(args)):
             tree.add(pid)
         tree.scan()
         return tree.alive() - {me, helper}
@@ -295,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (run, stop):
         p.add_argument("--run-id", required=True)
         p.add_argument("--node-rank", type=int, required=True)
+        p.add_argument("--launch-id", default="", help="This launch's LLMTRAIN_LAUNCH_ID: marked processes must carry it too.")
         p.add_argument("--grace", type=float, default=3.0)
     run.add_argument("--first-rank", type=int, required=True)
     run.add_argument("--nproc", type=int, required=True)
