@@ -212,10 +212,12 @@ def test_export_refuses_moe(run, tmp_path):
     ckpt = tmp_path / "step-2"
     shutil.copytree(run / "checkpoints" / "step-2", ckpt)
     meta = json.loads((ckpt / "metadata.json").read_text())
-    meta["recipe"]["model"]["moe"]["num_experts"] = 4  # metadata.json is not among the checksummed files
+    # metadata.json is not among the checksummed files. MoE models export (issue 13: mixtral,
+    # qwen3_moe), but shared experts exist in no supported Hugging Face family: refused up front.
+    meta["recipe"]["model"]["moe"].update(num_experts=4, shared_experts=1)
     (ckpt / "metadata.json").write_text(json.dumps(meta))
     proc = cli(["ckpt", "export", str(ckpt), "--hf", str(tmp_path / "out")])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = error_lines(proc)
-    assert len(errors) == 1 and errors[0].startswith("error: model.moe:"), errors
+    assert len(errors) == 1 and errors[0].startswith("error: model.moe.shared_experts:"), errors
     assert not (tmp_path / "out").exists()

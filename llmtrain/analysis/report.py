@@ -110,12 +110,17 @@ def dedupe(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     After a resume (or a guard rollback) the engine trains steps again that an earlier attempt
     had already logged; metrics.jsonl is append-only, so a step appears once per attempt. The
     last entry is the one the surviving run took. A rollback marker row is kept apart from the
-    step's own row (it is an event, not a step result). Returns ``(rows, n_dropped)``."""
-    last: dict[tuple[float, bool], dict[str, Any]] = {}
+    step's own row (it is an event, not a step result), and so is an eval row (``eval_loss``,
+    written after its step's row). Returns ``(rows, n_dropped)``."""
+    last: dict[tuple[float, str], dict[str, Any]] = {}
     for row in rows:
-        last[(float(row["step"]), "rollback" in row)] = row
-    kept = sorted(last.values(), key=lambda r: (float(r["step"]), "rollback" not in r))
+        last[(float(row["step"]), _kind(row))] = row
+    kept = sorted(last.values(), key=lambda r: (float(r["step"]), {"rollback": 0, "step": 1}.get(_kind(r), 2)))
     return kept, len(rows) - len(kept)
+
+
+def _kind(row: dict[str, Any]) -> str:
+    return "rollback" if "rollback" in row else "eval" if "eval_loss" in row else "step"
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
@@ -136,9 +141,10 @@ def _mean_after_warmup(values: list[float]) -> float | None:
 
 
 def summarize(metrics: Metrics) -> Summary:
-    rows = [r for r in metrics.rows if "rollback" not in r]  # rollback markers are events, not steps
+    rows = [r for r in metrics.rows if _kind(r) == "step"]  # rollback markers and eval rows are not steps
     rows = rows or metrics.rows
     loss_steps, losses = _series(rows, "loss")
+    eval_steps, eval_losses = _series([r for r in metrics.rows if _kind(r) == "eval"], "eval_loss")
     min_loss = min(losses) if losses else None
     return Summary(
         steps=len(rows), first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]),
@@ -146,7 +152,9 @@ def summarize(metrics: Metrics) -> Summary:
         min_loss=min_loss, min_loss_step=int(loss_steps[losses.index(min_loss)]) if losses else None,
         mean_tokens_per_s=_mean_after_warmup(_series(rows, "tokens_per_s")[1]),
         mean_mfu=_mean_after_warmup(_series(rows, "mfu")[1]), skipped_lines=metrics.skipped,
-        relogged=metrics.relogged)
+        relogged=metrics.relogged,
+        extra={"eval_loss": eval_losses[-1], "eval_step": int(eval_steps[-1]), "evals": len(eval_losses)}
+        if eval_losses else {})
 
 
 def plot_metrics(metrics: Metrics, out: str | Path, title: str = "") -> Path:
@@ -202,6 +210,9 @@ def summary_lines(summary: Summary) -> list[str]:
         f"tokens/s      mean {fmt(summary.mean_tokens_per_s, ',.0f')}{warm}",
         f"MFU           mean {'n/a' if summary.mean_mfu is None else f'{summary.mean_mfu:.2%}'}{warm}",
     ]
+    if summary.extra.get("evals"):
+        e = summary.extra
+        lines.append(f"eval loss     last {e['eval_loss']:.4f} at step {e['eval_step']} ({e['evals']} evaluations)")
     if summary.skipped_lines:
         lines.append(f"skipped       {summary.skipped_lines} unreadable line(s) in metrics.jsonl")
     if summary.relogged:

@@ -54,6 +54,7 @@ def main() -> None:
     from llmtrain.cli import hosts as _hosts  # noqa: F401
     from llmtrain.cli import resume as _resume  # noqa: F401
     from llmtrain.cli import ckpt as _ckpt  # noqa: F401
+    from llmtrain.cli import eval as _eval  # noqa: F401
 
     app()
 

@@ -5,7 +5,8 @@ Examples::
     llmtrain ckpt list runs/debug/<run id>                     # step, state, latest, layout, size, created
     llmtrain ckpt inspect runs/debug/<run id> --ckpt step-20   # metadata, files, sha256 integrity
     llmtrain ckpt inspect runs/debug/<run id>/checkpoints --json
-    llmtrain ckpt export runs/debug/<run id> --hf out/hf       # model.safetensors + config.json
+    llmtrain ckpt export runs/debug/<run id> --hf out/hf       # safetensors shards + config.json
+    llmtrain ckpt export runs/debug/<run id> --hf out/hf --dtype bf16 --max-shard-size 2GB --workers 4
 
 ``RUN_DIR`` is a run directory (its ``recipe.lock.yaml`` names ``checkpoint.dir``, default
 ``RUN_DIR/checkpoints``), a checkpoint root (holding ``latest`` / ``step-N/``), or one
@@ -22,9 +23,9 @@ Examples::
   naming each bad file. ``--ckpt latest`` inspects the one ``latest`` points to (not a
   fallback: the point is to see it), and says which intact one ``resume`` would fall back to;
   a damaged ``latest`` pointer itself is an error.
-* ``export`` reads the DCP shards of any layout in this one process (no process group) and
-  writes a ``LlamaForCausalLM`` directory (:mod:`llmtrain.engine.hf`: names, the per-head
-  RoPE row permutation of wq/wk, config.json). It verifies the checkpoint first, like
+* ``export`` writes the family's HF directory (:mod:`llmtrain.engine.hf.export`: sharded
+  safetensors written by parallel workers, each reading from the checkpoint only its shards'
+  tensors, from any saved layout; config.json, generation_config.json, tokenizer files). It verifies the checkpoint first, like
   ``resume``: ``latest`` falls back to the newest intact one with a warning; the index's model
   tensors must be exactly those of ``metadata.json``'s ``recipe.model``.
 """
@@ -314,15 +315,27 @@ def inspect_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
 @report_errors
 def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
                ckpt: str = typer.Option("latest", "--ckpt", help=CKPT_HELP),
-               hf: Path = typer.Option(..., "--hf", help="Output directory for model.safetensors + config.json "
-                                       "(missing or empty)."),
-               force: bool = typer.Option(False, "--force", help="Write into a non-empty --hf directory (its "
-                                          "model.safetensors, config.json and generation_config.json are replaced).")
+               hf: Path = typer.Option(..., "--hf", help="Output directory (missing or empty): config.json, "
+                                       "generation_config.json, safetensors shards (+ index), tokenizer files."),
+               dtype: str = typer.Option("fp32", "--dtype", help="Tensor dtype of the export: fp32 (as trained) "
+                                         "or bf16."),
+               max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file (5GB = 5e9 "
+                                                  "bytes, 2GiB = 2^31); one shard is model.safetensors."),
+               workers: int = typer.Option(0, "--workers", min=0, max=256, help="Processes writing shards in "
+                                           "parallel (0: min(4, CPUs)); each reads only its shards' tensors."),
+               force: bool = typer.Option(False, "--force", help="Write into a non-empty --hf directory (a previous "
+                                          "export's shards, index, config and tokenizer files are replaced).")
                ) -> None:
-    """Export a (verified) checkpoint's model to a Hugging Face LlamaForCausalLM directory (dense models)."""
+    """Export a (verified) checkpoint's model to a Hugging Face directory of its family (llama, mistral, qwen2,
+    qwen3, mixtral, qwen3_moe), loadable by transformers' AutoModelForCausalLM."""
     from llmtrain.engine.checkpoint_store import STEP_RE, resolve
+    from llmtrain.engine.hf.export import DTYPES, parse_size
     from llmtrain.safeio import output_dir
 
+    if dtype not in DTYPES:
+        raise LLMTrainError(f"--dtype {printable(dtype, 20)} is not supported", f"use one of {', '.join(DTYPES)}",
+                            path="--dtype")
+    max_bytes = parse_size(max_shard_size)
     hf = output_dir(hf, "--hf", force)  # before reading anything: a non-empty directory needs --force
 
     root, named = checkpoint_root(run_dir)
@@ -333,21 +346,24 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
         typer.echo(f"warning: {w}", err=True)
     cfg = checkpoint_model(path, meta)
     from llmtrain.engine.checkpoint_meta import CheckpointMeta
-    from llmtrain.engine.hf import read_checkpoint_model, save_hf
+    from llmtrain.engine.hf.export import export_hf
 
-    state = read_checkpoint_model(path, CheckpointMeta.model_validate(meta).files, cfg)
-    written = save_hf(hf, state, cfg)
+    data = (meta.get("recipe") or {}).get("data") or {}
+    tokenizer = (data.get("tokenizer") if isinstance(data.get("tokenizer"), str) else None,
+                 data.get("path") if isinstance(data.get("path"), str) else None)
+    written = export_hf(path, CheckpointMeta.model_validate(meta).files, cfg, hf, dtype, max_bytes,
+                        workers or None, tokenizer)
     total = sum(f.stat().st_size for f in written)
     typer.echo(f"exported {path} (step {meta['step']}, saved as {layout(meta.get('dims'))}) -> {hf} "
                f"({', '.join(f.name for f in written)}; {human(total)})")
 
 
 def checkpoint_model(path: Path, meta: dict):
-    """The dense :class:`ModelConfig` of ``metadata.json``'s ``recipe.model``; a problem names the file."""
+    """The (Hugging Face expressible) :class:`ModelConfig` of ``metadata.json``'s ``recipe.model``; a problem names the file."""
     from pydantic import ValidationError
 
     from llmtrain.engine.checkpoint_meta import validation_line
-    from llmtrain.engine.hf import require_dense
+    from llmtrain.engine.hf.families import require_hf_compatible
     from llmtrain.recipe.schema import ModelConfig
 
     where = printable(path / "metadata.json")
@@ -356,7 +372,7 @@ def checkpoint_model(path: Path, meta: dict):
         raise LLMTrainError(f"{where}: no recipe.model", "re-save the checkpoint", path="--ckpt")
     try:
         cfg = ModelConfig.model_validate(model)
-        require_dense(cfg)
+        require_hf_compatible(cfg)
     except ValidationError as exc:
         raise LLMTrainError(f"{where}: recipe.model.{validation_line(exc)}", "the checkpoint's recipe is damaged",
                             path="--ckpt") from None

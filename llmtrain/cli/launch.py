@@ -71,17 +71,18 @@ def launch(
 
 
 def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> str:
-    """The ``--set`` item for ``--init-from-hf DIR``, after checking DIR against the recipe's model."""
+    """The ``--set`` item for ``--init-from-hf DIR``, after checking DIR against the recipe's model
+    before anything starts: the directory and its files (untrusted: regular, inside, capped),
+    config.json against the recipe, and every safetensors header (names, shapes, dtypes,
+    truncation) against the model's tensor map, all from headers alone
+    (:func:`llmtrain.engine.hf.files.check_hf_model`). Importing torch here (for the model's
+    shapes, built on the meta device) is paid only with this flag."""
     import json
 
-    from llmtrain.engine.hf import check_hf_dir, config_problems, require_dense
+    from llmtrain.engine.hf.files import check_hf_model
     from llmtrain.recipe.load import load_recipe
 
     directory = directory.resolve()
-    conf, _ = check_hf_dir(directory, "--init-from-hf")
     model = load_recipe(recipe, set_).model
-    require_dense(model)
-    problems = config_problems(conf, model, "--init-from-hf")
-    if problems:
-        raise LLMTrainError(problems)
+    check_hf_model(directory, model, "--init-from-hf")
     return f"checkpoint.init_from_hf={json.dumps(str(directory))}"  # a JSON string is a YAML string

@@ -60,7 +60,11 @@ def memory_gib(device: torch.device) -> float:
 
 
 class MetricsWriter:
-    """Rank 0's sink for step metrics (a no-op elsewhere)."""
+    """Rank 0's sink for step metrics (a no-op elsewhere).
+
+    Rows are one JSON object per line: step rows (``step, loss, lr, ...``), guard events, and
+    eval rows (``step, eval_loss, eval_perplexity, eval_tokens, eval_windows, eval_s``: keys
+    prefixed ``eval_``, written after that step's own row; TensorBoard tags ``eval/<key>``)."""
 
     def __init__(self, run_dir: str | None, enabled: bool):
         self.enabled = enabled and run_dir is not None
@@ -81,8 +85,9 @@ class MetricsWriter:
         self.file.write(json.dumps(record) + "\n")
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(f"train/{key}", value, record["step"])
+                if key != "step" and isinstance(value, (int, float)):  # eval rows: eval/loss, eval/perplexity, ...
+                    tag = f"eval/{key[5:]}" if key.startswith("eval_") else f"train/{key}"
+                    self.tb.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         if self.file:

@@ -20,6 +20,7 @@ from llmtrain.engine.checkpoint import Checkpointer, checkpoint_root
 from llmtrain.engine.checkpoint_hooks import TestHooks
 from llmtrain.engine.data import BatchSampler, build_data, microbatches
 from llmtrain.engine.mesh import Meshes, build_meshes
+from llmtrain.engine.evaluate import PeriodicEval
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
 from llmtrain.engine.models.moe import set_aux_loss_scale, update_expert_bias
 from llmtrain.engine.dp_optimizer import build_optimizer
@@ -80,7 +81,10 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         part.train()
     if recipe.checkpoint.init_from_hf and not resume:
         from llmtrain.engine.hf import load_hf_weights
-        load_hf_weights(parts, recipe.checkpoint.init_from_hf, recipe.model)
+        loaded = load_hf_weights(parts, recipe.checkpoint.init_from_hf, recipe.model)  # this rank's slices only
+        if rank == 0 and verbose:
+            print(f"init_from_hf: rank 0 read {loaded.bytes / 2**20:.1f} MiB in {loaded.slices} slices "
+                  f"of {len(loaded.files)} files in {loaded.seconds:.2f} s", flush=True)
 
     dp_group, dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
     pp_group = meshes.pp.get_group() if dims.pp > 1 else None
@@ -115,6 +119,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     flops_token = flops_per_token(recipe.model, t.seq_len)
     peak = peak_flops(device, t.precision)
     writer = MetricsWriter(run_dir, enabled=rank == 0)
+    evaluator = PeriodicEval(recipe, dims, gbs) if t.eval_interval else None  # held-out loss (docs/eval.md)
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if t.precision == "bf16" and not fsdp
                 else contextlib.nullcontext())
     tp = dims.tp > 1
@@ -191,6 +196,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         if rank == 0 and verbose and (step % t.log_interval == 0 or step == total_steps - 1):
             emit("step", step=step + 1, steps=total_steps, loss=loss_value, lr=lr, grad_norm=float(norm),
                  tokens_per_s=tokens_per_s, mfu=flops_token * tokens_per_s / world / peak)
+        if evaluator is not None and evaluator.due(step + 1, total_steps):
+            evaluator.run(parts, meshes, device, step + 1, writer, verbose)
         if ckpt is not None:
             if ckpt.due(step + 1, total_steps):
                 ckpt.save(step + 1, parts, optimizer, sampler, t.seq_len)

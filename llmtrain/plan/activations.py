@@ -75,6 +75,7 @@ class ActShape:
     shared_ffn: int = 0  # shared_experts x expert_ffn
     cp: int = 1
     cp_method: str = "ring"
+    hd: int = 0  # head_dim when given explicitly (Qwen3); 0 = h / heads
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -85,7 +86,7 @@ class ActShape:
 
     @property
     def head_dim(self) -> int:
-        return self.h // self.heads
+        return self.hd or self.h // self.heads
 
     @property
     def n(self) -> int:

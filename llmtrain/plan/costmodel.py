@@ -34,6 +34,7 @@ from llmtrain.plan.memory import (
     param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.plan.placement import Placement
+from llmtrain.plan.params import moe_layer_count
 from llmtrain.plan.shards import inventory, is_moe_layer, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUS, GPUSpec
@@ -90,7 +91,8 @@ def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) ->
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
         e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
-        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method)
+        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
+        hd=m.head_dim)
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
@@ -232,10 +234,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
-    n_moe = m.layers - m.moe.first_dense_layers if m.is_moe else 0
+    n_moe = moe_layer_count(m)
     for kind, n in ((False, m.layers - n_moe), (True, n_moe)):
         if n:
-            layer = m.moe.first_dense_layers if kind else 0
+            layer = next(i for i in range(m.layers) if m.is_moe_layer(i) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
             rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
             hw_tok += n * (split + rs + (rep + rr) * dims.tp)

@@ -11,7 +11,7 @@ as PaLM and Megatron do, so MFU numbers compare across projects; recomputation i
 
 from __future__ import annotations
 
-from llmtrain.plan.params import count_params
+from llmtrain.plan.params import attention_params, count_params
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -30,10 +30,10 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
 # part the engine does not split over tensor parallelism (an MoE block's router and experts).
 def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int) -> tuple[float, float]:
     """(tp-split, tp-replicated) model FLOPs per token of block ``layer``, forward + backward."""
-    h, hd = model.hidden, model.head_dim
-    attn = h * model.heads * hd * 2 + 2 * h * model.kv_heads * hd + 2 * h  # q, o, k, v, two norms
+    h = model.hidden
+    attn = attention_params(model) + 2 * h  # q, o, k, v (+ biases, q/k norms), two norms
     split = 6.0 * attn + 12.0 * h * seq_len
-    if model.is_moe and layer >= model.moe.first_dense_layers:
+    if model.is_moe_layer(layer):
         moe = h * model.moe.num_experts + (model.moe.top_k + model.moe.shared_experts) * 3 * h * model.expert_ffn
         return split, 6.0 * moe
     return split + 6.0 * 3 * h * model.ffn_hidden, 0.0
@@ -59,6 +59,6 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
         return 0.0, 0.0
     split, replicated = block_flops_per_token(model, layer, seq_len)
     h = model.hidden
-    if model.is_moe and layer >= model.moe.first_dense_layers:
+    if model.is_moe_layer(layer):
         return split / 3.0, replicated / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn
     return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0

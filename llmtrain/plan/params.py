@@ -1,9 +1,12 @@
 """Parameter counts (total and, for MoE, active per token) from the model config alone.
 
 Counted exactly as the engine builds the model: embedding, per block two RMSNorm weights,
-q/k/v/o projections (no biases), a SwiGLU MLP (three matrices) or an MoE block (router,
-routed experts, shared experts of the same width, and a per-expert bias buffer that is not a
-parameter), the final norm and the output layer (absent when embeddings are tied).
+q/k/v/o projections of ``heads * head_dim`` / ``kv_heads * head_dim`` rows (``head_dim`` may
+differ from hidden / heads), q/k/v biases (``qkv_bias``), two per-head q/k norm weights of
+``head_dim`` (``qk_norm``), a SwiGLU MLP of ``ffn_hidden`` (three matrices) or, where
+``is_moe_layer(i)``, an MoE block (router, routed experts of ``expert_ffn``, shared experts of
+the same width, and a per-expert bias buffer that is not a parameter), the final norm and the
+output layer (absent when embeddings are tied).
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ class ParamCount:
 
 
 def count_params(m: ModelConfig) -> ParamCount:
-    h, hd = m.hidden, m.hidden // m.heads
+    h, hd = m.hidden, m.head_dim
     attn = h * m.heads * hd + 2 * h * m.kv_heads * hd + m.heads * hd * h
+    if m.qkv_bias:
+        attn += (m.heads + 2 * m.kv_heads) * hd
+    if m.qk_norm:
+        attn += 2 * hd
     norms = 2 * h
     dense_mlp = 3 * h * m.ffn_hidden
     dense_block = attn + norms + dense_mlp
     expert = 3 * h * m.expert_ffn
-    n_moe = max(0, m.layers - m.moe.first_dense_layers) if m.is_moe else 0
+    n_moe = moe_layer_count(m)
     moe_block = attn + norms + h * m.moe.num_experts + (m.moe.num_experts + m.moe.shared_experts) * expert
     moe_active = attn + norms + h * m.moe.num_experts + (m.moe.top_k + m.moe.shared_experts) * expert
     embedding = m.vocab_size * h
@@ -40,3 +47,15 @@ def count_params(m: ModelConfig) -> ParamCount:
     total = outer + n_dense * dense_block + n_moe * moe_block
     active = outer + n_dense * dense_block + n_moe * moe_active
     return ParamCount(total, active, embedding, dense_block, moe_block if n_moe else 0, expert if n_moe else 0)
+
+
+def moe_layer_count(m: ModelConfig) -> int:
+    """Blocks with an MoE MLP (``ModelConfig.is_moe_layer``)."""
+    return sum(1 for i in range(m.layers) if m.is_moe_layer(i)) if m.is_moe else 0
+
+
+def attention_params(m: ModelConfig) -> int:
+    """One block's attention parameters: q/k/v/o, biases and q/k norms (the norms of the block not included)."""
+    h, hd = m.hidden, m.head_dim
+    return (2 * h * m.heads * hd + 2 * h * m.kv_heads * hd + (m.heads + 2 * m.kv_heads) * hd * m.qkv_bias
+            + 2 * hd * m.qk_norm)

@@ -108,6 +108,13 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> list[ParamShap
         ParamShape(p + "attention.wo.weight", (h, m.heads * hd // tp), "matmul"),
         ParamShape(p + "ffn_norm.weight", (h,), "norm"),
     ]
+    if m.qkv_bias:  # split with their column-parallel weights
+        out += [ParamShape(p + "attention.wq.bias", (m.heads * hd // tp,), "norm"),
+                ParamShape(p + "attention.wk.bias", (m.kv_heads * hd // tp,), "norm"),
+                ParamShape(p + "attention.wv.bias", (m.kv_heads * hd // tp,), "norm")]
+    if m.qk_norm:  # one head's weights, replicated on the TP ranks
+        out += [ParamShape(p + "attention.q_norm.weight", (hd,), "norm"),
+                ParamShape(p + "attention.k_norm.weight", (hd,), "norm")]
     if is_moe_layer(m, layer):
         e, f = m.moe.num_experts, m.expert_ffn
         local_e = e // ep
@@ -132,7 +139,7 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> list[ParamShap
 
 
 def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return m.is_moe and layer >= m.moe.first_dense_layers
+    return m.is_moe_layer(layer)
 
 
 def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp: int, ep: int) -> list[ParamShape]:
@@ -243,7 +250,8 @@ def _model_key(m: ModelConfig) -> tuple:
         return hit[1]
     moe = m.moe
     key = (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
-           moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers)
+           moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers, m.head_dim, m.qkv_bias, m.qk_norm,
+           moe.sparse_step, tuple(moe.dense_layers))
     if len(_MODEL_KEYS) > 256:
         _MODEL_KEYS.clear()
     _MODEL_KEYS[id(m)] = (m, key)
@@ -258,7 +266,8 @@ def _block_template(m: ModelConfig, moe: bool, tp: int, ep: int) -> tuple[ParamS
     key = (_model_key(m), moe, tp, ep)
     out = _TEMPLATES.get(key)
     if out is None:
-        layer = m.moe.first_dense_layers if moe else 0
+        kind = [i for i in range(m.layers) if m.is_moe_layer(i) == moe]
+        layer = kind[0] if kind else 0
         out = _TEMPLATES[key] = tuple(block_params(m, layer, tp, ep))
     return out
 
@@ -271,7 +280,7 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inve
     key = (_model_key(m), stages, tuple(held), tp, ep)
     inv = _CACHE.get(key)
     if inv is None:
-        first_moe = m.moe.first_dense_layers if m.is_moe else m.layers
+        moe_set = {i for i in range(m.layers) if m.is_moe_layer(i)}
         dense, moe = _block_template(m, False, tp, ep), (_block_template(m, True, tp, ep) if m.is_moe else ())
         params: list[ParamShape] = []
         n_last = len(stages) - 1
@@ -279,10 +288,10 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inve
             outer = stage_params(m, [], s == 0, s == n_last, tp, ep)  # embedding / final norm / output
             params += [q for q in outer if q.name == "tok_embeddings.weight"]
             for layer in stages[s]:
-                params += moe if layer >= first_moe else dense
+                params += moe if layer in moe_set else dense
             params += [q for q in outer if q.name != "tok_embeddings.weight"]
         layers = tuple(layer for s in held for layer in stages[s])
-        n_moe = sum(1 for layer in layers if layer >= first_moe)
+        n_moe = sum(1 for layer in layers if layer in moe_set)
         block = max(([sum(q.numel for q in dense)] if len(layers) > n_moe else [])
                     + ([sum(q.numel for q in moe)] if n_moe else []), default=0)
         total = sum(q.numel for q in params)
@@ -292,7 +301,7 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inve
                         sum(q.numel for q in params if q.kind == "expert"), 0 in held, n_last in held,
                         sum(q.numel for q in params if q.kind in ("matmul", "expert")),
                         tuple(len(stages[s]) for s in held),
-                        tuple(sum(1 for layer in stages[s] if layer >= first_moe) for s in held))
+                        tuple(sum(1 for layer in stages[s] if layer in moe_set) for s in held))
         if len(_CACHE) > 20000:
             _CACHE.clear()
         _CACHE[key] = inv

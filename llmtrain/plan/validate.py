@@ -124,6 +124,16 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("train.seq_len", f"seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})",
                     f"use seq_len <= {m.max_seq_len} or raise model.max_seq_len"))
 
+    # -- held-out evaluation during training (llmtrain.engine.evaluate) ------------------------
+    if t.eval_interval:
+        if not recipe.data.eval_path:
+            err(Problem("data.eval_path", f"train.eval_interval is {t.eval_interval} but data.eval_path is not set",
+                        "set data.eval_path to held-out text, or train.eval_interval=0"))
+        for name, what in (("pp", "pipeline"), ("cp", "context")):
+            if getattr(p, name) > 1:
+                err(Problem("train.eval_interval", f"parallel.{name}={getattr(p, name)}: evaluation does not run with "
+                            f"{what} parallelism", f"set train.eval_interval=0, or parallel.{name}=1"))
+
     # -- context parallelism and sequence splits ----------------------------------------------
     if p.cp > 1:
         need = 2 * p.cp if p.cp_method == "ring" else p.cp

@@ -2,8 +2,27 @@
 
 Sources (the ``config.json`` of the official Hugging Face release, and the papers):
 - Llama 3 / 3.1: "The Llama 3 Herd of Models" (arXiv:2407.21783), Table 3, and
-  meta-llama/Meta-Llama-3.1-{8B,70B,405B}/config.json (rope_theta 500000, rms_norm_eps 1e-5,
-  vocab 128256, max_position_embeddings 131072).
+  meta-llama/Llama-3.1-{8B,70B,405B}/config.json (rope_theta 500000, rms_norm_eps 1e-5,
+  vocab 128256, max_position_embeddings 131072, rope_scaling {rope_type llama3, factor 8,
+  low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192}).
+  ``llama3-8b``/``-70b``/``-405b`` are the earlier presets (no rope scaling), kept as they were;
+  the ``llama3.1-*`` presets add the scaling of the 3.1 release.
+- Llama 3.2: meta-llama/Llama-3.2-{1B,3B}/config.json (1B: 16 layers, hidden 2048, 32 heads,
+  8 KV heads, head_dim 64, ffn 8192; 3B: 28 layers, hidden 3072, 24 heads, 8 KV heads,
+  head_dim 128, ffn 8192; both tied embeddings, rope_scaling llama3 factor 32, low 1, high 4,
+  original 8192).
+- Qwen2.5-7B: Qwen/Qwen2.5-7B/config.json (28 layers, hidden 3584, 28 heads, 4 KV heads, ffn
+  18944, vocab 152064, q/k/v biases, rope_theta 1e6, rms_norm_eps 1e-6, untied, 131072
+  positions, use_sliding_window false).
+- Qwen3: Qwen/Qwen3-8B and Qwen/Qwen3-32B/config.json (8B: 36 layers, hidden 4096, 32 heads,
+  8 KV heads, ffn 12288; 32B: 64 layers, hidden 5120, 64 heads, 8 KV heads, ffn 25600; both
+  head_dim 128, q/k norms, vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6, 40960 positions,
+  untied). Qwen/Qwen3-30B-A3B/config.json: 48 layers, hidden 2048, 32 heads, 4 KV heads,
+  head_dim 128, 128 experts of moe_intermediate_size 768, top-8, norm_topk_prob true,
+  decoder_sparse_step 1, no mlp_only_layers, router_aux_loss_coef 0.001 (intermediate_size
+  6144 is unused: no dense layer).
+- Mistral-7B v0.3: mistralai/Mistral-7B-v0.3/config.json (32 layers, hidden 4096, 32 heads,
+  8 KV heads, ffn 14336, vocab 32768, rope_theta 1e6, 32768 positions, sliding_window null).
 - Mixtral 8x7B: mistralai/Mixtral-8x7B-v0.1/config.json (8 experts, top-2, softmax router,
   router_aux_loss_coef 0.02, rope_theta 1e6, vocab 32000, 32768 positions).
 - DeepSeek-V3: deepseek-ai/DeepSeek-V3/config.json and arXiv:2412.19437 (61 layers, hidden
@@ -12,34 +31,89 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   DeepSeek-V3 uses multi-head latent attention (MLA); llmtrain models it as multi-head
   attention with head_dim = hidden / heads, which has ~8% more attention parameters
   (12.5B vs 11.4B over 61 layers) and gives 672B total / 38B active parameters against the
-  published 671B / 37B (the 14B multi-token-prediction module is not modelled).
+  published 671B / 37B (the 14B multi-token-prediction module is not modelled). It has no
+  ``family``: it cannot be exported to or loaded from Hugging Face.
 - ``debug-dense`` / ``debug-moe``: tiny CPU models for tests and the README's main job.
+
+Every preset with a Hugging Face counterpart sets ``family`` (the model_type that
+``ckpt export --hf`` writes and ``--init-from-hf`` expects). Exact parameter counts of the HF
+architectures are asserted in tests/test_families.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+_LLAMA31: dict[str, Any] = dict(
+    vocab_size=128256, max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False, family="llama",
+    rope_scaling=dict(type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8192),
+)
+_QWEN3: dict[str, Any] = dict(
+    vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+    family="qwen3",
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=128256,
-        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False, family="llama",
     ),
     "llama3-70b": dict(
         layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab_size=128256,
-        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False, family="llama",
     ),
     "llama3-405b": dict(
         layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab_size=128256,
-        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False,
+        max_seq_len=131072, rope_theta=500000.0, norm_eps=1e-5, tie_embeddings=False, family="llama",
     ),
     "mixtral-8x7b": dict(
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000,
-        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False,
+        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False, family="mixtral",
         moe=dict(
             num_experts=8, top_k=2, shared_experts=0, expert_ffn_hidden=14336,
             first_dense_layers=0, router="softmax", balance="aux_loss", aux_loss_coef=0.02,
         ),
+    ),
+    "llama3.1-8b": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, **_LLAMA31,
+    ),
+    "llama3.1-70b": dict(
+        layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, **_LLAMA31,
+    ),
+    "llama3.1-405b": dict(
+        layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, **_LLAMA31,
+    ),
+    "llama3.2-1b": dict(
+        layers=16, hidden=2048, heads=32, kv_heads=8, head_dim=64, ffn_hidden=8192,
+        **{**_LLAMA31, "tie_embeddings": True, "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0}},
+    ),
+    "llama3.2-3b": dict(
+        layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn_hidden=8192,
+        **{**_LLAMA31, "tie_embeddings": True, "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0}},
+    ),
+    "qwen2.5-7b": dict(
+        layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab_size=152064,
+        max_seq_len=131072, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True,
+        family="qwen2",
+    ),
+    "qwen3-8b": dict(
+        layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn_hidden=12288, **_QWEN3,
+    ),
+    "qwen3-32b": dict(
+        layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128, ffn_hidden=25600, **_QWEN3,
+    ),
+    "qwen3-30b-a3b": dict(
+        layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn_hidden=6144,
+        **{**_QWEN3, "family": "qwen3_moe"},
+        moe=dict(
+            num_experts=128, top_k=8, shared_experts=0, expert_ffn_hidden=768, first_dense_layers=0,
+            router="softmax", balance="aux_loss", aux_loss_coef=0.001, norm_topk_prob=True, sparse_step=1,
+            dense_layers=[],
+        ),
+    ),
+    "mistral-7b": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32768,
+        max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False, family="mistral",
     ),
     "deepseek-v3": dict(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab_size=129280,

@@ -284,6 +284,12 @@ class TrainConfig(Strict):
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for weights, data and dropout; identical on every rank.")
     grad_clip: float = Field(1.0, ge=0, le=1e6, description="Clip the global gradient norm to this value (0 = off).")
     log_interval: int = Field(1, ge=1, le=BIG, description="Steps between metric lines.")
+    eval_interval: int = Field(
+        0, ge=0, le=BIG, description="Evaluate on data.eval_path every N steps and at the end (0 = off); rows go to metrics.jsonl."
+    )
+    eval_batches: int = Field(
+        8, ge=1, le=BIG, description="Windows per evaluation = eval_batches x global batch size (the first ones of data.eval_path)."
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     guard: GuardConfig = Field(default_factory=GuardConfig, description="Loss-spike and NaN guard.")
@@ -296,7 +302,11 @@ class DataConfig(Strict):
         "synthetic", description="synthetic (seeded Markov-chain tokens with a known entropy floor) or memmap (from `llmtrain data prepare`)."
     )
     path: str | None = Field(None, min_length=1, description="Directory written by `llmtrain data prepare` (memmap only).")
-    tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, or bpe:VOCAB (informational for memmap data).")
+    tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json), or bpe:VOCAB (informational for memmap data).")
+    eval_path: str | None = Field(
+        None, min_length=1,
+        description="Held-out data for train.eval_interval: a .txt, a .jsonl (field text) or a `data prepare` directory (docs/eval.md).",
+    )
 
 
 class CheckpointConfig(Strict):

@@ -1,28 +1,36 @@
-"""Hugging Face Llama interop: our state dict <-> ``LlamaForCausalLM``'s, recipe model <-> ``config.json``.
+"""Hugging Face model families: our state dict <-> theirs, per family (config.json: :mod:`.config_json`).
 
-Used by ``llmtrain ckpt export --hf OUT`` (checkpoint -> ``OUT/model.safetensors`` + ``OUT/config.json``)
-and by ``checkpoint.init_from_hf`` / ``llmtrain launch --init-from-hf DIR`` (start training from
-such weights). No ``transformers`` import here: the files are plain safetensors + JSON.
+Families: ``llama`` (Llama 2/3/3.1/3.2), ``mistral``, ``qwen2`` (Qwen2/2.5), ``qwen3``, ``mixtral``,
+``qwen3_moe``. One engine model with switches (:mod:`llmtrain.engine.models.llama`) stands for all
+of them; this module says, per family, which switches it has and which HF tensor is which of ours.
+No ``transformers`` import: the files are plain safetensors + JSON.
 
 Decisions:
 
 * **RoPE convention.** Our RoPE rotates interleaved pairs ``(2i, 2i+1)`` of each head
-  (:mod:`llmtrain.engine.models.rope`); HF Llama rotates half-split pairs ``(i, i + d/2)``
-  (``rotate_half``) with the same frequencies. Rather than a second RoPE, the rows of ``wq`` and
-  ``wk`` are permuted per head on export: HF row ``j < d/2`` is our row ``2j`` and HF row
-  ``d/2 + j`` is our row ``2j + 1`` (the classic Meta -> HF permutation), so q·k dot products,
-  and thus logits, are unchanged; import applies the inverse. ``wv``/``wo`` need nothing.
-* **Names.** ``tok_embeddings -> model.embed_tokens``, ``layers.N.attention.{wq,wk,wv,wo} ->
-  model.layers.N.self_attn.{q,k,v,o}_proj``, ``feed_forward.{w1,w3,w2} -> mlp.{gate,up,down}_proj``,
-  ``attention_norm -> input_layernorm``, ``ffn_norm -> post_attention_layernorm``, ``norm ->
-  model.norm``, ``output -> lm_head`` (left out when ``tie_embeddings``: HF ties it).
-* **Scope.** Dense models only; MoE checkpoints are refused naming ``model.moe`` (HF Llama has
-  no experts and our router/expert layout has no single HF counterpart).
-* **config.json** is written for transformers 4.45+ and 5.x: ``rope_theta`` (4.x) and
-  ``rope_parameters`` (5.x), ``torch_dtype`` and ``dtype``; exported tensors are fp32, as trained.
-* **Loading into a sharded model** (:func:`load_hf_weights`): every rank reads the full tensors,
-  and ``set_model_state_dict(..., full_state_dict=True)`` places each one on its parameter's
-  mesh and placements (FSDP, TP), per local pipeline chunk (only that chunk's keys).
+  (:mod:`llmtrain.engine.models.rope`); HF rotates half-split pairs ``(i, i + d/2)``
+  (``rotate_half``) with the same frequencies. Rather than a second RoPE, everything that lives
+  in the rotated head space is permuted per head on export -- the rows of ``wq``/``wk``, the
+  q/k biases (Qwen2) and the q/k norm weights (Qwen3, one head): HF row ``j < d/2`` is our row
+  ``2j`` and HF row ``d/2 + j`` our row ``2j + 1`` (the classic Meta -> HF permutation), so q·k
+  dot products, and thus logits, are unchanged; import applies the inverse. RMSNorm over a head
+  is invariant under the permutation of its input, so only its weight moves. ``wv``/``wo`` and
+  the v bias need nothing.
+* **Names** (under ``model.layers.N.``): ``attention.{wq,wk,wv,wo}`` -> ``self_attn.{q,k,v,o}_proj``
+  (``.bias`` for q/k/v with ``qkv_bias``), ``attention.{q,k}_norm`` -> ``self_attn.{q,k}_norm``,
+  ``feed_forward.{w1,w3,w2}`` -> ``mlp.{gate,up,down}_proj``, ``attention_norm`` ->
+  ``input_layernorm``, ``ffn_norm`` -> ``post_attention_layernorm``; top level
+  ``tok_embeddings``/``norm``/``output`` -> ``model.embed_tokens``/``model.norm``/``lm_head``
+  (``lm_head`` left out when tied: HF ties it). MoE layers: ``moe.router.weight`` ->
+  ``block_sparse_moe.gate.weight`` (Mixtral) / ``mlp.gate.weight`` (Qwen3-MoE); our stacked
+  ``moe.experts.{w1,w3,w2}`` [E, ...] are the per-expert tensors transformers writes on disk
+  (``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``).
+  Dense layers of an MoE model (Qwen3-MoE ``mlp_only_layers``) use the dense names.
+* **What no family has is refused**, naming the recipe field (:func:`family_problems`): shared
+  experts, the sigmoid router, bias balancing (``expert_bias``), a dense-only family with experts,
+  Mixtral without renormalized top-k or with dense layers, q/k norm outside Qwen3, q/k/v biases
+  outside Qwen2 (HF's ``attention_bias`` also puts a bias on ``o_proj``, which we do not have).
+* **Loading into a sharded model** is :mod:`.load`; this module works on full tensors.
 """
 
 from __future__ import annotations
@@ -32,12 +40,39 @@ from typing import TYPE_CHECKING
 
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import ModelConfig
-from llmtrain.safeio import printable
 
 if TYPE_CHECKING:  # torch is imported by the functions that read or write tensors, so that
     import torch   # `llmtrain launch --init-from-hf` can check a directory without importing it
 
-# our per-layer suffix -> HF per-layer suffix (under model.layers.N.)
+
+@dataclass(frozen=True)
+class Family:
+    """What one HF model_type can express (see :data:`FAMILIES`)."""
+
+    name: str
+    architecture: str
+    moe: bool = False                 # MoE MLPs (every family is either dense or MoE)
+    qkv_bias: bool = False            # q/k/v biases, always (Qwen2) or never
+    qk_norm: bool = False             # per-head q/k RMSNorm, always (Qwen3) or never
+    sliding: str = "none"             # config.json form: none | plain (Mistral) | qwen (use_sliding_window)
+    moe_prefix: str = ""              # HF module of an MoE layer's MLP
+    expert_names: tuple[str, str, str] = ("", "", "")  # HF per-expert names of our w1, w3, w2
+    dense_layers: bool = False        # MoE models may have dense layers (mlp_only_layers, sparse step)
+    fixed_norm_topk: bool = False     # top-k weights always renormalized (Mixtral)
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", "LlamaForCausalLM"),
+    Family("mistral", "MistralForCausalLM", sliding="plain"),
+    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding="qwen"),
+    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, sliding="qwen"),
+    Family("mixtral", "MixtralForCausalLM", moe=True, sliding="plain", moe_prefix="block_sparse_moe",
+           expert_names=("w1", "w3", "w2"), fixed_norm_topk=True),
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm=True, sliding="qwen", moe_prefix="mlp",
+           expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
+)}
+
+# our per-layer suffix -> HF per-layer suffix (under model.layers.N.), attention and dense MLP
 LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -49,9 +84,76 @@ LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+BIAS_NAMES = {"attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
+              "attention.wv.bias": "self_attn.v_proj.bias"}
+QK_NORM_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+           "attention.q_norm.weight", "attention.k_norm.weight")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
+SUPPORTED = ", ".join(FAMILIES)
 
+
+def family_of(cfg: ModelConfig) -> Family:
+    return FAMILIES[cfg.hf_family]
+
+
+# -- what a family can express ----------------------------------------------------------------
+
+def family_problems(cfg: ModelConfig) -> list[Problem]:
+    """Every feature of ``cfg`` its Hugging Face family (``model.family``) cannot express."""
+    f = family_of(cfg)
+    out: list[Problem] = []
+
+    def bad(path: str, message: str, hint: str) -> None:
+        out.append(Problem(path, f"{message} (model.family {f.name})", hint))
+
+    if cfg.is_moe and not f.moe:
+        bad("model.family", f"{f.name} has no experts but model.moe.num_experts is {cfg.moe.num_experts}",
+            "use model.family mixtral or qwen3_moe, or a dense model (model.moe.num_experts: 1)")
+    if f.moe and not cfg.is_moe:
+        bad("model.family", f"{f.name} is a mixture-of-experts family but the model is dense",
+            "use model.family llama/mistral/qwen2/qwen3, or set model.moe.num_experts")
+    if cfg.qkv_bias != f.qkv_bias:
+        bad("model.qkv_bias", f"qkv_bias is {cfg.qkv_bias}; {f.name} {'always has' if f.qkv_bias else 'has no'} "
+            "q/k/v biases", "use model.family qwen2 for q/k/v biases" if cfg.qkv_bias else
+            f"set model.qkv_bias: {str(f.qkv_bias).lower()}")
+    if cfg.qk_norm != f.qk_norm:
+        bad("model.qk_norm", f"qk_norm is {cfg.qk_norm}; {f.name} {'always has' if f.qk_norm else 'has no'} "
+            "q/k norms", "use model.family qwen3 or qwen3_moe for q/k norms" if cfg.qk_norm else
+            f"set model.qk_norm: {str(f.qk_norm).lower()}")
+    if cfg.sliding_window is not None and f.sliding == "none":
+        bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
+            "drop model.sliding_window or use model.family mistral")
+    if cfg.is_moe:
+        m = cfg.moe
+        if m.shared_experts:
+            bad("model.moe.shared_experts", f"{m.shared_experts} shared experts; no supported Hugging Face family "
+                "has them", "use model.moe.shared_experts: 0")
+        if m.router != "softmax":
+            bad("model.moe.router", f"router {m.router!r}; supported Hugging Face families route with softmax",
+                "use model.moe.router: softmax")
+        if m.balance != "aux_loss":
+            bad("model.moe.balance", f"balance {m.balance!r} (learned expert_bias); Hugging Face routers have no "
+                "bias", "use model.moe.balance: aux_loss")
+        if f.fixed_norm_topk and not m.norm_topk_prob:
+            bad("model.moe.norm_topk_prob", "norm_topk_prob is false; Mixtral always renormalizes the top-k "
+                "weights", "use model.moe.norm_topk_prob: true or model.family qwen3_moe")
+        dense = [i for i in range(cfg.layers) if not cfg.is_moe_layer(i)]
+        if dense and not f.dense_layers:
+            bad("model.moe.dense_layers", f"layers {dense[:8]} are dense (first_dense_layers/sparse_step/"
+                f"dense_layers); every {f.name} layer is MoE", "use model.family qwen3_moe (mlp_only_layers)")
+    return out
+
+
+def require_hf_compatible(cfg: ModelConfig) -> None:
+    """Raise one problem per feature of ``cfg`` its family cannot express (see :func:`family_problems`)."""
+    problems = family_problems(cfg)
+    if problems:
+        raise LLMTrainError(problems)
+
+
+require_dense = require_hf_compatible  # the pre-family name, kept for existing callers
 
 
 # -- the tensor map: the one description of "which HF tensors make which of ours" ---------------
@@ -81,16 +183,31 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
     """Every key of ``Transformer(cfg).state_dict()`` (no ``model.`` prefix) -> its :class:`Source`.
 
     ``output.weight`` is absent when embeddings are tied (HF stores only the embedding)."""
-    require_dense(cfg)
+    require_hf_compatible(cfg)
+    f = family_of(cfg)
     out: dict[str, Source] = {}
     for ours, theirs in TOP_NAMES.items():
         if ours == "output.weight" and cfg.tie_embeddings:
             continue
         out[ours] = Source((theirs,))
     for i in range(cfg.layers):
-        for ours, theirs in LAYER_NAMES.items():
-            rope = ours in ("attention.wq.weight", "attention.wk.weight")
-            out[f"layers.{i}.{ours}"] = Source((f"model.layers.{i}.{theirs}",), head_dim=cfg.head_dim if rope else None)
+        p, hp = f"layers.{i}.", f"model.layers.{i}."
+        names = dict(LAYER_NAMES)
+        if cfg.is_moe_layer(i):
+            for k in ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight"):
+                del names[k]
+        if cfg.qkv_bias:
+            names.update(BIAS_NAMES)
+        if cfg.qk_norm:
+            names.update(QK_NORM_NAMES)
+        for ours, theirs in names.items():
+            out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if ours in ROTATED else None)
+        if cfg.is_moe_layer(i):
+            moe = f"{hp}{f.moe_prefix}."
+            out[p + "moe.router.weight"] = Source((moe + "gate.weight",))
+            for ours, theirs in zip(("w1", "w3", "w2"), f.expert_names):
+                out[f"{p}moe.experts.{ours}"] = Source(
+                    tuple(f"{moe}experts.{e}.{theirs}.weight" for e in range(cfg.moe.num_experts)), stacked=True)
     return out
 
 
@@ -99,22 +216,33 @@ def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
     import torch
 
     if src.head_dim is not None:
+        for name, t in zip(src.hf, tensors):
+            if t.dim() == 0 or t.shape[0] % src.head_dim:
+                raise LLMTrainError(f"{name}: shape {list(t.shape)} is not a whole number of heads of {src.head_dim}",
+                                    "the weights do not match the model's head_dim", path="model.head_dim")
         tensors = [half_to_interleaved(t, t.shape[0] // src.head_dim) for t in tensors]
-    return torch.stack(tensors) if src.stacked else tensors[0]
+    if src.stacked:
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            raise LLMTrainError(f"{src.hf[0]}: experts of different shapes {sorted(shapes)[:2]}",
+                                "the safetensors are damaged or of another model", path="model.moe")
+        return torch.stack(tensors)
+    return tensors[0]
 
 
 def to_hf(src: Source, ours: torch.Tensor) -> list[torch.Tensor]:
     """The HF tensors (in ``src.hf`` order) of our tensor (new, contiguous tensors)."""
-    parts = list(ours.unbind(0)) if src.stacked else [ours]
+    parts = list(ours.detach().unbind(0)) if src.stacked else [ours.detach()]
     if src.head_dim is not None:
         return [interleaved_to_half(t, t.shape[0] // src.head_dim) for t in parts]
-    return [t.detach().clone().contiguous() for t in parts]
+    return [t.clone().contiguous() for t in parts]
 
 
 # -- the RoPE row permutation ------------------------------------------------------------------
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection ``[n_heads * d, in]``: per head ``[0, 2, 4, ..., 1, 3, 5, ...]``."""
+    """Rows of a q/k projection ``[n_heads * d, ...]`` (or a bias / norm weight ``[n_heads * d]``):
+    per head ``[0, 2, 4, ..., 1, 3, 5, ...]``."""
     d = w.shape[0] // n_heads
     return w.reshape(n_heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
 
@@ -125,154 +253,54 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
 
 
-# -- state dicts --------------------------------------------------------------------------------
-
-def require_dense(cfg: ModelConfig) -> None:
-    if cfg.is_moe:
-        raise LLMTrainError(f"model.moe: {cfg.moe.num_experts} experts; Hugging Face Llama export/import "
-                            "supports dense models only", "use a dense model (model.moe.num_experts: 1)",
-                            path="model.moe")
-
+# -- whole state dicts (via the tensor map) ------------------------------------------------------
 
 def to_hf_state(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our full (unsharded) model state dict -> ``LlamaForCausalLM`` state dict (new tensors)."""
-    require_dense(cfg)
+    """Our full (unsharded) model state dict -> the family's ``*ForCausalLM`` state dict (new tensors,
+    per-expert names as transformers writes them on disk)."""
+    sources = tensor_map(cfg)
+    unknown = sorted(k for k in ours if k not in sources and not (k == "output.weight" and cfg.tie_embeddings))
+    if unknown:
+        raise LLMTrainError(f"checkpoint tensor {unknown[0]!r} has no Hugging Face {cfg.hf_family} counterpart"
+                            + (f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                            "the checkpoint's model does not match its recipe.model", path="model")
     out: dict[str, torch.Tensor] = {}
-    for name, t in ours.items():
-        if name in TOP_NAMES:
-            if name == "output.weight" and cfg.tie_embeddings:
-                continue
-            out[TOP_NAMES[name]] = t.detach().clone().contiguous()
-            continue
-        parts = name.split(".", 2)
-        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in LAYER_NAMES:
-            raise LLMTrainError(f"checkpoint tensor {name!r} has no Hugging Face Llama counterpart",
-                                "only dense Llama-style checkpoints can be exported", path="model")
-        t = t.detach()
-        if parts[2] == "attention.wq.weight":
-            t = interleaved_to_half(t, cfg.heads)
-        elif parts[2] == "attention.wk.weight":
-            t = interleaved_to_half(t, cfg.kv_heads)
-        out[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = t.clone().contiguous()
+    for name, src in sources.items():
+        if name in ours:
+            out.update(zip(src.hf, to_hf(src, ours[name])))
     return out
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """``LlamaForCausalLM`` state dict -> ours (``output.weight`` = the embedding when tied)."""
-    require_dense(cfg)
-    top = {v: k for k, v in TOP_NAMES.items()}
-    layer = {v: k for k, v in LAYER_NAMES.items()}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in hf.items():
-        if name in top:
-            out[top[name]] = t
-            continue
-        parts = name.split(".", 3)  # model, layers, N, suffix
-        if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in layer:
-            ours = layer[parts[3]]
-            if ours == "attention.wq.weight":
-                t = half_to_interleaved(t, cfg.heads)
-            elif ours == "attention.wk.weight":
-                t = half_to_interleaved(t, cfg.kv_heads)
-            out[f"layers.{parts[2]}.{ours}"] = t
-        elif name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer some old exports carry; recomputed from rope_theta
-        else:
-            raise LLMTrainError(f"Hugging Face tensor {name!r} has no counterpart in our Llama model",
-                                "only dense LlamaForCausalLM weights can be loaded", path="--init-from-hf")
-    if cfg.tie_embeddings and "tok_embeddings.weight" in out:
-        out.setdefault("output.weight", out["tok_embeddings.weight"])
+    """The family's ``*ForCausalLM`` state dict (on-disk names) -> ours (``output.weight`` = the
+    embedding when tied). Raises on an HF tensor we have no place for and on a missing one."""
+    sources = tensor_map(cfg)
+    where = {name: ours for ours, src in sources.items() for name in src.hf}
+    unknown = sorted(k for k in hf if k not in where and not k.endswith("rotary_emb.inv_freq")
+                     and not (k == "lm_head.weight" and cfg.tie_embeddings))
+    if unknown:  # inv_freq: a buffer some old exports carry (recomputed); a tied lm_head copy is redundant
+        raise LLMTrainError(f"Hugging Face tensor {unknown[0]!r} has no counterpart in our {cfg.hf_family} model"
+                            + (f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""),
+                            "the weights are not of the recipe's model (check model.family and the moe settings)",
+                            path="checkpoint.init_from_hf")
+    missing = sorted(n for src in sources.values() for n in src.hf if n not in hf)
+    if missing:
+        raise LLMTrainError(f"no Hugging Face tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""),
+                            "the safetensors do not hold the whole model", path="checkpoint.init_from_hf")
+    out = {ours: to_ours(src, [hf[n] for n in src.hf]) for ours, src in sources.items()}
+    if cfg.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
     return out
 
 
-# -- config.json --------------------------------------------------------------------------------
-
-def hf_config(cfg: ModelConfig) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` equal to our dense model ``cfg`` (fp32)."""
-    require_dense(cfg)
-    theta = float(cfg.rope_theta)
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": float(cfg.norm_eps),
-        "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "tie_word_embeddings": bool(cfg.tie_embeddings), "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02, "pretraining_tp": 1,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
-        "torch_dtype": "float32", "dtype": "float32",
-    }
+CONFIG_NAMES = ("config_problems", "hf_config", "model_from_hf_config", "unsupported_problems")
 
 
-def _hf_theta(conf: dict) -> float | None:
-    params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
+def __getattr__(name: str):
+    """config.json functions live in :mod:`.config_json` (which imports this module); they are
+    re-exported here lazily so that ``from llmtrain.engine.hf.families import hf_config`` keeps working."""
+    if name in CONFIG_NAMES:
+        from llmtrain.engine.hf import config_json
 
-
-INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "vocab_size", "head_dim")
-FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
-
-
-def _type_problems(conf: dict, where: str) -> list[Problem]:
-    """``config.json`` values of the wrong type (an untrusted file: checked before arithmetic)."""
-    problems = []
-    for key in INT_KEYS:
-        v = conf.get(key)
-        if v is not None and (type(v) is not int or v <= 0):
-            problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive integer",
-                                    "use a Hugging Face Llama config.json"))
-    for params in (conf, conf.get("rope_parameters"), conf.get("rope_scaling")):
-        if params is not None and not isinstance(params, dict):
-            problems.append(Problem(where, "config.json rope_parameters/rope_scaling is not an object",
-                                    "use a Hugging Face Llama config.json"))
-            continue
-        for key in FLOAT_KEYS:
-            v = (params or {}).get(key)
-            if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
-                problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive number",
-                                        "use a Hugging Face Llama config.json"))
-    return problems
-
-
-def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf") -> list[Problem]:
-    """Every way an HF ``config.json`` differs from the recipe's model (empty: it loads exactly)."""
-    wrong_types = _type_problems(conf, where)
-    if wrong_types:
-        return wrong_types
-    heads = conf.get("num_attention_heads")
-    hidden = conf.get("hidden_size")
-    fields = [("model.hidden", cfg.hidden, hidden, "hidden_size"),
-              ("model.layers", cfg.layers, conf.get("num_hidden_layers"), "num_hidden_layers"),
-              ("model.heads", cfg.heads, heads, "num_attention_heads"),
-              ("model.kv_heads", cfg.kv_heads, conf.get("num_key_value_heads", heads), "num_key_value_heads"),
-              ("model.ffn_hidden", cfg.ffn_hidden, conf.get("intermediate_size"), "intermediate_size"),
-              ("model.vocab_size", cfg.vocab_size, conf.get("vocab_size"), "vocab_size"),
-              ("model.tie_embeddings", bool(cfg.tie_embeddings), bool(conf.get("tie_word_embeddings", False)),
-               "tie_word_embeddings"),
-              ("model.norm_eps", float(cfg.norm_eps), conf.get("rms_norm_eps"), "rms_norm_eps"),
-              ("model.rope_theta", float(cfg.rope_theta), _hf_theta(conf), "rope_theta")]
-    head_dim = conf.get("head_dim") or (hidden // heads if hidden and heads else None)
-    problems = []
-    for path, ours, theirs, key in fields:
-        if theirs is None or (float(ours) != float(theirs) if isinstance(ours, float) else ours != theirs):
-            problems.append(Problem(path, f"recipe has {ours}, {where} config.json has {key}={theirs}",
-                                    f"set {path}={theirs} with --set, or use matching weights"))
-    if head_dim != cfg.head_dim:  # our head_dim is always hidden / heads
-        problems.append(Problem("model.heads", f"head_dim {cfg.head_dim} (hidden / heads), {where} config.json "
-                                f"has head_dim={head_dim}", "our model needs head_dim = hidden_size / num_attention_heads"))
-    if conf.get("model_type", "llama") != "llama":
-        problems.append(Problem(where, f"config.json model_type={conf.get('model_type')!r}", "need a Llama model"))
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if conf.get(key, want) != want:
-            problems.append(Problem(where, f"config.json {key}={conf.get(key)!r} (our model has {key}={want!r})",
-                                    "only standard Llama blocks are supported"))
-    rope = conf.get("rope_parameters") or conf.get("rope_scaling")
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(Problem(where, f"config.json rope type {rope.get('rope_type', rope.get('type'))!r}",
-                                "only plain RoPE (rope_type default) is supported"))
-    return problems
-
-
+        return getattr(config_json, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

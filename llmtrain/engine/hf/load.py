@@ -1,36 +1,49 @@
-"""Loading Hugging Face weights into the engine's (sharded) model."""
+"""Loading Hugging Face weights into the engine's (sharded) model (``--init-from-hf DIR``).
+
+:func:`load_hf_weights` is what the trainer calls on every rank: it checks the directory from
+headers alone (:func:`~llmtrain.engine.hf.files.check_hf_model`; the launcher ran the same
+check before torchrun, but a recipe's ``checkpoint.init_from_hf`` may reach the engine
+without it) and then streams each rank's own slices (:mod:`.stream`), so no rank ever holds the
+whole model. :func:`load_hf_weights_whole` is the previous way (every rank reads every
+tensor, then ``set_model_state_dict(full_state_dict=True)`` keeps its shard): kept as the
+reference the tests compare against bitwise and the baseline of benchmarks/hf_load_memory.py.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from llmtrain.engine.hf.files import check_hf_model, read_hf_state
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.schema import ModelConfig
 
-from llmtrain.engine.hf.families import config_problems, from_hf_state, require_dense
-from llmtrain.engine.hf.files import check_hf_dir, read_hf_state
+FLAG = "checkpoint.init_from_hf"
 
 
-def load_hf_weights(parts, directory: str | Path, model_cfg: ModelConfig) -> None:
-    """Load HF Llama weights from ``directory`` into the model chunks ``parts.parts`` (any layout)."""
+def load_hf_weights(parts, directory: str | Path, model_cfg: ModelConfig):
+    """Stream HF weights from ``directory`` into the model chunks ``parts.parts`` (any layout);
+    returns this rank's :class:`~llmtrain.engine.hf.stream.LoadStats`."""
+    from llmtrain.engine.hf.stream import stream_into
+
+    model = check_hf_model(directory, model_cfg, FLAG)
+    return stream_into(parts.parts, model, model_cfg)
+
+
+def load_hf_weights_whole(parts, directory: str | Path, model_cfg: ModelConfig) -> None:
+    """Every rank reads the whole model, then keeps its shards (reference and benchmark baseline)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    require_dense(model_cfg)
-    conf, files = check_hf_dir(directory, "checkpoint.init_from_hf")
-    problems = config_problems(conf, model_cfg, "checkpoint.init_from_hf")
-    if problems:
-        raise LLMTrainError(problems)
-    state = from_hf_state(read_hf_state(files), model_cfg)
+    from llmtrain.engine.hf.families import to_ours
+    from llmtrain.engine.hf.stream import sources_for
+
+    model = check_hf_model(directory, model_cfg, FLAG)
+    hf = read_hf_state(sorted({h.file for h in model.tensors.values()}))
+    tmap = sources_for(model_cfg)
     options = StateDictOptions(full_state_dict=True)
     for part in parts.parts:
         current = get_model_state_dict(part)
-        missing = sorted(k for k in current if k not in state)
+        missing = [k for k in current if k not in tmap]
         if missing:
-            raise LLMTrainError(f"{directory}: no weights for {', '.join(missing[:3])}"
-                                + (f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""),
-                                "the safetensors do not hold the whole model", path="checkpoint.init_from_hf")
-        for k, full in ((k, state[k]) for k in current):
-            if tuple(full.shape) != tuple(current[k].shape):
-                raise LLMTrainError(f"{k}: Hugging Face shape {tuple(full.shape)}, model {tuple(current[k].shape)}",
-                                    "the weights do not match the recipe's model", path="checkpoint.init_from_hf")
-        set_model_state_dict(part, {k: state[k].to(current[k].dtype) for k in current}, options=options)
-
+            raise LLMTrainError(f"our tensor {missing[0]} has no Hugging Face counterpart", path=FLAG)
+        state = {k: to_ours(tmap[k], [hf[n] for n in tmap[k].hf]).to(current[k].dtype) for k in current}
+        set_model_state_dict(part, state, options=options)

@@ -26,7 +26,9 @@ Distributions (GPT-2 / Megatron "scaled init"):
 * residual-branch output projections ``wo`` and ``w2``: normal(0, 0.02 / sqrt(2 * layers)),
   since each block adds two residual contributions, this keeps the residual stream's
   variance roughly independent of depth at initialization;
-* RMSNorm weights: ones; buffers (``expert_bias``, ``tokens_per_expert``): zeros.
+* RMSNorm weights (block norms and Qwen3's per-head ``q_norm``/``k_norm``): ones; linear
+  biases (Qwen2's q/k/v biases): zeros, as in transformers; buffers (``expert_bias``,
+  ``tokens_per_expert``): zeros.
 
 Tied embeddings share one Parameter, which ``named_parameters`` yields once (under
 ``tok_embeddings.weight``), so it is initialized once. Unknown parameters or floating
@@ -78,6 +80,8 @@ def _init_kind(module: nn.Module, leaf: str) -> str:
         return "ones"
     if isinstance(module, (nn.Linear, nn.Embedding)) and leaf == "weight":
         return "normal"
+    if isinstance(module, nn.Linear) and leaf == "bias":
+        return "zeros"
     if isinstance(module, GroupedExperts) and leaf in ("w1", "w2", "w3"):
         return "normal"
     return "unknown"

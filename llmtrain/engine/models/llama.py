@@ -1,9 +1,25 @@
 """Llama-style decoder (dense or MoE) built from a :class:`~llmtrain.recipe.schema.ModelConfig`.
 
 Pre-norm blocks ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` with RMSNorm, RoPE
-(:mod:`.rope`, interleaved pairs), grouped-query attention and SwiGLU MLPs; blocks from
-``moe.first_dense_layers`` on use the MoE block (:mod:`.moe`) when ``num_experts > 1``.
-No biases anywhere. The parameter count equals :func:`llmtrain.plan.params.count_params`.
+(:mod:`.rope`, interleaved pairs, optional Llama 3.1 frequency scaling), grouped-query attention
+and SwiGLU MLPs; block ``i`` uses the MoE block (:mod:`.moe`) when ``cfg.is_moe_layer(i)``
+(``first_dense_layers``, ``sparse_step``, ``dense_layers``), else a dense MLP of ``ffn_hidden``.
+The parameter count equals :func:`llmtrain.plan.params.count_params`.
+
+One definition covers the Hugging Face families (llama, mistral, qwen2, qwen3, mixtral,
+qwen3_moe) through switches rather than per-family copies, so every parallel layout works for
+every family by construction:
+
+* ``qkv_bias`` (Qwen2/2.5): biases on ``wq``/``wk``/``wv`` only (``wo`` and the MLPs have none).
+* ``qk_norm`` (Qwen3): ``attention.q_norm`` / ``attention.k_norm``, RMSNorm over ``head_dim``
+  (eps ``norm_eps``) applied to every query / key head after the projection and before RoPE.
+  The weight is shared by all heads, so it works unchanged on TP shards (heads / tp per rank;
+  the TP plan makes it a replicated DTensor so its gradient is summed over the heads of all
+  ranks) and under context parallelism (it acts before ``attn_fn``).
+* ``head_dim`` may differ from ``hidden / heads`` (Qwen3): q/k/v widths are ``heads * head_dim``
+  and ``kv_heads * head_dim``, ``wo`` takes ``heads * head_dim``.
+* Mistral is a plain Llama block; ``sliding_window`` is not implemented (the planner refuses
+  ``seq_len > sliding_window``, where it would matter).
 
 Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
 checkpoints, init), so they are fixed and layout-independent:
@@ -51,17 +67,24 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=False)
+        bias = cfg.qkv_bias
+        self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
+        if cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.rope_fn(self.wq(x).view(b, s, -1, self.head_dim), cos, sin)
-        k = self.rope_fn(self.wk(x).view(b, s, -1, self.head_dim), cos, sin)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1:
@@ -80,7 +103,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-        if cfg.is_moe and layer_id >= cfg.moe.first_dense_layers:
+        if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg)
         else:
             self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden)
@@ -99,6 +122,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling
         self.tie_embeddings = cfg.tie_embeddings
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.layers)})
@@ -133,7 +157,7 @@ class Transformer(nn.Module):
         if positions is None:  # from the input ids (with sequence parallelism h is a sequence shard)
             positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is not None:

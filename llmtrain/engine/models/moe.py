@@ -7,9 +7,15 @@ Routing (:func:`route_tokens`)
     ``router`` is a bias-free ``Linear(H, E)``; its logits are scored in fp32 with softmax
     (Mixtral, Switch) or sigmoid (DeepSeek-V3). Top-k experts are selected per token. Mixtral
     weights are the softmax probabilities of the selected experts renormalized to sum 1;
-    DeepSeek-V3 weights are the selected sigmoid scores normalized to sum 1 (no routed
-    scaling factor). With ``top_k == 1`` and a softmax router the weight is always 1, so the
-    router then learns only through the auxiliary loss, exactly as in Mixtral's formula.
+    ``moe.norm_topk_prob: false`` keeps the raw selected probabilities instead (Qwen3-MoE's
+    ``norm_topk_prob``; Qwen3-30B-A3B itself renormalizes). This is transformers' math
+    (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``): fp32 softmax of the logits, ``topk``,
+    optional division by the sum; the weights stay fp32 until they scale the expert outputs
+    (cast to the activation dtype there, as Qwen3-MoE does; Mixtral multiplies in fp32 and
+    casts after, a bf16 rounding difference only). DeepSeek-V3 weights are the selected
+    sigmoid scores normalized to sum 1 (no routed scaling factor). With ``top_k == 1`` and a
+    renormalizing softmax router the weight is always 1, so the router then learns only
+    through the auxiliary loss, exactly as in Mixtral's formula.
 
 Load balancing, ``moe.balance``
     * ``aux_loss``: Switch-Transformer loss (arXiv:2101.03961)
@@ -19,7 +25,9 @@ Load balancing, ``moe.balance``
       gives exactly ``coef``. It is computed per forward call (per micro-batch, on the local
       tokens of this rank), as in Megatron-Core.
     * ``bias``: DeepSeek-V3's auxiliary-loss-free balancing (arXiv:2412.19437, §2.1.2). A
-      buffer ``expert_bias`` [E] is added to the scores **for selection only**; the combine
+      buffer ``expert_bias`` [E] (in the state dict only with ``balance: bias``, where it is
+      learned state; Hugging Face checkpoints have no such tensor) is added to the scores
+      **for selection only**; the combine
       weights come from the unbiased scores. ``tokens_per_expert`` [E] (fp32) counts routed
       slots in training-mode forwards; :func:`update_expert_bias` turns the counts into
       ``bias += rate * sign(mean - count)`` and zeroes them. The bias learns no gradient.
@@ -83,16 +91,18 @@ class Routing:
     """Result of :func:`route_tokens` for ``T`` tokens."""
 
     expert_idx: torch.Tensor  # [T, k] int64, selected experts
-    weights: torch.Tensor  # [T, k] fp32 combine weights, each row sums to 1
+    weights: torch.Tensor  # [T, k] fp32 combine weights (rows sum to 1 unless norm_topk_prob is off)
     probs: torch.Tensor  # [T, E] fp32 per-token router distribution used by the aux loss
 
 
 def route_tokens(
-    logits: torch.Tensor, top_k: int, score_fn: str, expert_bias: torch.Tensor | None = None
+    logits: torch.Tensor, top_k: int, score_fn: str, expert_bias: torch.Tensor | None = None,
+    normalize: bool = True,
 ) -> Routing:
     """Select ``top_k`` experts per token from router ``logits`` [T, E] and compute combine weights.
 
-    ``expert_bias`` (if given) shifts the scores used for selection only.
+    ``expert_bias`` (if given) shifts the scores used for selection only. ``normalize`` (softmax
+    only; sigmoid scores are always normalized) divides the selected probabilities by their sum.
     """
     logits = logits.float()
     if score_fn == "softmax":
@@ -106,6 +116,8 @@ def route_tokens(
     selection = scores if expert_bias is None else scores + expert_bias.detach().float()
     expert_idx = selection.topk(top_k, dim=-1).indices
     chosen = scores.gather(-1, expert_idx)
+    if score_fn == "softmax" and not normalize:
+        return Routing(expert_idx, chosen, probs)
     weights = chosen / chosen.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(chosen.dtype).tiny)
     return Routing(expert_idx, weights, probs)
 
@@ -271,6 +283,7 @@ class MoE(nn.Module):
         hidden, ffn = cfg.hidden, cfg.expert_ffn
         self.num_experts, self.top_k = m.num_experts, m.top_k
         self.score_fn, self.balance = m.router, m.balance
+        self.norm_topk_prob = m.norm_topk_prob
         self.aux_loss_coef = m.aux_loss_coef if m.balance == "aux_loss" else 0.0
         self.aux_loss_scale = 1.0
         self.bias_update_rate = m.bias_update_rate
@@ -278,8 +291,10 @@ class MoE(nn.Module):
         self.router = nn.Linear(hidden, m.num_experts, bias=False)
         self.experts = GroupedExperts(m.num_experts, hidden, ffn)
         self.shared = FeedForward(hidden, m.shared_experts * ffn) if m.shared_experts > 0 else None
-        # Persistent: the bias is learned state and must survive checkpoint/resume.
-        self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=True)
+        # Persistent with balance "bias": learned state that must survive checkpoint/resume.
+        # Otherwise it stays zero and unused, so it is left out of the state dict (and thus out
+        # of checkpoints and the Hugging Face tensor map, which has no counterpart).
+        self.register_buffer("expert_bias", torch.zeros(m.num_experts), persistent=m.balance == "bias")
         # Non-persistent: zeroed after every optimizer step, so a checkpoint never needs it.
         self.register_buffer("tokens_per_expert", torch.zeros(m.num_experts), persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
@@ -287,7 +302,7 @@ class MoE(nn.Module):
     def route(self, x_flat: torch.Tensor) -> Routing:
         """Route ``x_flat`` [T, H]; the bias is used for selection only when balance is 'bias'."""
         bias = self.expert_bias if self.balance == "bias" else None
-        return route_tokens(self.router(x_flat), self.top_k, self.score_fn, bias)
+        return route_tokens(self.router(x_flat), self.top_k, self.score_fn, bias, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x_flat = x.reshape(-1, x.shape[-1])

@@ -25,28 +25,59 @@ Design choices:
   angles are formed in fp32, so at position ``p`` the angle carries an absolute error of
   roughly ``p * 2**-24`` radians; that is part of the model's definition, identical on
   every layout since it depends only on the (global) position value.
+* **Llama 3.1 frequency scaling** (``model.rope_scaling``, type ``llama3``) rescales the
+  per-pair inverse frequencies once, before the angles: wavelengths ``2 pi / f`` shorter than
+  ``original_max_seq_len / high_freq_factor`` are kept, those longer than
+  ``original_max_seq_len / low_freq_factor`` are divided by ``factor``, and the band between
+  is interpolated linearly in ``original_max_seq_len / wavelength``. The same fp32 operations
+  in the same order as transformers' ``_compute_llama3_parameters`` (so the frequencies are
+  bit-identical, and with them the angles); the attention scaling of that rule is 1.
 """
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from llmtrain.recipe.schema import RopeScaling
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """The per-pair frequencies ``theta ** (-2i / head_dim)`` for ``i in range(head_dim // 2)`` (fp32)."""
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
+                  scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The per-pair frequencies ``theta ** (-2i / head_dim)`` for ``i in range(head_dim // 2)`` (fp32),
+    rescaled by ``scaling`` (Llama 3.1 rule, see the module docstring) when given."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
-    return 1.0 / (theta**exponents)
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    return llama3_scaled(inv_freq, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
+                         scaling.original_max_seq_len)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: float, original: int) -> torch.Tensor:
+    """Llama 3.1's rescaled inverse frequencies (``rope_type: llama3``)."""
+    low_wavelen, high_wavelen = original / low, original / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles for integer ``positions`` of shape ``[..., S]``.
 
     Returns two fp32 tensors of shape ``[..., S, head_dim // 2]``, on ``positions.device``.
     Positions need not be contiguous or sorted (context parallel passes global positions).
     """
-    inv_freq = rope_inv_freq(head_dim, theta, device=positions.device)
+    inv_freq = rope_inv_freq(head_dim, theta, device=positions.device, scaling=scaling)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     return torch.cos(angles), torch.sin(angles)
 

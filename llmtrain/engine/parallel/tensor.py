@@ -10,6 +10,12 @@ layer is column-parallel over the vocabulary and its logits stay sharded for the
 vocabulary-parallel cross-entropy (``loss_parallel``): the full [tokens, vocab] logits are
 never materialized on one rank.
 
+Family switches: q/k/v biases (Qwen2) are split with their column-parallel weights (the
+styles shard ``bias`` like the output rows). Qwen3's per-head ``q_norm``/``k_norm`` see the local
+heads ``[b, s, heads / tp, head_dim]``; they are ``SequenceParallel(sequence_dim=2)``: the weight
+becomes a replicated DTensor and the input is declared sharded on the head dim, so the weight's
+gradient (a sum over all heads) is reduced over the TP ranks, as torchtitan does for Qwen3.
+
 MoE blocks are not tensor-parallel: experts run replicated on the TP ranks (each computes
 the whole MoE for the gathered sequence, so weight gradients are identical and need no
 reduction). Splitting experts is the job of expert parallelism.
@@ -59,6 +65,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         # column-parallel layer (measured by benchmarks/planner_fidelity.py: 7 -> 4 per layer).
         plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
                                                desired_input_layouts=(Replicate(), None, None))
+        if getattr(block.attention, "q_norm", None) is not None:
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sp:
             plan.update({
                 "attention_norm": SequenceParallel(),

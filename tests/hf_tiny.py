@@ -1,0 +1,96 @@
+"""Tiny random Hugging Face checkpoints, one per family, written by transformers' own ``save_pretrained``.
+
+Shared by the interop tests (families, loading, export). Decisions:
+
+* **transformers' own classes** build and save each model (DESIGN.md §6: never hand-made JSON or
+  safetensors), so what the tests read is what a user downloads: per-expert tensor names on disk,
+  ``rope_parameters`` of transformers 5.x, ``model.safetensors.index.json`` when sharded.
+* **Sharded**: ``max_shard_size`` is computed from the model's byte size so that ``shards`` files
+  come out (at least 2 when ``shards >= 2``; transformers never splits a tensor, so the count can
+  differ by one). Sharded loading is the case real checkpoints hit.
+* **Every switch is non-trivial** in these configs, so that a wrong mapping cannot pass by luck:
+  GQA (kv_heads < heads) everywhere; llama3 rope scaling (theta 1e4, head_dim 8: wavelengths 6.3,
+  63, 628, 6283) with ``original_max_position_embeddings`` 128, so that all three frequency bands
+  occur (kept: < 32, smoothed: 32..128, divided by factor: > 128);
+  Qwen3's ``head_dim`` (12) differs from hidden / heads (8); the Qwen3-MoE expert width (24)
+  differs from the dense width (64), its ``mlp_only_layers`` makes layer 0 dense and
+  ``norm_topk_prob`` is False (the non-default of our recipe); Mixtral renormalizes.
+* **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
+  re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
+  changes the logits. ``seed`` fixes everything.
+
+Sizes are tiny (hidden 32, 2 layers, vocab 128) so a forward pass is milliseconds on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+
+COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
+              bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def tiny_config(family: str, *, tie: bool | None = None):
+    """The transformers config object of the tiny ``family`` model (``tie`` overrides tie_word_embeddings)."""
+    import transformers as tf
+
+    kw = dict(COMMON)
+    if family == "llama":
+        conf = tf.LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "llama3":
+        kw.update(tie_word_embeddings=True, max_position_embeddings=512)
+        conf = tf.LlamaConfig(**kw, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
+    elif family == "mistral":
+        conf = tf.MistralConfig(**kw, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen2":
+        conf = tf.Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen3":
+        conf = tf.Qwen3Config(**kw, head_dim=12, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "mixtral":
+        conf = tf.MixtralConfig(**kw, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+                                sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "qwen3_moe":
+        conf = tf.Qwen3MoeConfig(**kw, head_dim=12, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[0],
+                                 router_aux_loss_coef=0.001,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
+    if tie is not None:
+        conf.tie_word_embeddings = tie
+    return conf
+
+
+def build_tiny(family: str, *, tie: bool | None = None, seed: int = 0):
+    """A tiny random ``AutoModelForCausalLM`` of ``family`` in fp32, eval mode (not saved)."""
+    import torch
+    import transformers as tf
+
+    conf = tiny_config(family, tie=tie)
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif p.dim() >= 2 and "embed" not in name:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def save_tiny(family: str, out_dir: Path, *, shards: int = 3, tie: bool | None = None, seed: int = 0) -> Path:
+    """Build the tiny ``family`` model and ``save_pretrained`` it into ``out_dir`` in about ``shards`` files."""
+    out_dir = Path(out_dir)
+    model = build_tiny(family, tie=tie, seed=seed)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    size = max(1, total // max(1, shards)) + 1 if shards > 1 else total * 4 + (1 << 20)
+    model.save_pretrained(out_dir, max_shard_size=size)
+    return out_dir
