@@ -33,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_gather_tensor_autograd, all_to_all_single_autograd, wait_tensor
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, method: str) -> torch.Tensor:
@@ -69,7 +69,10 @@ def _gather_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     # all_gather_tensor gathers along dim 0: move the sequence there and back
     b, h, s, d = x.shape
     flat = x.permute(2, 0, 1, 3).contiguous()  # [s, b, h, d]
-    gathered = all_gather_tensor_autograd(flat, gather_dim=0, group=group)  # [cp*s, b, h, d]
+    # wait here, while ``flat`` (a temporary) is alive: the collective then never outlives the
+    # buffers it reads (a gloo send thread once segfaulted reading freed memory in a CP job under
+    # heavy load; not proven to be this, but nothing overlaps here anyway: SDPA waits next)
+    gathered = wait_tensor(all_gather_tensor_autograd(flat, gather_dim=0, group=group))  # [cp*s, b, h, d]
     return gathered.permute(1, 2, 0, 3)
 
 
@@ -84,7 +87,7 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int):
 def _seq_to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     b, h, s, d = x.shape
     send = x.reshape(b, cp, h // cp, s, d).permute(1, 0, 2, 3, 4).contiguous()  # [cp(dst), b, h/cp, s, d]
-    recv = all_to_all_single_autograd(send.reshape(cp, -1), None, None, group)  # [cp(src seq chunk), ...]
+    recv = wait_tensor(all_to_all_single_autograd(send.reshape(cp, -1), None, None, group))  # [cp(src seq chunk), ...]
     recv = recv.reshape(cp, b, h // cp, s, d)
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
 
@@ -93,7 +96,7 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     b, hc, S, d = x.shape
     s = S // cp
     send = x.reshape(b, hc, cp, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp(dst seq chunk), b, h/cp, s, d]
-    recv = all_to_all_single_autograd(send.reshape(cp, -1), None, None, group)  # [cp(src head group), ...]
+    recv = wait_tensor(all_to_all_single_autograd(send.reshape(cp, -1), None, None, group))  # [cp(src head group), ...]
     recv = recv.reshape(cp, b, hc, s, d)
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, s, d)
 

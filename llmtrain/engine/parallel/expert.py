@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -39,11 +39,12 @@ class AllToAllDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [source rank, my local expert]
         in_splits = send_counts.sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_single_autograd(x_grouped.contiguous(), out_splits, in_splits, self.group)
+        # waited at once, while the (temporary) send buffers are alive: see parallel/context.py
+        received = wait_tensor(all_to_all_single_autograd(x_grouped.contiguous(), out_splits, in_splits, self.group))
         perm = _regroup_by_expert(recv_counts)
         y = experts.local_forward(received.index_select(0, perm), recv_counts.sum(0).tolist())
         y_source_order = y.index_select(0, torch.argsort(perm))
-        return all_to_all_single_autograd(y_source_order.contiguous(), in_splits, out_splits, self.group)
+        return wait_tensor(all_to_all_single_autograd(y_source_order.contiguous(), in_splits, out_splits, self.group))
 
 
 def _regroup_by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
