@@ -120,6 +120,23 @@ def read_text(path: str | Path, what: str, cap: int, field: str = "", hint: str 
                             path=f"{printable(path)}:{line}") from None
 
 
+def read_json_object(path: str | Path, what: str, cap: int, hint: str = "") -> dict:
+    """A capped, regular UTF-8 file holding one JSON object; every failure (too big, not regular,
+    not JSON, nested too deeply, not an object) is one line naming the file."""
+    import json
+
+    text = read_text(path, what, cap, field=printable(path), hint=hint)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise LLMTrainError(f"{printable(path)}: JSON nested too deeply", hint) from None
+    except ValueError as exc:
+        raise LLMTrainError(f"{printable(path)}: not valid JSON ({printable(getattr(exc, 'msg', exc), 80)})", hint) from None
+    if not isinstance(value, dict):
+        raise LLMTrainError(f"{printable(path)}: not a JSON object", hint)
+    return value
+
+
 def inside(root: str | Path, path: str | Path) -> bool:
     """True when ``path`` (relative paths are taken under ``root``) resolves, symlinks followed,
     to ``root`` itself or something below it. A path that cannot be resolved (a symlink loop) is

@@ -30,12 +30,11 @@ Design decisions:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.safeio import MIB, inside, open_regular, printable, read_text
+from llmtrain.safeio import MIB, inside, open_regular, printable, read_json_object
 
 SUFFIXES = (".arrow", ".json", ".json.gz", ".jsonl.gz")
 BATCH_ROWS = 1024
@@ -67,16 +66,7 @@ def is_saved_dataset(directory: Path) -> bool:
 
 
 def _load_json(path: Path, what: str, cap: int) -> dict:
-    text = read_text(path, what, cap, field=printable(path), hint=SAVED_HINT)
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise LLMTrainError(f"{printable(path)}: JSON nested too deeply", SAVED_HINT) from None
-    except ValueError as exc:
-        raise LLMTrainError(f"{printable(path)}: not valid JSON ({printable(getattr(exc, 'msg', exc), 80)})", SAVED_HINT) from None
-    if not isinstance(value, dict):
-        raise LLMTrainError(f"{printable(path)}: not a JSON object", SAVED_HINT)
-    return value
+    return read_json_object(path, what, cap, hint=SAVED_HINT)
 
 
 def _plain_name(name: object) -> bool:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.safeio import MIB, printable, read_text
+from llmtrain.safeio import MIB, printable, read_json_object, read_text
 
 CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_MAP_FILE = "special_tokens_map.json"
@@ -59,16 +59,7 @@ class HFConfig:
 
 
 def _load_json(path: Path, what: str, cap: int) -> dict:
-    text = read_text(path, what, cap, field=printable(path), hint=HINT)
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise LLMTrainError(f"{printable(path)}: JSON nested too deeply", HINT) from None
-    except ValueError as exc:
-        raise LLMTrainError(f"{printable(path)}: not valid JSON ({printable(getattr(exc, 'msg', exc), 80)})", HINT) from None
-    if not isinstance(value, dict):
-        raise LLMTrainError(f"{printable(path)}: not a JSON object", HINT)
-    return value
+    return read_json_object(path, what, cap, hint=HINT)
 
 
 def _token(value, path: Path, name: str) -> str | None:
