@@ -53,7 +53,7 @@ def launch(
     if max_restarts is not None:
         set_ = [*set_, f"launch.max_restarts={max_restarts}"]
     if init_from_hf is not None:
-        set_ = [*set_, check_init_from_hf(recipe, set_, init_from_hf)]
+        set_ = [*set_, *check_init_from_hf(recipe, set_, init_from_hf)]
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
@@ -70,19 +70,39 @@ def launch(
     raise typer.Exit(code)
 
 
-def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> str:
-    """The ``--set`` item for ``--init-from-hf DIR``, after checking DIR against the recipe's model
+def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> list[str]:
+    """The ``--set`` items for ``--init-from-hf DIR``, after checking DIR against the recipe's model
     before anything starts: the directory and its files (untrusted: regular, inside, capped),
     config.json against the recipe, and every safetensors header (names, shapes, dtypes,
     truncation) against the model's tensor map, all from headers alone
     (:func:`llmtrain.engine.hf.files.check_hf_model`). Importing torch here (for the model's
-    shapes, built on the meta device) is paid only with this flag."""
+    shapes, built on the meta device) is paid only with this flag.
+
+    The architecture comes from config.json: a recipe whose ``model`` names no preset gets
+    config.json's model (:func:`~llmtrain.engine.hf.config_json.model_from_hf_config`) with the
+    fields it does give on top, as one more ``--set model=...``; the fields the recipe (or a
+    preset) states must agree with config.json, and every disagreement is listed in one error."""
     import json
 
-    from llmtrain.engine.hf.files import check_hf_model
-    from llmtrain.recipe.load import load_recipe
+    from llmtrain.engine.hf.config_json import model_from_hf_config
+    from llmtrain.engine.hf.files import check_hf_dir, check_hf_model
+    from llmtrain.recipe.load import MAX_RECIPE_BYTES, apply_override, load_recipe, parse_yaml_mapping
+    from llmtrain.safeio import printable, read_text
 
     directory = directory.resolve()
-    model = load_recipe(recipe, set_).model
-    check_hf_model(directory, model, "--init-from-hf")
-    return f"checkpoint.init_from_hf={json.dumps(str(directory))}"  # a JSON string is a YAML string
+    data = parse_yaml_mapping(read_text(recipe, "recipe", MAX_RECIPE_BYTES, field=printable(recipe)), printable(recipe))
+    for item in set_:
+        apply_override(data, item)
+    given = data.get("model") if isinstance(data.get("model"), dict) else {}
+    extra = []
+    if given.get("preset") is None:
+        conf, _ = check_hf_dir(directory, "--init-from-hf")
+        model = model_from_hf_config(conf, "--init-from-hf")
+        moe = {**model.get("moe", {}), **given["moe"]} if isinstance(given.get("moe"), dict) else model.get("moe")
+        model = {**model, **{k: v for k, v in given.items() if k != "moe"}}
+        if moe is not None:
+            model["moe"] = moe
+        extra.append(f"model={json.dumps(model)}")
+    model_cfg = load_recipe(recipe, [*set_, *extra]).model
+    check_hf_model(directory, model_cfg, "--init-from-hf")
+    return [*extra, f"checkpoint.init_from_hf={json.dumps(str(directory))}"]  # JSON is YAML
