@@ -2,8 +2,8 @@
 
 What is checked, and the tolerances:
 
-* **Equal to transformers.** A tiny HF Llama written by ``save_pretrained`` (tests/hf_tiny.py,
-  sharded) evaluated by ``llmtrain eval DIR`` equals transformers' own ``model(input_ids=w,
+* **Equal to transformers.** A tiny HF model of every family written by ``save_pretrained``
+  (tests/hf_tiny.py, sharded) evaluated by ``llmtrain eval DIR`` equals transformers' own ``model(input_ids=w,
   labels=w).loss`` averaged window by window, to 1e-5 relative: both are fp32 forwards of the
   same weights; they differ only in kernel reduction order (measured ~1e-8).
 * **A run, its checkpoint and its export agree** (1e-5 relative, same reason: the export permutes
@@ -108,13 +108,15 @@ def trained(files, tmp_path_factory):
     return out
 
 
-def test_hf_model_equals_transformers(files, tmp_path):
-    """Windows of 32 byte tokens of a sharded tiny Llama; micro-batches of 7 (a partial last one)."""
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+def test_hf_model_equals_transformers(files, tmp_path, family):
+    """Windows of 32 byte tokens of a sharded tiny model of every family (tests/hf_tiny.py: every
+    switch non-trivial); micro-batches of 7 (a partial last one)."""
     import transformers as tf
 
     from tests.hf_tiny import save_tiny
 
-    model_dir = save_tiny("llama", tmp_path / "llama")
+    model_dir = save_tiny(family, tmp_path / family)
     got = ok_json(["eval", str(model_dir), "--data", str(files["text"]), "--tokenizer", "byte",
                    "--seq-len", str(SEQ), "--batch", "7"])
     ids = list(files["text"].read_bytes())
