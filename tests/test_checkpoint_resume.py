@@ -249,3 +249,36 @@ def test_resume_moe_ep2_as_ep1(tmp_path):
     assert weight_diff <= WEIGHT_TOL
     kept = {**{s: p for s, p in sample_audit(ref_samples).items() if s <= 2}, **sample_audit(samples)}
     assert {s: p for s, p in kept.items()} == {s: list(range((s - 1) * GBS, s * GBS)) for s in range(1, MOE_STEPS + 1)}
+
+
+def test_hf_export_after_4_ranks_equals_export_resharded_to_1_rank(reference, tmp_path):
+    """``ckpt export --hf`` of the 4-rank checkpoint (TP 2 x FSDP 2) equals the export of the same
+    weights resharded to 1 rank. The 1-rank checkpoint comes from a 1-process resume of step-6
+    that trains one more step at lr 1e-30 (the schema wants lr > 0): AdamW then moves each weight by
+    about 1e-30, below half an fp32 ulp of any weight above ~1e-22 in magnitude, so step-7 holds
+    step-6's weights bit for bit, saved by one rank. Tolerance 0 (``torch.equal``): both exports copy
+    the same values (DCP reshards by offsets; no arithmetic)."""
+    from safetensors.torch import load_file
+
+    ref_run, _ = reference
+    run = tmp_path / "runs" / "debug" / ref_run.name
+    shutil.copytree(ref_run, run)
+    proc = cli(["resume", "--run", str(run), "--ckpt", "step-6", "--set", "parallel.tp=1", "--set",
+                "cluster.gpus_per_node=1", "--set", "train.steps=7", "--set", "train.optimizer.lr=1e-30"])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    meta = json.loads((run / "checkpoints" / "step-7" / "metadata.json").read_text())
+    assert meta["world_size"] == 1
+    exports = {}
+    for name, ckpt in (("four", ref_run / "checkpoints" / "step-6"), ("one", run / "checkpoints" / "step-7")):
+        out = tmp_path / name
+        proc = cli(["ckpt", "export", str(ckpt), "--hf", str(out), "--max-shard-size", "200KB"])
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        exports[name] = out
+    a, b = exports["four"], exports["one"]
+    assert sorted(p.name for p in a.iterdir()) == sorted(p.name for p in b.iterdir())
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+    shards = sorted(p.name for p in a.glob("*.safetensors"))
+    assert len(shards) > 1, shards  # several shard files, written by parallel workers
+    ta = {k: v for s in shards for k, v in load_file(str(a / s)).items()}
+    tb = {k: v for s in shards for k, v in load_file(str(b / s)).items()}
+    assert ta.keys() == tb.keys() and [k for k in ta if not torch.equal(ta[k], tb[k])] == []

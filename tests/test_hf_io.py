@@ -21,8 +21,8 @@ resume, real ``llmtrain`` CLI commands.
   (EP 1, no torchrun: tests/hf_io_worker.py ``--single``) with learning rate 1e-30 (the schema
   wants lr > 0) saves step-3, holding step-2's weights exactly as a 1-rank checkpoint: AdamW's
   step moves a weight by about lr (|m / sqrt(v)| <= ~10), below half an fp32 ulp of every
-  weight larger than ~1e-21 in magnitude, so the weights stay bit-identical. No test module has a reusable 4-rank checkpoint fixture (the 4-rank runs
-  of test_checkpoint_resume.py are module-local), so the multi-rank side is this 2-rank one.
+  weight larger than ~1e-21 in magnitude, so the weights stay bit-identical. This is the MoE
+  case (EP 2 + FSDP 2); the 4-rank dense case (TP 2 x FSDP 2) is in test_checkpoint_resume.py.
   Both exports (``--max-shard-size 40KB``: several shards; ``--workers 2``) must have the same
   files, index and tensors (``torch.equal``), and a ``--workers 1`` export is byte-identical
   (the plan is deterministic).
