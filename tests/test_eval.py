@@ -10,8 +10,9 @@ What is checked, and the tolerances:
   q/k rows, the math is the same), and the final eval row written during training equals
   ``llmtrain eval RUN`` on the same held-out file (the periodic eval uses micro-batches of 2,
   the CLI 8 windows per forward: reduction order only).
-* **A layout** ``--set parallel.tp=2 --set parallel.dp_shard=2 --set parallel.zero=3`` (TP 2 x
-  FSDP 2, a real 4-rank torchrun; the only multi-rank job of this file) equals the one-process
+* **Two layouts** ``--set parallel.tp=2 --set parallel.dp_shard=2 --set parallel.zero=3`` (TP 2 x
+  FSDP 2) and ``--set parallel.pp=2 --set parallel.cp=2`` (pipeline 2 x ring context 2), each a
+  real 4-rank torchrun (the only multi-rank jobs of this file), equal the one-process
   answer to 1e-5 relative: TP splits the vocabulary-parallel cross-entropy and the matmuls over
   ranks (fp32 reduction order, ~1e-7). 53 windows in 5 micro-batches of 11 over 2 data-parallel
   ranks: the last real one is partial and rank 1 runs an uncounted dummy forward in round 3
@@ -171,17 +172,25 @@ def test_run_checkpoint_and_export_agree(trained, files, tmp_path):
     assert close(of_hf["loss"], of_run["loss"])
 
 
-def test_layout_tp2_fsdp2_equals_one_process(trained, files):
+def test_layouts_tp2_fsdp2_and_pp2_cp2_equal_one_process(trained, files):
+    """Two real 4-rank torchrun jobs against the one-process answer (fp32, 1e-5 relative; the
+    layouts change only the reduction order, ~1e-7): TP 2 x FSDP 2 (see the module docstring),
+    and PP 2 x CP 2 (ring): the forward-only 1F1B schedule (``schedule.eval``, 11 windows = 11
+    microbatches of one, the 5th call padded with 2 uncounted windows) with each window's 32
+    tokens zigzag-sharded over 2 cp ranks, labels shifted on the whole window before sharding,
+    per-rank token sums all-reduced over cp and the last stage's total given to rank 0. Shifting
+    labels per shard, or dropping a cp rank's tokens, moves the loss by >> 1e-5."""
     args = ["eval", str(trained["run"]), "--data", str(files["text"]), "--seq-len", str(SEQ), "--batch", "11", "--json"]
     single = ok_json(args[:-1])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "llmtrain.cli.app", *args, "--set", "parallel.tp=2", "--set",
-                           "parallel.dp_shard=2", "--set", "parallel.zero=3"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    layout = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"1 process {single['loss']:.9f}  tp2 x fsdp2 {layout['loss']:.9f}")
-    assert layout["windows"] == single["windows"] and close(layout["loss"], single["loss"])
+    for name, sets in (("tp2 x fsdp2", ["parallel.tp=2", "parallel.dp_shard=2", "parallel.zero=3"]),
+                       ("pp2 x cp2", ["parallel.pp=2", "parallel.cp=2"])):
+        proc = subprocess.run([sys.executable, "-m", "llmtrain.cli.app", *args, *(x for s in sets for x in ("--set", s))],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, (name, proc.stderr[-4000:])
+        layout = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(f"1 process {single['loss']:.9f}  {name} {layout['loss']:.9f}")
+        assert layout["windows"] == single["windows"] and close(layout["loss"], single["loss"]), name
 
 
 def test_token_stream_matches_prepared_data(files, tmp_path):
@@ -211,6 +220,9 @@ def test_bad_inputs_are_one_line(trained, files, tmp_path):
     assert "not a regular file" in one_error(["eval", run, "--data", str(tmp_path / "fifo.txt")])
     (tmp_path / "empty").mkdir()
     assert "without meta.json" in one_error(["eval", run, "--data", str(tmp_path / "empty")])
-    assert "pipeline" in one_error(["eval", run, "--data", str(files["text"]), "--set", "parallel.pp=2"])
+    assert "--batch 1: with parallel.pp=2" in one_error(["eval", run, "--data", str(files["text"]), "--batch", "1",
+                                                          "--set", "parallel.pp=2"])
+    assert "--seq-len 30: parallel.cp=2 (ring)" in one_error(["eval", run, "--data", str(files["text"]), "--seq-len", "30",
+                                                              "--set", "parallel.cp=2"])
     assert "only parallel" in one_error(["eval", run, "--data", str(files["text"]), "--set", "train.steps=3"])
     assert "no such directory" in one_error(["eval", str(tmp_path / "nope"), "--data", str(files["text"])])

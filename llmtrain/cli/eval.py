@@ -19,9 +19,12 @@ Decisions (docs/eval.md; the definition of the number is in :mod:`llmtrain.engin
 * **--seq-len** defaults to the run's ``train.seq_len``; for an HF model to
   ``min(max_position_embeddings, 2048)`` (long contexts are slow on a laptop; say so explicitly).
 * **Layout.** Without ``--set`` the job runs in this process (one rank). ``--set parallel.*``
-  gives a layout (tp, dp_shard, dp_replicate, zero; pp and cp are refused): it is checked like
-  ``plan`` checks a recipe, then run with a local ``torchrun`` of that many ranks. The answer
-  equals the one-process answer up to fp32 reduction order (tests: 1e-5 relative).
+  gives a layout (tp, dp_shard, dp_replicate, zero, pp, cp, ...): it is checked like ``plan``
+  checks a recipe, then run with a local ``torchrun`` of that many ranks. The answer equals the
+  one-process answer up to fp32 reduction order (tests: 1e-5 relative). With pp each forward is
+  ``--batch`` pipeline microbatches of one window (``--batch`` >= pp, a multiple of pp for
+  interleaved schedules); zbv / dualpipev run as interleaved-1f1b (torch 2.13's forward-only
+  mode fails for them; the number does not depend on the schedule).
 * Every input is checked here before any rank starts; a mistake is one line, exit 2.
 """
 
@@ -171,7 +174,7 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as tmp:
         np.save(Path(tmp) / "windows.npy", windows)
         spec = {"recipe": {**recipe.model_dump(mode="json", by_alias=True), "model": model_dict(cfg)},
-                "kind": kind, "source": str(weights), "windows": str(Path(tmp) / "windows.npy"),
+                "kind": kind, "source": str(weights), "batch": batch, "windows": str(Path(tmp) / "windows.npy"),
                 "out": str(Path(tmp) / "result.json")}
         result = launch(spec, world_size(recipe), Path(tmp))
     if as_json:

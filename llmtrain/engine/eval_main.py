@@ -8,7 +8,8 @@ torchrun on every rank::
 ``SPEC.json`` is written by :mod:`llmtrain.cli.eval` after every input was checked there (the
 ranks see no user mistake but a layout error): ``recipe`` (the eval recipe: the source's model,
 ``train.seq_len`` = N, ``train.micro_batch_size`` = --batch, fp32, ``parallel`` from --set),
-``kind`` (``checkpoint`` | ``hf``), ``source`` (a verified checkpoint directory or an HF model
+``kind`` (``checkpoint`` | ``hf``), ``batch`` (windows per forward per data-parallel rank; with pp
+the recipe's micro_batch_size is 1, one window per pipeline microbatch), ``source`` (a verified checkpoint directory or an HF model
 directory), ``windows`` (an ``.npy`` of [W, N] int64 token windows) and ``out`` (rank 0 writes
 the result JSON there). Decisions:
 
@@ -57,13 +58,43 @@ def eval_recipe(model, seq_len: int, batch: int, sets: list[str]):
         apply_override(data, item)
     recipe = validate_recipe_dict(data)
     p = recipe.parallel
-    from llmtrain.engine.evaluate import refuse_layout
-
-    refuse_layout(p, "--set")  # before plan's checks, whose advice (microbatches for pp) would mislead
     if p.dp_shard == -1:
         raise LLMTrainError("parallel.dp_shard=-1: eval needs explicit degrees (the world size is their product)",
                             "set parallel.dp_shard to a number", path="--set")
+    if p.cp > 1:  # plan's own check names train.seq_len, which is --seq-len here
+        need = 2 * p.cp if p.cp_method == "ring" else p.cp
+        if seq_len % need:
+            raise LLMTrainError(f"--seq-len {seq_len}: parallel.cp={p.cp} ({p.cp_method}) shards each window in "
+                                f"{need} equal chunks", f"use a --seq-len that is a multiple of {need}", path="--seq-len")
+    if p.pp > 1:  # one window per pipeline microbatch: --batch windows = --batch microbatches per forward
+        asked = p.pp_schedule
+        if p.pp_schedule in FORWARD_ONLY_BROKEN:
+            # torch 2.13's zbv / dualpipev action lists keep their backward steps in schedule.eval()
+            # ("can't steal_bwd_input if this stage doesn't have backward"); the weights are loaded
+            # by name, so the same 2 chunks per rank in looped placement give the same number
+            data["parallel"]["pp_schedule"] = "interleaved-1f1b"
+        data["train"].update(micro_batch_size=1, global_batch_size=batch * p.dp_replicate * p.dp_shard)
+        recipe = validate_recipe_dict(data)
+        check_pipeline_batch(recipe.parallel, batch, asked)
     return recipe
+
+
+FORWARD_ONLY_BROKEN = ("zbv", "dualpipev")
+
+
+def check_pipeline_batch(p, batch: int, asked: str) -> None:
+    """``plan``'s microbatch rules for PP, said in terms of ``--batch`` (plan's advice names
+    global_batch_size, which eval has not)."""
+    from llmtrain.plan.validate import INTERLEAVED
+
+    name = asked if asked == p.pp_schedule else f"{asked}; eval runs it as {p.pp_schedule}"
+    need = p.pp  # dualpipev (plan: >= 2 pp) never gets here: it runs as interleaved-1f1b
+    if batch < need:
+        raise LLMTrainError(f"--batch {batch}: with parallel.pp={p.pp} ({name}) each forward needs >= {need} "
+                            "windows (one pipeline microbatch each)", f"use --batch >= {need}", path="--batch")
+    if p.pp_schedule in INTERLEAVED and batch % p.pp:
+        raise LLMTrainError(f"--batch {batch}: with parallel.pp={p.pp} ({name}) each forward needs a multiple "
+                            f"of {p.pp} windows", f"use --batch {batch + p.pp - batch % p.pp}", path="--batch")
 
 
 def world_size(recipe) -> int:
@@ -118,7 +149,8 @@ def run_job(spec: dict, device):
     parts = build_parts(recipe, meshes, device)
     load_weights(parts, spec["kind"], spec["source"], recipe.model)
     windows = np.load(spec["windows"], allow_pickle=False)
-    result = evaluate(parts, windows, recipe.train.micro_batch_size, device, meshes)
+    batch = spec.get("batch", recipe.train.micro_batch_size)  # with pp: micro_batch_size is 1 (see eval_recipe)
+    result = evaluate(parts, windows, batch, device, meshes, recipe)
     del parts
     gc.collect()
     return result

@@ -26,8 +26,20 @@ Decisions:
   takes micro-batch ``r * dp + d``); every rank runs the same number of forwards (a rank without
   work runs a dummy micro-batch with weight 0: FSDP/EP collectives need every rank), TP ranks of
   one group see the same windows, and the per-window losses are summed in float64 and
-  all-reduced over the data-parallel group. Pipeline and context parallelism are refused (one
-  line): the eval forward is not written for stages or sequence shards.
+  all-reduced over the data-parallel group.
+* **Context parallelism** (``llmtrain eval`` only). Labels are built on the whole window, then
+  inputs and labels are sharded by the trainer's global positions (``cp_positions``: zigzag for
+  ring, contiguous for ulysses / allgather), and RoPE gets those positions. Each cp rank sums the
+  losses of its own tokens (the ignored last label sits on whichever rank holds position N-1);
+  the sums, divided by the global N-1, are all-reduced over ``dp_cp`` (data and context ranks).
+* **Pipeline parallelism** (``llmtrain eval`` only). ``schedule.eval()`` of
+  ``torch.distributed.pipelining`` runs forward only; each call takes ``batch`` windows as
+  ``batch`` microbatches of one (static stage shapes, so a short last round is padded with
+  uncounted copies of window 0) and the last stage's loss function returns per-window sums.
+  The sum is then all-reduced over the pp group (only the last stage's ranks hold one), so
+  every rank, rank 0 included, has the answer.
+* **The periodic eval** (``train.eval_interval``) refuses pp > 1 and cp > 1 (one line; plan
+  refuses it too): it would need its own schedule beside the training one.
 * **No effect on training.** No RNG is drawn, the forward runs under ``torch.no_grad`` in eval
   mode (MoE routers count no tokens for the bias update in eval mode) and the previous mode
   is restored.
@@ -35,9 +47,11 @@ Decisions:
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -146,27 +160,39 @@ def make_windows(tokens: np.ndarray, seq_len: int, vocab_size: int, where: str, 
 
 # -- the forward --------------------------------------------------------------------------------
 
-def window_losses(model: torch.nn.Module, windows: torch.Tensor, tp: bool) -> torch.Tensor:
-    """Mean next-token loss of each window of ``windows`` [b, N] (float64 [b])."""
-    from llmtrain.engine.step import loss_context
+def token_sums(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token losses of each row of ``labels`` [b, s] (float64 [b]); -100 is ignored.
+    Under TP (``loss_parallel``) the vocabulary-sharded logits give a DTensor, made whole here."""
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=IGNORE)
+    if isinstance(per_token, DTensor):
+        per_token = per_token.full_tensor()
+    return per_token.view(labels.shape).double().sum(1)
 
+
+def window_labels(windows: torch.Tensor) -> torch.Tensor:
+    """Labels of whole windows: position i predicts token i+1, the last position is ignored. Built on
+    the FULL window, before any sequence sharding (CP shards inputs and labels alike afterwards)."""
     labels = torch.full_like(windows, IGNORE)
     labels[:, :-1] = windows[:, 1:]
+    return labels
+
+
+def window_losses(model: torch.nn.Module, windows: torch.Tensor, tp: bool) -> torch.Tensor:
+    """Mean next-token loss of each window of ``windows`` [b, N] (float64 [b]), one process, no CP."""
+    from llmtrain.engine.step import loss_context
+
     with loss_context(tp):
-        logits = model(windows)
-        per_token = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none",
-                                    ignore_index=IGNORE)
-        if isinstance(per_token, DTensor):
-            per_token = per_token.full_tensor()
-    return per_token.view(windows.shape).double().sum(1) / (windows.shape[1] - 1)
+        return token_sums(model(windows), window_labels(windows)) / (windows.shape[1] - 1)
 
 
 def refuse_layout(dims, field: str) -> None:
+    """The periodic eval (``train.eval_interval``) runs only without pipeline and context parallelism."""
     for name in ("pp", "cp"):
         if getattr(dims, name) > 1:
-            raise LLMTrainError(f"parallel.{name}={getattr(dims, name)}: evaluation does not run with "
-                                f"{'pipeline' if name == 'pp' else 'context'} parallelism",
-                                f"evaluate with parallel.{name}=1 (tp, dp_shard, dp_replicate and zero work)", path=field)
+            raise LLMTrainError(f"parallel.{name}={getattr(dims, name)}: the periodic eval during training does not "
+                                f"run with {'pipeline' if name == 'pp' else 'context'} parallelism",
+                                f"use train.eval_interval=0 and `llmtrain eval RUN` on the checkpoints "
+                                f"(it runs with parallel.{name} > 1)", path=field)
 
 
 def dp_coords(dims) -> tuple[int, int]:
@@ -174,33 +200,100 @@ def dp_coords(dims) -> tuple[int, int]:
     return c["dp_replicate"] * dims.dp_shard + c["dp_shard"], dims.dp
 
 
-def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshes) -> EvalResult:
-    """Loss over ``windows`` with the (parallelized) model ``parts`` on every rank of the mesh."""
+class _Forward:
+    """Per-window loss sums of one micro-batch [batch, N] on this rank: a plain forward, or (PP) the
+    forward-only pipeline schedule (``schedule.eval``), whose last stage computes the sums.
+
+    With CP the windows and their labels (built on the whole window) are sharded by the same
+    global positions the trainer uses (:func:`cp_positions`: zigzag for ring), RoPE gets those
+    positions, and each rank's sums cover only its tokens: the caller all-reduces them over the
+    cp group (part of ``dp_cp``). Returns None on pipeline ranks without the last stage."""
+
+    def __init__(self, parts, meshes, device, batch: int, seq_len: int, recipe=None):
+        from llmtrain.engine.parallel.context import cp_positions
+
+        dims = meshes.dims
+        self.parts, self.tp, self.device, self.schedule, self.stages = parts, dims.tp > 1, device, None, []
+        self.positions = None
+        if dims.cp > 1 or dims.pp > 1:
+            method = recipe.parallel.cp_method if recipe is not None else "ring"
+            self.positions = cp_positions(seq_len, dims.cp, meshes.cp.get_local_rank(), method).to(device)
+            for part in parts.parts:  # global RoPE positions (PP: later stages get hidden states)
+                part.positions = self.positions
+        if dims.pp > 1:
+            if recipe is None:
+                raise LLMTrainError("pipeline parallel eval needs the recipe", "pass recipe=", path="parallel.pp")
+            from llmtrain.engine.parallel.pipeline import (
+                build_schedule,
+                stage_io_shapes,
+            )
+
+            p, m = recipe.parallel, recipe.model
+            sp_shards = dims.tp if dims.tp > 1 and p.sequence_parallel else 1
+            # one window per pipeline microbatch: `batch` microbatches per call, static shapes
+            shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=1, seq=seq_len // dims.cp,
+                             hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards)
+            self.schedule, self.stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule,
+                                                        batch, token_sums, device, meshes.pp.get_group(),
+                                                        shapes=shapes, dtype=torch.float32)
+
+    def __call__(self, windows: torch.Tensor) -> torch.Tensor | None:
+        from llmtrain.engine.parallel.context import shard_sequence
+        from llmtrain.engine.step import loss_context
+
+        inputs, labels = windows, window_labels(windows)
+        if self.positions is not None:
+            inputs, labels = shard_sequence(inputs, self.positions), shard_sequence(labels, self.positions)
+        with loss_context(self.tp):
+            if self.schedule is None:
+                return token_sums(self.parts.parts[0](inputs), labels)
+            first, last = self.parts.has_first, self.parts.has_last
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if first else ()
+            self.schedule.eval(*args, target=labels if last else None, losses=losses if last else None)
+            return torch.cat(losses) if last else None
+
+    def close(self) -> None:
+        """Trap 6 of the CPU facts note: drop schedule and stages before the process group goes."""
+        self.schedule, self.stages = None, []
+        gc.collect()
+
+
+def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshes, recipe=None) -> EvalResult:
+    """Loss over ``windows`` with the (parallelized) model ``parts`` on every rank of the mesh.
+    ``recipe`` (its ``parallel`` and ``model``) is needed for pipeline parallelism."""
     dims = meshes.dims
-    refuse_layout(dims, "parallel")
-    model = parts.parts[0]
     dp_rank, dp = dp_coords(dims)
-    n = len(windows)
+    n, seq_len = windows.shape
     rounds = math.ceil(math.ceil(n / batch) / dp)
     total = torch.zeros((), dtype=torch.float64, device=device)
-    was_training = model.training
-    model.eval()
+    modes = [part.training for part in parts.parts]
+    for part in parts.parts:
+        part.eval()
+    forward = _Forward(parts, meshes, device, batch, seq_len, recipe)
     try:
         with torch.no_grad():
             for r in range(rounds):
                 lo = (r * dp + dp_rank) * batch
                 chunk = windows[lo:lo + batch]
                 real = len(chunk)
-                if real == 0:
+                if forward.schedule is not None and real < batch:  # static pipeline shapes: pad with window 0
+                    chunk = np.concatenate([chunk, np.repeat(windows[:1], batch - real, axis=0)])
+                elif real == 0:
                     chunk = windows[:1]  # a dummy forward: every rank takes part in the collectives
-                losses = window_losses(model, torch.from_numpy(chunk).to(device), dims.tp > 1)
-                total += losses[:real].sum()
+                sums = forward(torch.from_numpy(chunk).to(device))
+                if sums is not None:
+                    total += sums[:real].sum() / (seq_len - 1)
     finally:
-        model.train(was_training)
-    if dp > 1:
+        forward.close()
+        for part, mode in zip(parts.parts, modes):
+            part.train(mode)
+    if dp * dims.cp > 1:  # data-parallel ranks: other windows; cp ranks: other tokens of the same windows
         dist.all_reduce(total, group=meshes.dp_cp.get_group())
+    if dims.pp > 1:  # only the last stage's ranks hold the sum: give it to every rank (rank 0 prints)
+        dist.all_reduce(total, group=meshes.pp.get_group())
     loss = float(total.item()) / n
-    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), n * windows.shape[1], n)
+    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), n * seq_len, n)
 
 
 # -- during training ----------------------------------------------------------------------------
