@@ -241,3 +241,14 @@ def test_local_launch_applies_the_policy_and_masks_what_ranks_print(tmp_path):
         for path in launcher_files:
             assert secret.encode() not in path.read_bytes(), (secret, path)
     assert "probe MY_SERVICE_TOKEN=****" in (run / "logs" / "rank-0.log").read_text()
+
+
+def test_forget_seen_ends_one_commands_secret_memory():
+    """Values remembered by one command mask only that command's messages (tests/conftest.py
+    forgets them between tests: a fuzzed secret 'file' once masked another test's error)."""
+    from llmtrain.launch.secrets import forget_seen, mask_seen, remember
+
+    remember(["file"])
+    assert mask_seen("not a safetensors file") == "not a safetensors ****"
+    forget_seen()
+    assert mask_seen("not a safetensors file") == "not a safetensors file"

@@ -115,6 +115,14 @@ def remember(values: Iterable[str]) -> None:
     _SEEN.add(values)
 
 
+def forget_seen() -> None:
+    """Drop the remembered values. The CLI runs one command per process, so they live exactly one
+    command; a process that runs several commands in turn (the test suite's in-process CLI) calls
+    this between them, or a secret value of one command (e.g. ``file``) masks words in the next
+    command's messages."""
+    _SEEN._needles = []
+
+
 def mask_seen(text: str) -> str:
     """``text`` masked with every secret value this process has seen, and by shape."""
     return _SEEN(text)
