@@ -232,10 +232,12 @@ def test_same_named_runs_side_by_side_do_not_stop_each_other(tmp_path):
     code = ("import sys; from llmtrain.launch.local import relaunch_local; from llmtrain.recipe.load import load_recipe; "
             "sys.exit(relaunch_local(sys.argv[1], load_recipe(sys.argv[1] + '/recipe.lock.yaml')))")
     slow = subprocess.Popen([sys.executable, "-c", code, str(runs[1])], cwd=tmp_path, text=True,
-                            env=cli_env(FAKE_ENGINE_SLEEP="1.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=cli_env(FAKE_ENGINE_SLEEP="2.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while not run_processes("run") and time.monotonic() < deadline:  # the slow run's ranks are up
+        deadline, log = time.monotonic() + 120, runs[1] / "logs" / "rank-1.log"
+        while time.monotonic() < deadline:  # both slow ranks are past step 1: ~27 s of sleeping steps left
+            if log.exists() and "sleeping" in log.read_text(errors="replace"):
+                break
             time.sleep(0.1)
         fast = subprocess.run([sys.executable, "-c", code, str(runs[0])], cwd=tmp_path, env=cli_env(),
                               capture_output=True, text=True, timeout=120)
