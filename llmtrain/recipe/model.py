@@ -1,0 +1,174 @@
+"""The recipe's ``model`` section: architecture, HF family switches, MoE and RoPE scaling.
+
+Split from :mod:`llmtrain.recipe.schema` (which re-exports every name) by concept; the same
+rules apply: strict types, every field described, cross-field rules in plan/validate.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from llmtrain.recipe.presets import PRESETS
+from llmtrain.recipe.schema_base import BIG, Strict
+
+
+class MoEConfig(Strict):
+    """Mixture-of-experts block settings; only meaningful when ``num_experts > 1``."""
+
+    num_experts: int = Field(1, ge=1, le=65536, description="Routed experts per MoE layer (1 = dense model).")
+    top_k: int = Field(2, ge=1, le=64, description="Experts each token is routed to.")
+    shared_experts: int = Field(0, ge=0, le=64, description="Always-active shared experts (DeepSeek style).")
+    expert_ffn_hidden: int | None = Field(
+        None, ge=1, le=BIG, description="Hidden size of each expert's SwiGLU MLP (default: model.ffn_hidden)."
+    )
+    first_dense_layers: int = Field(0, ge=0, le=BIG, description="Leading layers that use a dense MLP instead of MoE.")
+    router: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router score function: softmax (Mixtral) or sigmoid (DeepSeek-V3)."
+    )
+    balance: Literal["aux_loss", "bias"] = Field(
+        "aux_loss",
+        description="Load balancing: auxiliary loss (Switch/Mixtral) or DeepSeek-V3's auxiliary-loss-free bias update.",
+    )
+    aux_loss_coef: float = Field(0.01, ge=0, le=10, description="Weight of the auxiliary load-balancing loss.")
+    bias_update_rate: float = Field(
+        0.001, ge=0, le=1, description="Step size of the bias update when balance is 'bias'."
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0, le=1024, description="Expert capacity = factor x tokens x top_k / experts; overflow tokens are dropped. None = no dropping."
+    )
+    norm_topk_prob: bool = Field(
+        True, description="Softmax router: renormalize the top-k probabilities to sum 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)."
+    )
+    sparse_step: int = Field(
+        1, ge=1, le=BIG, description="Layer i (0-based) is MoE only if (i + 1) is a multiple of this (Qwen's decoder_sparse_step)."
+    )
+    dense_layers: list[int] = Field(
+        default_factory=list, description="Further layer indices (0-based) with a dense MLP of ffn_hidden (Qwen's mlp_only_layers)."
+    )
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _sorted_unique(cls, value: list[int]) -> list[int]:
+        if any(i < 0 or i >= BIG for i in value):
+            raise ValueError("layer indices must be >= 0")
+        return sorted(set(value))
+
+
+class RopeScaling(Strict):
+    """RoPE frequency scaling for long context (Llama 3.1's ``rope_type: llama3``)."""
+
+    type: Literal["llama3"] = Field("llama3", description="Scaling rule; llama3 = Llama 3.1/3.2/3.3 (the only one implemented).")
+    factor: float = Field(8.0, gt=0, le=1e6, description="Wavelengths longer than original_max_seq_len / low_freq_factor are divided by this.")
+    low_freq_factor: float = Field(1.0, gt=0, le=1e6, description="Low-frequency boundary: original_max_seq_len / low_freq_factor.")
+    high_freq_factor: float = Field(4.0, gt=0, le=1e6, description="High-frequency boundary (unchanged above it): original_max_seq_len / high_freq_factor.")
+    original_max_seq_len: int = Field(8192, ge=1, le=BIG, description="Context length of pretraining before scaling (HF original_max_position_embeddings).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+        return self
+
+
+MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
+                "rope_theta", "norm_eps", "tie_embeddings")
+
+
+class ModelConfig(Strict):
+    """Transformer architecture: a preset, with any explicit field overriding it."""
+
+    preset: str | None = Field(None, description=f"Model preset, one of: {', '.join(PRESETS)}. Explicit fields override it.")
+    layers: int | None = Field(None, ge=1, le=BIG, description="Transformer blocks.")
+    hidden: int | None = Field(None, ge=1, le=BIG, description="Model (embedding) width.")
+    heads: int | None = Field(None, ge=1, le=BIG, description="Attention (query) heads.")
+    kv_heads: int | None = Field(None, ge=1, le=BIG, description="Key/value heads (grouped-query attention; = heads for MHA).")
+    ffn_hidden: int | None = Field(None, ge=1, le=BIG, description="Hidden size of the dense SwiGLU MLP.")
+    vocab_size: int | None = Field(None, ge=2, le=BIG, description="Vocabulary size (embedding and output rows).")
+    max_seq_len: int | None = Field(None, ge=1, le=BIG, description="Longest sequence the model supports.")
+    rope_theta: float | None = Field(None, gt=0, le=1e12, description="RoPE base frequency.")
+    norm_eps: float | None = Field(None, gt=0, le=1, description="RMSNorm epsilon.")
+    tie_embeddings: bool | None = Field(None, description="Share the input embedding with the output layer.")
+    head_dim: int | None = Field(
+        None, ge=2, le=BIG, description="Width of one attention head (default hidden / heads; Qwen3 sets it explicitly)."
+    )
+    qkv_bias: bool = Field(False, description="Biases on the q, k and v projections (Qwen2 / Qwen2.5).")
+    qk_norm: bool = Field(False, description="RMSNorm over head_dim on each query and key head before RoPE (Qwen3).")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+); None = plain RoPE.")
+    sliding_window: int | None = Field(
+        None, ge=1, le=BIG,
+        description="Sliding-window attention span (Mistral v0.1). Only train.seq_len <= sliding_window is supported, where it has no effect.",
+    )
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] | None = Field(
+        None,
+        description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
+        "(default: llama when dense, mixtral when MoE).",
+    )
+    moe: MoEConfig = Field(default_factory=MoEConfig, description="Mixture-of-experts settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _merge_preset(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("preset"), str):
+            return data
+        preset = PRESETS.get(data["preset"])
+        if preset is None:
+            return data  # reported by the preset field validator
+        merged = copy.deepcopy(preset)
+        user_moe = data.get("moe")
+        for key, value in data.items():
+            if key != "moe":
+                merged[key] = value
+        if isinstance(user_moe, dict):
+            overrides_to_dense = isinstance(user_moe.get("num_experts"), int) and user_moe["num_experts"] <= 1
+            if overrides_to_dense or "moe" not in preset:
+                merged["moe"] = user_moe
+            else:
+                merged["moe"] = {**preset["moe"], **user_moe}
+        elif user_moe is not None:
+            merged["moe"] = user_moe
+        return merged
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; use one of: {', '.join(PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> ModelConfig:
+        missing = [name for name in MODEL_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise ValueError(
+                f"missing {', '.join(missing)}; set model.preset (one of: {', '.join(PRESETS)}) or give them explicitly"
+            )
+        if self.head_dim is None:  # resolved here so that every reader sees one number
+            self.head_dim = max(1, self.hidden // self.heads)
+            self.model_fields_set.discard("head_dim")  # still "derived" for validate.py's divisibility check
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe.num_experts > 1
+
+    @property
+    def explicit_head_dim(self) -> bool:
+        """head_dim was given (not derived as hidden / heads); then hidden % heads need not be 0."""
+        return "head_dim" in self.model_fields_set
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has an MoE MLP (else a dense one of ffn_hidden)."""
+        return (self.is_moe and layer >= self.moe.first_dense_layers and (layer + 1) % self.moe.sparse_step == 0
+                and layer not in self.moe.dense_layers)
+
+    @property
+    def hf_family(self) -> str:
+        """The Hugging Face model_type of this model: ``family``, else llama (dense) or mixtral (MoE)."""
+        return self.family or ("mixtral" if self.is_moe else "llama")
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe.expert_ffn_hidden or self.ffn_hidden
