@@ -30,13 +30,10 @@ import os
 import pickle
 import shutil
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from llmtrain.cli.app import app
 from llmtrain.cli import ckpt as _ckpt  # noqa: F401  (registers the commands)
 from llmtrain.cli import resume as _resume  # noqa: F401
 from llmtrain.engine import checkpoint_store as store
@@ -44,6 +41,7 @@ from llmtrain.engine.dcp_index import IndexUnpickler
 from llmtrain.engine.safe_reader import load_rng
 from llmtrain.errors import LLMTrainError
 from tests import ckpt_craft as cc
+from tests.helpers_cli import errors_of, invoke_stubbed
 
 
 @pytest.fixture(scope="module")
@@ -63,17 +61,8 @@ def step(run: Path, n: int) -> Path:
 def invoke(args: list[str]) -> tuple[int, str, list]:
     """``llmtrain ARGS`` in this process (``resume`` stops before torchrun: the launch is a stub
     that records what it was asked to start). Returns ``(exit code, output, launches)``."""
-    launches: list = []
-    with mock.patch("llmtrain.launch.local.relaunch_local", lambda *a, **k: launches.append(k) or 0):
-        result = CliRunner().invoke(app, args)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output, launches
-
-
-def errors_of(output: str) -> list[str]:
-    assert "Traceback" not in output, output[-3000:]
-    return [line for line in output.splitlines() if line.startswith("error:")]
+    code, output, calls = invoke_stubbed(args, "llmtrain.launch.local.relaunch_local")
+    return code, output, [k for _, k in calls]
 
 
 def refused(code: int, output: str, names: str) -> str:

@@ -46,7 +46,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
@@ -54,6 +53,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from helpers_cli import errors_of, invoke_stubbed  # noqa: E402
 from hf_tiny import save_tiny  # noqa: E402
 
 LOGIT_TOL = 1e-5
@@ -145,23 +145,9 @@ def test_each_rank_reads_only_its_slices(world):
 
 
 def invoke(args: list[str]):
-    from typer.testing import CliRunner
-
-    from llmtrain.cli import ckpt as _ckpt  # noqa: F401  (registers the commands)
-    from llmtrain.cli import launch as _launch  # noqa: F401
-    from llmtrain.cli.app import app
-
-    launched: list = []
-    with mock.patch("llmtrain.launch.local.launch_local", lambda *a, **k: launched.append(a) or 0):
-        result = CliRunner().invoke(app, args)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.output, launched
-
-
-def errors_of(output: str) -> list[str]:
-    assert "Traceback" not in output, output[-3000:]
-    return [line for line in output.splitlines() if line.startswith("error:")]
+    """``llmtrain ARGS`` in this process; a launch only records that it was called."""
+    code, output, calls = invoke_stubbed(args, "llmtrain.launch.local.launch_local")
+    return code, output, [a for a, _ in calls]
 
 
 def export(ckpts: Path, step: str, out: Path, *extra: str) -> Path:

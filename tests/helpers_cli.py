@@ -1,0 +1,31 @@
+"""The CLI in this process with the launch stubbed out, and its error lines (shared by tests)."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+
+def invoke_stubbed(args: list[str], target: str) -> tuple[int, str, list]:
+    """``llmtrain ARGS`` in this process with ``target`` (e.g. ``llmtrain.launch.local.launch_local``)
+    replaced by a stub that records its call ``(args, kwargs)`` and returns 0.
+    Returns ``(exit code, output, calls)``; an unexpected exception is re-raised."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import ckpt as _ckpt  # noqa: F401  (registers the commands)
+    from llmtrain.cli import launch as _launch  # noqa: F401
+    from llmtrain.cli import resume as _resume  # noqa: F401
+    from llmtrain.cli.app import app
+
+    calls: list = []
+    with mock.patch(target, lambda *a, **k: calls.append((a, k)) or 0):
+        result = CliRunner().invoke(app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.output, calls
+
+
+def errors_of(output: str) -> list[str]:
+    """The ``error:`` lines of ``output`` (which must hold no traceback)."""
+    if "Traceback" in output:
+        raise AssertionError(output[-3000:])
+    return [line for line in output.splitlines() if line.startswith("error:")]
