@@ -20,35 +20,78 @@ from llmtrain.engine.parallel.pipeline import pipeline_step
 from llmtrain.engine.parallelize import ModelParts
 
 
+IGNORE = -100  # label of a token that carries no loss (prompt, padding): F.cross_entropy's ignore_index
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+class StepLoss:
+    """The loss function of one optimizer step: a per-microbatch mean, or token-weighted.
+
+    Pretraining data (every label counts) keeps the per-microbatch mean (``factor`` None):
+    ``accumulation_step`` divides it by the number of microbatches, the pipeline schedule scales
+    gradients by ``1 / n_microbatches``.
+
+    Fine-tuning data has ignored labels (-100), so microbatches hold different numbers of target
+    tokens and a mean of means would weight a token by its microbatch's size, i.e. by the
+    layout. There the loss is token-weighted over the whole global batch: ``sum of token losses
+    / targets`` where ``targets`` counts the labels of every DP rank's samples of the step
+    (computed by every rank from the data alone, no collective). Each rank returns its share
+    times ``factor = ranks_averaged / targets`` (x ``n_microbatches`` under PP, which the
+    schedule divides back out), so the gradient average over the ``dp x cp`` ranks and the
+    trainer's loss all-reduce both give exactly the global token mean, on any layout.
+    """
+
+    def __init__(self):
+        self.factor: float | None = None
+
+    def set_targets(self, targets: int | None, ranks_averaged: int, pipeline_microbatches: int = 1) -> None:
+        self.factor = None if targets is None else ranks_averaged * pipeline_microbatches / max(1, targets)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.factor is None:
+            return cross_entropy(logits, labels)
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
+        return total * self.factor
+
+
+def split_batch(batch, device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(inputs, labels)`` or packed ``(inputs, labels, positions, segments)`` -> inputs, labels, model kwargs."""
+    inputs, labels = batch[0].to(device), batch[1].to(device)
+    kwargs = {} if len(batch) == 2 else {"positions": batch[2].to(device), "segments": batch[3].to(device)}
+    return inputs, labels, kwargs
 
 
 def loss_context(tp: bool):
     return loss_parallel() if tp else contextlib.nullcontext()
 
 
-def accumulation_step(parts: ModelParts, batches, device, fsdp: bool, tp: bool, autocast) -> torch.Tensor:
+def accumulation_step(parts: ModelParts, batches, device, fsdp: bool, tp: bool, autocast,
+                      loss_fn: StepLoss | None = None) -> torch.Tensor:
     model = parts.parts[0]
+    loss_fn = loss_fn or StepLoss()
     loss_sum = torch.zeros((), device=device)
-    for i, (inputs, labels) in enumerate(batches):
-        inputs, labels = inputs.to(device), labels.to(device)
+    for i, batch in enumerate(batches):
+        inputs, labels, kwargs = split_batch(batch, device)
         if fsdp:
             model.set_requires_gradient_sync(i == len(batches) - 1)
         with loss_context(tp):
             with autocast:
-                logits = model(inputs)
-            loss = cross_entropy(logits, labels) / len(batches)
+                logits = model(inputs, **kwargs)
+            loss = loss_fn(logits, labels)
+            loss = loss / len(batches) if loss_fn.factor is None else loss
             loss.backward()
         loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
     return loss_sum
 
 
 def pipelined_step(parts: ModelParts, schedule, batches, device, tp: bool, autocast) -> torch.Tensor | None:
-    inputs = torch.cat([b[0] for b in batches]).to(device)
-    labels = torch.cat([b[1] for b in batches]).to(device)
+    whole = [torch.cat([b[j] for b in batches]) for j in range(len(batches[0]))]
+    inputs, labels, kwargs = split_batch(whole, device)
     with loss_context(tp), autocast:
-        loss = pipeline_step(schedule, parts.has_first, parts.has_last, inputs, labels)
+        loss = pipeline_step(schedule, parts.has_first, parts.has_last, inputs, labels, kwargs)
     if loss is not None and isinstance(loss, DTensor):
         loss = loss.full_tensor()
     return loss

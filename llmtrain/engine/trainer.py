@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from llmtrain.engine.checkpoint import Checkpointer, checkpoint_root
 from llmtrain.engine.checkpoint_hooks import TestHooks
-from llmtrain.engine.data import BatchSampler, build_data, microbatches
+from llmtrain.engine.data import BatchSampler, build_data, microbatches, step_target_count
 from llmtrain.engine.mesh import Meshes, build_meshes
 from llmtrain.engine.evaluate import PeriodicEval
 from llmtrain.engine.metrics import MetricsWriter, emit, memory_gib, peak_flops
@@ -30,7 +30,7 @@ from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.pipeline import build_schedule, stage_io_shapes
 from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
-from llmtrain.engine.step import accumulation_step, cross_entropy, pipelined_step
+from llmtrain.engine.step import StepLoss, accumulation_step, pipelined_step
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token
@@ -79,7 +79,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     parts = build_parts(recipe, meshes, device)
     for part in parts.parts:
         part.train()
-    if recipe.checkpoint.init_from_hf and not resume:
+    # LoRA checkpoints hold the adapters, not the frozen base: it is re-read on resume too.
+    if recipe.checkpoint.init_from_hf and (not resume or recipe.train.lora is not None):
         from llmtrain.engine.hf import load_hf_weights
         loaded = load_hf_weights(parts, recipe.checkpoint.init_from_hf, recipe.model)  # this rank's slices only
         if rank == 0 and verbose:
@@ -96,6 +97,9 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     gbs = t.global_batch_size or t.micro_batch_size * dims.dp
     sampler = BatchSampler(getattr(dataset, "length", None), gbs, t.micro_batch_size, dp_rank_of(dims, rank), dims.dp, t.seed)
     grad_accum = gbs // (t.micro_batch_size * dims.dp)
+    if rank == 0 and verbose and getattr(dataset, "summary", None) is not None:
+        print(f"data: {dataset.summary.line()}", flush=True)
+    loss_fn = StepLoss()  # token-weighted over the global batch for data with ignored labels
     schedule = None
     if dims.pp > 1:
         p, m = recipe.parallel, recipe.model
@@ -104,7 +108,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=t.micro_batch_size, seq=t.seq_len // dims.cp,
                          hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards)
         schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
-                                     cross_entropy, device, pp_group, shapes=shapes, dtype=act_dtype)
+                                     loss_fn, device, pp_group, shapes=shapes, dtype=act_dtype)
     for part in parts.parts:  # the aux loss is scaled like the main loss (PP: the schedule scales grads)
         set_aux_loss_scale(part, 1.0 if schedule else 1.0 / grad_accum)
     # Global RoPE positions of this rank's tokens: CP shards the sequence (zigzag for ring);
@@ -151,10 +155,11 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         set_lr(optimizer, lr)
         test_hooks.log_samples(step, sampler)
         batches = microbatches(dataset, sampler)
-        if dims.cp > 1:
+        loss_fn.set_targets(step_target_count(dataset, sampler), dp_size, grad_accum if schedule else 1)
+        if dims.cp > 1:  # packed rows (4-tuples) never get here: plan refuses data.packing with cp > 1
             batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
         if schedule is None:
-            loss = accumulation_step(parts, batches, device, fsdp, tp, autocast)
+            loss = accumulation_step(parts, batches, device, fsdp, tp, autocast, loss_fn)
         else:
             loss = pipelined_step(parts, schedule, batches, device, tp, autocast)
             loss = loss if loss is not None else torch.zeros((), device=device)

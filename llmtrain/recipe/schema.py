@@ -101,6 +101,39 @@ class GuardConfig(Strict):
     max_rollbacks: int = Field(3, ge=0, le=1000, description="Rollbacks per run before it stops with an error.")
 
 
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+class LoRAConfig(Strict):
+    """Low-rank adapters (Hu et al. 2021): ``W x + (alpha / rank) * B A dropout(x)`` on the target projections."""
+
+    rank: int = Field(8, ge=1, le=65536, description="Rank r of each adapter (A is r x in, B is out x r).")
+    alpha: float = Field(16.0, gt=0, le=1e6, description="Scale numerator: the update is multiplied by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input (0 = off).")
+    targets: Literal["all-linear"] | list[Literal["wq", "wk", "wv", "wo", "w1", "w2", "w3"]] = Field(
+        "all-linear", description="Projections that get adapters: a list of wq wk wv wo (attention) w1 w2 w3 (MLP), "
+                                  "or all-linear (all seven; never the output head or the embeddings).")
+
+    @field_validator("targets")
+    @classmethod
+    def _unique_targets(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("targets is empty; list projections (wq wk wv wo w1 w2 w3) or use all-linear")
+            if len(set(v)) != len(v):
+                raise ValueError(f"targets lists a projection twice: {v}")
+        return v
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        """The target projections in canonical order."""
+        return LORA_TARGETS if self.targets == "all-linear" else tuple(t for t in LORA_TARGETS if t in self.targets)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class TrainConfig(Strict):
     """Batch, steps, precision and optimizer."""
 
@@ -125,6 +158,8 @@ class TrainConfig(Strict):
         8, ge=1, le=BIG, description="Windows per evaluation = eval_batches x global batch size (the first ones of data.eval_path)."
     )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW settings.")
+    lora: LoRAConfig | None = Field(
+        None, description="Train low-rank adapters on a frozen base instead of every weight (docs/finetune.md).")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     guard: GuardConfig = Field(default_factory=GuardConfig, description="Loss-spike and NaN guard.")
 
@@ -132,10 +167,27 @@ class TrainConfig(Strict):
 class DataConfig(Strict):
     """Training data."""
 
-    source: Literal["synthetic", "memmap"] = Field(
-        "synthetic", description="synthetic (seeded Markov-chain tokens with a known entropy floor) or memmap (from `llmtrain data prepare`)."
+    source: Literal["synthetic", "memmap", "chat", "instruction", "text"] = Field(
+        "synthetic",
+        description="synthetic (seeded Markov-chain tokens with a known entropy floor), memmap (from `llmtrain data prepare`), "
+                    "or fine-tuning samples read from data.path: chat (jsonl rows {messages: [{role, content}]}, loss on "
+                    "assistant replies), instruction (jsonl prompt/completion, loss on the completion), text (jsonl text or "
+                    ".txt, loss on every token) (docs/finetune.md).",
     )
-    path: str | None = Field(None, min_length=1, description="Directory written by `llmtrain data prepare` (memmap only).")
+    path: str | None = Field(
+        None, min_length=1,
+        description="memmap: a directory written by `llmtrain data prepare`; chat/instruction/text: a .jsonl file "
+                    "(text also .txt) or a directory of them.")
+    packing: bool = Field(
+        False, description="chat/instruction/text: pack several samples into each train.seq_len row (attention and RoPE "
+                           "positions restart per sample); false pads every sample to its own row.")
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="chat/instruction/text samples longer than train.seq_len + 1 tokens: truncate them or "
+                                "drop them (counted and reported either way).")
+    prompt_field: str = Field("prompt", min_length=1, max_length=256, description="instruction: the prompt field of each row.")
+    completion_field: str = Field("completion", min_length=1, max_length=256,
+                                  description="instruction: the completion field of each row.")
+    text_field: str = Field("text", min_length=1, max_length=256, description="text (.jsonl): the text field of each row.")
     tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json), or bpe:VOCAB (informational for memmap data).")
     eval_path: str | None = Field(
         None, min_length=1,

@@ -61,6 +61,32 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def packed_mask(segments: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask [b, 1, s, s] (True = may attend) of packed rows.
+
+    ``segments`` [b, s] numbers the samples of each row (padding has its own id, -1): a token
+    attends to earlier tokens of its own sample only, so no sample sees another. Every row of
+    the mask keeps its diagonal, so no softmax is over an empty set (no NaN, padding included).
+    """
+    s = segments.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
+    return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
+
+
+def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Core attention of packed rows: SDPA with an explicit boolean mask (see :func:`packed_mask`).
+
+    Why SDPA with a dense mask and not FlexAttention: it is one code path that runs, and is
+    verified, on CPU/gloo and on CUDA alike (CUDA dispatches a masked SDPA to the
+    memory-efficient kernel; flash attention takes no mask). The mask costs ``b * s * s`` bytes
+    per forward (8 MiB at s = 4096, micro 1 per microbatch, shared by all layers and heads).
+    FlexAttention's block-sparse kernel, which skips the masked blocks, needs
+    ``torch.compile``, and compiled flex attention on CPU is not what our CPU tests run, so it
+    is left to the engine-speed work (docs/finetune.md).
+    """
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
 
@@ -78,7 +104,8 @@ class Attention(nn.Module):
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
@@ -90,7 +117,13 @@ class Attention(nn.Module):
         if n_rep > 1:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
-        out = self.attn_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None:
+            out = self.attn_fn(q, k, v)
+        elif self.attn_fn is causal_sdpa:
+            out = masked_sdpa(q, k, v, mask)
+        else:  # context parallelism swapped attn_fn; plan refuses packing with cp > 1
+            raise ValueError("packed rows (data.packing) cannot run with context-parallel attention")
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -108,8 +141,9 @@ class TransformerBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
         return h + mlp(self.ffn_norm(h))
 
@@ -146,11 +180,16 @@ class Transformer(nn.Module):
         self.tie_weights()
         return result
 
-    def forward(self, tokens_or_hidden: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens_or_hidden: torch.Tensor, positions: torch.Tensor | None = None,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [b, s] (or hidden states [b, s, hidden] without embeddings) -> logits or hidden.
 
         ``positions``: global positions [s] or [b, s] (default ``arange(s)``), used by RoPE;
-        context parallelism passes the positions of the local, possibly non-contiguous chunks.
+        context parallelism passes the positions of the local, possibly non-contiguous chunks,
+        packed rows their per-sample positions [b, s] (restarting at 0 for each sample).
+        ``segments`` [b, s]: the sample number of each token of a packed row; attention is then
+        block-diagonal causal (:func:`packed_mask`). Pipeline stages get both per microbatch
+        as keyword arguments of the schedule (torch passes a step's kwargs to every stage).
         """
         if positions is None:
             positions = self.positions
@@ -158,8 +197,9 @@ class Transformer(nn.Module):
             positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_scaling)
+        mask = None if segments is None else packed_mask(segments)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -102,15 +102,20 @@ def build_schedule(parts: list[nn.Module], stage_ids: list[int], n_stages: int, 
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True), stages
 
 
-def pipeline_step(schedule, has_first: bool, has_last: bool, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-    """One optimizer step's forward and backward; returns the mean microbatch loss on the last stage."""
+def pipeline_step(schedule, has_first: bool, has_last: bool, inputs: torch.Tensor, labels: torch.Tensor,
+                  kwargs: dict | None = None) -> torch.Tensor | None:
+    """One optimizer step's forward and backward; returns the mean microbatch loss on the last stage.
+
+    ``kwargs`` (packed rows: ``positions``, ``segments``, [batch, seq] each) are split into
+    microbatches by the schedule and passed to every stage's forward, first or not."""
     losses: list[torch.Tensor] = []
+    kw = kwargs or {}
     if has_first:
-        schedule.step(inputs, target=labels if has_last else None, losses=losses if has_last else None)
+        schedule.step(inputs, target=labels if has_last else None, losses=losses if has_last else None, **kw)
     elif has_last:
-        schedule.step(target=labels, losses=losses)
+        schedule.step(target=labels, losses=losses, **kw)
     else:
-        schedule.step()
+        schedule.step(**kw)
     if not has_last:
         return None
     values = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
