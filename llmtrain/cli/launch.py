@@ -54,6 +54,7 @@ def launch(
         set_ = [*set_, f"launch.max_restarts={max_restarts}"]
     if init_from_hf is not None:
         set_ = [*set_, *check_init_from_hf(recipe, set_, init_from_hf)]
+    check_data(recipe, set_, local=hosts is None)
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
@@ -68,6 +69,22 @@ def launch(
     code = launch_ssh(recipe, hosts, set_, runs_root=runs, include=include, exclude=exclude, dry_run=dry_run,
                       skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys)
     raise typer.Exit(code)
+
+
+def check_data(recipe: Path, set_: list[str], local: bool) -> None:
+    """Fine-tuning data (chat / instruction / text) is read, rendered and tokenized here before
+    anything starts, exactly as every rank will, so that a bad row is one line naming its
+    file:line and the counts (kept, truncated, dropped) are shown up front. Over SSH the data
+    lives on the hosts: it is checked here only if ``data.path`` exists on this machine too."""
+    from llmtrain.engine.data.sft import check_finetune_data
+    from llmtrain.recipe.load import load_recipe
+
+    cfg = load_recipe(recipe, set_)
+    if cfg.data.source in ("synthetic", "memmap") or (not local and not Path(cfg.data.path or "").exists()):
+        return
+    summary = check_finetune_data(cfg)
+    if summary is not None:
+        print(f"data: {summary.line()}", flush=True)
 
 
 def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> list[str]:
