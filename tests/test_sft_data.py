@@ -421,3 +421,15 @@ def test_template_that_renders_prefixes_differently_is_refused():
     t = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% if loop.last %}<|im_end|>{% endif %}{% endfor %}")
     with pytest.raises(LLMTrainError, match=r"f.jsonl:4: the chat template renders conversation prefixes inconsistently"):
         encode_chat(t, tok, CONVERSATIONS[1], "f.jsonl:4")
+
+
+def test_strftime_now_renders_the_recipe_date(tmp_path):
+    """data.chat_date fixes what strftime_now renders (Llama 3.x's 'Today Date'), on every rank and resume."""
+    from datetime import datetime
+
+    from llmtrain.engine.data.chat_template import ChatTemplate
+
+    source = '{{ strftime_now("%d %b %Y") }}|{% for m in messages %}{{ m.content }}{% endfor %}'
+    fixed = ChatTemplate(source, now=datetime(2024, 7, 26, 12))
+    assert fixed.render([{"role": "user", "content": "x"}])[0] == "26 Jul 2024|x"
+    assert ChatTemplate(source).render([{"role": "user", "content": "x"}])[0].startswith(datetime.now().strftime("%d %b"))

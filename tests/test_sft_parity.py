@@ -124,6 +124,8 @@ def test_assistant_only_loss_falls_near_zero_on_two_ranks(tmp_path):
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "data: chat" in proc.stdout
+    lock = next((tmp_path / "runs").rglob("recipe.lock.yaml")).read_text()
+    assert "chat_date: '" in lock  # the launch date, so that a resume renders the same text
     metrics = next((tmp_path / "runs").rglob("metrics.jsonl"))
     losses = [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r and "step" in r
               and "skipped" not in r and "eval" not in str(r.keys())]

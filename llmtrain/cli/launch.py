@@ -54,7 +54,7 @@ def launch(
         set_ = [*set_, f"launch.max_restarts={max_restarts}"]
     if init_from_hf is not None:
         set_ = [*set_, *check_init_from_hf(recipe, set_, init_from_hf)]
-    check_data(recipe, set_, local=hosts is None)
+    set_ = check_data(recipe, set_, local=hosts is None)
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
@@ -71,20 +71,28 @@ def launch(
     raise typer.Exit(code)
 
 
-def check_data(recipe: Path, set_: list[str], local: bool) -> None:
+def check_data(recipe: Path, set_: list[str], local: bool) -> list[str]:
     """Fine-tuning data (chat / instruction / text) is read, rendered and tokenized here before
     anything starts, exactly as every rank will, so that a bad row is one line naming its
     file:line and the counts (kept, truncated, dropped) are shown up front. Over SSH the data
-    lives on the hosts: it is checked here only if ``data.path`` exists on this machine too."""
+    lives on the hosts: it is checked here only if ``data.path`` exists on this machine too.
+    Chat data without ``data.chat_date`` gets today's date (returned as one more ``--set``, so
+    it lands in recipe.lock.yaml and a resume renders the same text)."""
+    from datetime import date
+
     from llmtrain.engine.data.sft import check_finetune_data
     from llmtrain.recipe.load import load_recipe
 
     cfg = load_recipe(recipe, set_)
+    if cfg.data.source == "chat" and cfg.data.chat_date is None:
+        set_ = [*set_, f"data.chat_date={date.today().isoformat()}"]
+        cfg = load_recipe(recipe, set_)
     if cfg.data.source in ("synthetic", "memmap") or (not local and not Path(cfg.data.path or "").exists()):
-        return
+        return set_
     summary = check_finetune_data(cfg)
     if summary is not None:
         print(f"data: {summary.line()}", flush=True)
+    return set_
 
 
 def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> list[str]:

@@ -12,6 +12,7 @@ what a single field can know (types, ranges, allowed values) and merges model pr
 
 from __future__ import annotations
 
+import datetime
 import re
 from typing import Literal
 
@@ -187,6 +188,10 @@ class DataConfig(Strict):
     prompt_field: str = Field("prompt", min_length=1, max_length=256, description="instruction: the prompt field of each row.")
     completion_field: str = Field("completion", min_length=1, max_length=256,
                                   description="instruction: the completion field of each row.")
+    chat_date: datetime.date | None = Field(
+        None, strict=False,  # YAML gives a date, recipe.lock.yaml and --set JSON a "YYYY-MM-DD" string
+        description="chat: the date (YYYY-MM-DD) a template's strftime_now renders (Llama 3.x puts it in the system "
+                    "header); `llmtrain launch` fills in the launch date, so ranks and resumes render the same text.")
     text_field: str = Field("text", min_length=1, max_length=256, description="text (.jsonl): the text field of each row.")
     tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json), or bpe:VOCAB (informational for memmap data).")
     eval_path: str | None = Field(

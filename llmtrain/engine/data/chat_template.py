@@ -65,8 +65,13 @@ TEMPLATE_HINT = "fix the chat template of the tokenizer (tokenizer_config.json o
 _TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("llmtrain_chat_spans", default=None)
 
 
-def _environment():
-    """The sandboxed Jinja environment (built once per template; jinja2 imported lazily)."""
+def _environment(now=None):
+    """The sandboxed Jinja environment (built once per template; jinja2 imported lazily).
+
+    ``now``: the datetime ``strftime_now`` renders (templates such as Llama 3.x's put today's
+    date into the system header). The recipe's ``data.chat_date`` fixes it (``llmtrain launch``
+    writes the launch date there, into recipe.lock.yaml), so that every rank, a resume and a
+    rebuild render the same text; None falls back to the clock, like transformers."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -100,7 +105,7 @@ def _environment():
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
+        return (now or datetime.now()).strftime(fmt)
 
     class SafeDict:
         """``dict(...)`` for templates, without exposing the ``dict`` type itself."""
@@ -195,7 +200,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
 class ChatTemplate:
     """A compiled, sandboxed chat template; :meth:`render` returns the text and the generation spans."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, where: str = "chat template"):
+    def __init__(self, source: str, special_tokens: dict[str, str] | None = None, where: str = "chat template",
+                 now=None):
         import jinja2
 
         self.source = source
@@ -203,7 +209,7 @@ class ChatTemplate:
         self.special_tokens = dict(special_tokens or {})
         self.has_generation = bool(GENERATION_TAG.search(source))
         try:
-            self._template = _environment().from_string(source)
+            self._template = _environment(now).from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
             raise LLMTrainError(f"{where}: chat template line {exc.lineno}: {printable(exc.message, 160)}", TEMPLATE_HINT) from None
         except Exception as exc:  # noqa: BLE001 - any compile failure of an untrusted template is one line

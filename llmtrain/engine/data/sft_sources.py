@@ -31,6 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from datetime import datetime
+
 from llmtrain.engine.data.chat_template import ChatTemplate, encode_chat, select_template, special_tokens_of
 from llmtrain.engine.data.inputs import MAX_JSONL_LINE, _read_txt
 from llmtrain.errors import LLMTrainError
@@ -138,7 +140,10 @@ def _framed(tokenizer, body: list[int]) -> list[int]:
 
 def chat_samples(files: list[Path], tokenizer, data_cfg) -> Iterator[Encoded | Skipped]:
     where = printable(getattr(data_cfg, "tokenizer", "data.tokenizer"))
-    template = ChatTemplate(select_template(getattr(tokenizer, "chat_template", None), where), special_tokens_of(tokenizer), where)
+    date = getattr(data_cfg, "chat_date", None)
+    now = None if date is None else datetime(date.year, date.month, date.day, 12)
+    template = ChatTemplate(select_template(getattr(tokenizer, "chat_template", None), where), special_tokens_of(tokenizer),
+                            where, now=now)
     if not hasattr(tokenizer, "_tok"):
         raise LLMTrainError(f"{where}: data.source chat needs a Hugging Face tokenizer with a chat template",
                             "set data.tokenizer to a tokenizer directory (tokenizer.json + tokenizer_config.json)", path="data.tokenizer")
