@@ -1,10 +1,11 @@
 """Planner fidelity: the planner's per-rank predictions against the engine on CPU/gloo.
 
-    python benchmarks/planner_fidelity.py            # 4 ranks, 9 layouts, writes docs/benchmarks.md
+    python benchmarks/planner_fidelity.py            # 4 ranks, 13 layouts, writes docs/benchmarks.md
     python benchmarks/planner_fidelity.py --tiny --out DIR
 
 For DP (zero 0), ZeRO-1/2/3, TP 2 with and without sequence parallelism, PP 2 (1F1B), CP 2
-(ring) and EP 2 (MoE), each combined with data parallelism up to 4 ranks, in ONE torchrun job
+(ring), EP 2 (MoE) and LoRA (ZeRO-1, ZeRO-3, TP 2 +- SP), each combined with data parallelism
+up to 4 ranks, in ONE torchrun job
 (benchmarks/planner_fidelity_worker.py), compare:
 
 - parameters, gradients, AdamW states: the bytes of this rank's local shards
@@ -51,6 +52,11 @@ CASES = {
     "pp 2 (1f1b) x dp 2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
     "MoE ep 2 x dp_shard 4 (zero 1)": MOE + ["parallel.zero=1", "parallel.ep=2"],
+    # LoRA rank 4 on every projection: frozen base, adapters trained (train.lora)
+    "LoRA dp 4 (zero 1)": ["train.lora.rank=4", "parallel.zero=1"],
+    "LoRA zero 3 dp 4": ["train.lora.rank=4", "parallel.zero=3"],
+    "LoRA tp 2 +SP x dp 2 (zero 2)": ["train.lora.rank=4", "parallel.tp=2", "parallel.zero=2"],
+    "LoRA tp 2 x dp 2 (zero 0)": ["train.lora.rank=4", "parallel.tp=2", "parallel.sequence_parallel=false"],
 }
 TINY_CASES = ["tp 2 +SP x dp 2"]
 

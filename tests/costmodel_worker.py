@@ -217,7 +217,8 @@ def run_case(recipe, device) -> dict:
     grads = sum(nbytes(p.grad) for p in params if p.grad is not None)
     optimizer.step()
     out = {"rank": dist.get_rank(), "coords": dims.coord_dict(dist.get_rank()), "dp_cp_index": meshes.dp_cp.get_local_rank(),
-           "params": sum(nbytes(p) for p in params), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
+           # every parameter the rank stores (LoRA: the frozen base too; ``params`` are the trainable ones)
+           "params": sum(nbytes(p) for part in parts.parts for p in part.parameters()), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
            "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle}
     del parts, optimizer, params
     gc.collect()

@@ -5,11 +5,16 @@
   the pure-Python schedule simulation that must reproduce them.
 - The engine on CPU/gloo, in ONE 4-rank torchrun job (tests/costmodel_worker.py): predicted
   parameter, gradient and AdamW bytes per rank must EQUAL the local shard bytes of every rank
-  (DDP, ZeRO-1/2/3, HSDP, TP2 +- SP, TP2 x FSDP2, MoE + EP, CP, PP); predicted activation bytes
+  (DDP, ZeRO-1/2/3, HSDP, TP2 +- SP, TP2 x FSDP2, MoE + EP, CP, PP, and LoRA on DDP, ZeRO-1/2/3,
+  TP2 and PP2: frozen base, adapters sharded like the engine shards them); predicted activation bytes
   must be within 2% of what is held for backward (the issue asks for 10%; the model is exact up
   to a few scalars, so 2% still catches a missing term such as a norm input, ~4%); with EP,
-  whose bytes depend on how the untrained router happens to balance tokens, 10%.
-- FLOPs: predicted hardware FLOPs within 2% of torch's FlopCounterMode for one forward+backward.
+  whose bytes depend on how the untrained router happens to balance tokens, 10%. LoRA cases
+  change which tensors autograd saves (frozen weights save no inputs); they are measured within
+  1%, and 2% catches a wrong rule (e.g. keeping the normalized inputs of frozen norms: ~11%, or
+  the q/k/v input of every block: ~5%), though not one single tensor of one block (~1.2%).
+- FLOPs: predicted hardware FLOPs within 2% of torch's FlopCounterMode for one forward+backward
+  (LoRA too: measured within 0.2%, where the full-training formula is 34-58% off).
 """
 
 from __future__ import annotations
@@ -138,6 +143,7 @@ def test_fp32_bf16_and_recompute_move_memory_the_right_way():
 COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=null", "parallel.dp_shard=-1",
           "train.precision=fp32", "parallel.tp=1", "parallel.zero=0"]
 MOE = ["model.preset=debug-moe"]
+LORA = ["train.lora.rank=4"]
 CASES = {
     "ddp": ["parallel.zero=0"],
     "zero1": ["parallel.zero=1"],
@@ -152,6 +158,19 @@ CASES = {
     "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
                               "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
+    # LoRA (engine/finetune/lora.py): frozen base (parameters only), adapters with gradients and AdamW
+    "lora_ddp": LORA,
+    "lora_ddp_w1": LORA + ["train.lora.targets=[w1]"],  # block 0's attention saves nothing
+    "lora_zero1": LORA + ["parallel.zero=1"],
+    "lora_zero2": LORA + ["parallel.zero=2"],
+    "lora_zero3_qv": LORA + ["train.lora.targets=[wq,wv]", "parallel.zero=3"],
+    "lora_zero3_full_wo_w2": LORA + ["train.lora.targets=[wo,w2]", "parallel.zero=3",
+                                     "train.activation_checkpointing=full"],
+    "lora_tp2_zero1": LORA + ["parallel.tp=2", "parallel.zero=1", "parallel.sequence_parallel=false"],
+    "lora_tp2_sp_selective": LORA + ["parallel.tp=2", "train.activation_checkpointing=selective"],
+    "lora_ddp_dropout": LORA + ["train.lora.dropout=0.1"],  # per-adapter dropped inputs and masks
+    "lora_tp2_dropout_wo_w2": LORA + ["train.lora.dropout=0.1", "train.lora.targets=[wo,w2]", "parallel.tp=2"],
+    "pp2_zero2_lora": LORA + ["parallel.pp=2", "parallel.zero=2", "train.global_batch_size=8"],
 }
 
 
@@ -207,12 +226,25 @@ def test_engine_cases_are_not_trivial(engine):
     assert len(set(params.values())) == 4
     opt = [r["optimizer"] for r in engine["zero1"]]
     assert len(set(opt)) > 1  # the greedy ZeRO-1 partition is uneven, and predicted rank by rank
+    # LoRA: the frozen base is stored (more parameter bytes than full training: + adapters) but
+    # has no gradients or AdamW states (under 5 % of the base's)
+    lora, full = engine["lora_ddp"][0], engine["ddp"][0]
+    assert lora["params"] > full["params"] and lora["grads"] < 0.05 * full["grads"]
+    assert lora["optimizer"] < 0.05 * full["optimizer"]
+    assert engine["lora_zero3_qv"][0]["grads"] < engine["lora_zero2"][0]["grads"]  # fewer targets, fewer gradients
 
 
 # ---- FLOPs against torch's counter ----------------------------------------------------------------------
-@pytest.mark.parametrize("preset, recompute", [("debug-dense", "none"), ("debug-dense", "full"),
-                                               ("debug-moe", "selective"), ("debug-moe", "full")])
-def test_flops_match_flop_counter(preset, recompute):
+@pytest.mark.parametrize("preset, recompute, lora", [
+    ("debug-dense", "none", None), ("debug-dense", "full", None), ("debug-moe", "selective", None),
+    ("debug-moe", "full", None),
+    # LoRA: frozen weights run no weight gradient; block 0 (frozen embedding below it) and
+    # partial targets leave some input gradients out, and the counter sees exactly which
+    ("debug-dense", "none", "all-linear"), ("debug-dense", "full", "[wq,wv]"), ("debug-dense", "none", "[w1]"),
+    ("debug-dense", "full", "all-linear"),  # an adapter on w2: the recomputation re-runs the frozen w2
+    ("debug-dense", "selective", "[wo,w2]"),
+])
+def test_flops_match_flop_counter(preset, recompute, lora):
     torch = pytest.importorskip("torch")
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -221,13 +253,18 @@ def test_flops_match_flop_counter(preset, recompute):
     from llmtrain.engine.parallel.checkpointing import apply_activation_checkpointing
     from llmtrain.plan.flops import block_flops_per_token, head_flops_per_token, recompute_flops_per_token
 
+    from llmtrain.engine.finetune.lora import apply_lora
+
+    lora_set = [] if lora is None else ["train.lora.rank=4", f"train.lora.targets={lora}"]
     recipe = load_recipe(REPO / "recipes/debug.yaml", [f"model.preset={preset}", "parallel.tp=1", "train.seq_len=64",
-                                                       f"train.activation_checkpointing={recompute}"])
-    m = recipe.model
+                                                       f"train.activation_checkpointing={recompute}"] + lora_set)
+    m, lk = recipe.model, recipe.train.lora
     torch.manual_seed(0)
     model = Transformer(m)
+    if lk is not None:
+        apply_lora(model, lk)
     for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+        p.data.normal_(std=0.02)
     apply_activation_checkpointing(model, recompute)
     tokens = torch.randint(0, m.vocab_size, (2, 64))
     counter = FlopCounterMode(display=False)
@@ -236,9 +273,31 @@ def test_flops_match_flop_counter(preset, recompute):
     with sdpa_kernel(SDPBackend.MATH), counter:
         logits = model(tokens)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
-    predicted = head_flops_per_token(m)
+    predicted = head_flops_per_token(m, lk)
     for layer in range(m.layers):
-        split, rep = block_flops_per_token(m, layer, 64)
-        rs, rr = recompute_flops_per_token(m, layer, 64, recompute)
+        split, rep = block_flops_per_token(m, layer, 64, lk)
+        rs, rr = recompute_flops_per_token(m, layer, 64, recompute, lk)
         predicted += split + rep + rs + rr
     assert counter.get_total_flops() == pytest.approx(predicted * 2 * 64, rel=0.02)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[wq,wv,w2]"])
+def test_lora_inventory_names_shapes_and_trainability_match_the_engine(targets):
+    """The planner's parameter list under LoRA is the engine's: every name, (single-rank) shape and
+    requires_grad flag of ``apply_lora`` on the meta-device model (the multi-rank layouts are
+    compared byte for byte above)."""
+    torch = pytest.importorskip("torch")
+    from llmtrain.engine.finetune.lora import apply_lora
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.plan.shards import lora_key, rank_params
+
+    recipe = load_recipe(REPO / "recipes/debug.yaml", ["parallel.tp=1", "train.lora.rank=4",
+                                                       f"train.lora.targets={targets}"])
+    with torch.device("meta"):
+        model = Transformer(recipe.model)
+    apply_lora(model, recipe.train.lora)
+    engine = {n: (tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()}
+    plan = {p.name: (p.shape, p.trainable)
+            for p in rank_params(recipe.model, [list(range(recipe.model.layers))], [0], 1, 1, lora_key(recipe.train.lora))}
+    assert plan == engine
+    assert any(trainable for _, trainable in plan.values()) and not all(trainable for _, trainable in plan.values())

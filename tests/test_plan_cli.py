@@ -194,3 +194,62 @@ def test_plan_json_doc_lists_every_key():
     keys |= set(d["model"]) - {"layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size"}
     missing = sorted(k for k in keys if f"`{k}`" not in doc)
     assert not missing, f"undocumented keys in docs/plan-json.md: {missing}"
+
+
+# -- LoRA (issue 14) --------------------------------------------------------------------------------
+LORA_SET = ["--set", "train.lora.rank=16", "--set", "train.lora.targets=[wq,wv]", "--set", "train.lora.alpha=32"]
+
+
+def test_plan_shows_lora_and_trainable_params():
+    """llama3-8b (32 blocks, hidden 4096, 8 kv heads of 128): wq adapters 16 x (4096 + 4096), wv 16 x
+    (4096 + 1024) per block = 32 x 16 x 13312 = 6,815,744 trainable parameters."""
+    js = run("plan", "recipes/llama3-8b.yaml", *LORA_SET, "--json")
+    assert js.returncode == 0, js.stderr
+    d = json.loads(js.stdout)
+    m = d["model"]
+    assert m["trainable_params"] == 6_815_744 and m["params_total"] > 1000 * m["trainable_params"]
+    assert m["lora"] == {"rank": 16, "alpha": 32.0, "scale": 2.0, "dropout": 0.0, "targets": ["wq", "wv"]}
+    mem = d["memory"]
+    # tp 1, pp 1: one rank holds every adapter before FSDP shards them
+    assert mem["trainable_params_per_rank"] == 6_815_744 == mem["per_rank"][0]["trainable_params"]
+    b = mem["breakdown_gib"]
+    assert b["grads"] < b["params"] / 100 and b["optimizer"] < b["params"] / 50  # only the adapters train
+    assert "LoRA" in d["flops"]["convention"]
+    full = json.loads(run("plan", "recipes/llama3-8b.yaml", "--json").stdout)
+    assert full["model"]["trainable_params"] == full["model"]["params_total"] and full["model"]["lora"] is None
+    # executed FLOPs: 4 per frozen weight and token instead of 6, attention unchanged
+    assert 0.6 < d["flops"]["model_flops_per_token"] / full["flops"]["model_flops_per_token"] < 0.8
+    text = run("plan", "recipes/llama3-8b.yaml", *LORA_SET)
+    assert text.returncode == 0, text.stderr
+    assert "LoRA rank 16, alpha 32 (scale 2) on wq wv: 6.82M trainable (0.08%), the base frozen" in text.stdout
+    assert "6.82M trainable per rank" in text.stdout
+
+
+def test_search_with_lora_fits_where_full_training_cannot():
+    """70B on one node of 8 H100s: full training needs 16 bytes x 70B / 8 = 141 GB of state per GPU,
+    LoRA about 4 bytes x 70B / 8 = 35 GB. The search's memory bounds must know that (it would
+    otherwise prune every layout) and its pruning must lose nothing against the exhaustive search."""
+    from llmtrain.plan.api import make_plan
+    from llmtrain.plan.costmodel import estimate
+    from llmtrain.plan.search import search
+    from llmtrain.plan.validate import validate
+
+    sets = ["train.lora.rank=16", "train.global_batch_size=64", "train.seq_len=4096"]
+    full = make_plan(REPO / "recipes/llama3-70b.yaml", None, 1, 8, ["train.global_batch_size=64", "train.seq_len=4096"])
+    assert not search(full.recipe, full.placement, top=2).top
+    plan = make_plan(REPO / "recipes/llama3-70b.yaml", None, 1, 8, sets)
+    fast = search(plan.recipe, plan.placement, top=2)
+    exhaustive = search(plan.recipe, plan.placement, top=2, exhaustive=True)
+    assert fast.top and [round(c.cost.time.step_s, 9) for c in fast.top] == \
+        [round(c.cost.time.step_s, 9) for c in exhaustive.top]
+    for choice in fast.top:
+        par = {k.split(".", 1)[1]: v for k, v in choice.overrides.items() if k.startswith("parallel.")}
+        train = {k.split(".", 1)[1]: v for k, v in choice.overrides.items() if k.startswith("train.")}
+        variant = plan.recipe.model_copy(update={"parallel": plan.recipe.parallel.model_copy(update=par),
+                                                 "train": plan.recipe.train.model_copy(update=train)})
+        v = validate(variant, plan.placement)
+        assert v.valid and variant.train.lora is not None
+        assert estimate(variant, v.dims, v.batch, plan.placement, hints=False).fits
+    out = run("plan", "recipes/llama3-70b.yaml", "--nodes", "1", "--gpus-per-node", "8", "--search", "--top", "1",
+              *[x for s in sets for x in ("--set", s)])
+    assert out.returncode == 0 and "why: fastest" in out.stdout, out.stdout + out.stderr

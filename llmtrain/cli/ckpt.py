@@ -7,6 +7,7 @@ Examples::
     llmtrain ckpt inspect runs/debug/<run id>/checkpoints --json
     llmtrain ckpt export runs/debug/<run id> --hf out/hf       # safetensors shards + config.json
     llmtrain ckpt export runs/debug/<run id> --hf out/hf --dtype bf16 --max-shard-size 2GB --workers 4
+    llmtrain ckpt export runs/sft/<run id> --peft out/adapter --hf out/merged  # a LoRA run
 
 ``RUN_DIR`` is a run directory (its ``recipe.lock.yaml`` names ``checkpoint.dir``, default
 ``RUN_DIR/checkpoints``), a checkpoint root (holding ``latest`` / ``step-N/``), or one
@@ -23,11 +24,17 @@ Examples::
   naming each bad file. ``--ckpt latest`` inspects the one ``latest`` points to (not a
   fallback: the point is to see it), and says which intact one ``resume`` would fall back to;
   a damaged ``latest`` pointer itself is an error.
-* ``export`` writes the family's HF directory (:mod:`llmtrain.engine.hf.export`: sharded
+* ``export --hf`` writes the family's HF directory (:mod:`llmtrain.engine.hf.export`: sharded
   safetensors written by parallel workers, each reading from the checkpoint only its shards'
   tensors, from any saved layout; config.json, generation_config.json, tokenizer files). It verifies the checkpoint first, like
   ``resume``: ``latest`` falls back to the newest intact one with a warning; the index's model
   tensors must be exactly those of ``metadata.json``'s ``recipe.model``.
+* LoRA runs (``recipe.train.lora``): ``--hf`` merges the adapters into the base; ``--peft`` writes
+  a PEFT adapter directory (:mod:`llmtrain.engine.finetune.peft_export`; a run without
+  ``checkpoint.init_from_hf`` also gets its base there, as ``base/``). An adapters-only
+  checkpoint reads its base from ``checkpoint.init_from_hf`` (or ``--base DIR``) after checking
+  the fingerprint it recorded; a changed base is refused in one line. ``--peft`` on a run
+  without LoRA is refused.
 """
 
 from __future__ import annotations
@@ -315,8 +322,14 @@ def inspect_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
 @report_errors
 def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
                ckpt: str = typer.Option("latest", "--ckpt", help=CKPT_HELP),
-               hf: Path = typer.Option(..., "--hf", help="Output directory (missing or empty): config.json, "
-                                       "generation_config.json, safetensors shards (+ index), tokenizer files."),
+               hf: Path | None = typer.Option(None, "--hf", help="Output directory (missing or empty): config.json, "
+                                              "generation_config.json, safetensors shards (+ index), tokenizer files; "
+                                              "a LoRA run's adapters are merged into the base."),
+               peft: Path | None = typer.Option(None, "--peft", help="LoRA runs: output directory for a PEFT adapter "
+                                                "(adapter_config.json, adapter_model.safetensors; plus base/ when the "
+                                                "run has no checkpoint.init_from_hf)."),
+               base: Path | None = typer.Option(None, "--base", help="LoRA runs from checkpoint.init_from_hf: the base "
+                                                "model directory, if it moved (its fingerprint must match)."),
                dtype: str = typer.Option("fp32", "--dtype", help="Tensor dtype of the export: fp32 (as trained) "
                                          "or bf16."),
                max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest shard file (5GB = 5e9 "
@@ -335,8 +348,12 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
     if dtype not in DTYPES:
         raise LLMTrainError(f"--dtype {printable(dtype, 20)} is not supported", f"use one of {', '.join(DTYPES)}",
                             path="--dtype")
+    if hf is None and peft is None:
+        raise LLMTrainError("nothing to write", "give --hf OUT (a model) and/or --peft OUT (LoRA adapters)", path="--hf")
     max_bytes = parse_size(max_shard_size)
-    hf = output_dir(hf, "--hf", force)  # before reading anything: a non-empty directory needs --force
+    # before reading anything: a non-empty directory needs --force
+    hf = output_dir(hf, "--hf", force) if hf is not None else None
+    peft = output_dir(peft, "--peft", force) if peft is not None else None
 
     root, named = checkpoint_root(run_dir)
     spec = str(named) if named is not None and ckpt == "latest" else ckpt
@@ -351,11 +368,21 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
     data = (meta.get("recipe") or {}).get("data") or {}
     tokenizer = (data.get("tokenizer") if isinstance(data.get("tokenizer"), str) else None,
                  data.get("path") if isinstance(data.get("path"), str) else None)
-    written = export_hf(path, CheckpointMeta.model_validate(meta).files, cfg, hf, dtype, max_bytes,
-                        workers or None, tokenizer)
-    total = sum(f.stat().st_size for f in written)
-    typer.echo(f"exported {path} (step {meta['step']}, saved as {layout(meta.get('dims'))}) -> {hf} "
-               f"({', '.join(f.name for f in written)}; {human(total)})")
+    from llmtrain.engine.finetune.lora_export import checkpoint_lora, export_lora
+
+    files = CheckpointMeta.model_validate(meta).files
+    lora_cfg = checkpoint_lora(path, meta)
+    if lora_cfg is None:
+        if peft is not None:
+            raise LLMTrainError(f"{printable(path)} is not a LoRA run (its recipe has no train.lora)",
+                                "export the model with --hf", path="--peft")
+        outputs = [(hf, export_hf(path, files, cfg, hf, dtype, max_bytes, workers or None, tokenizer))]
+    else:
+        outputs = export_lora(path, meta, files, cfg, lora_cfg, hf, peft, base, dtype, max_bytes, workers, tokenizer)
+    for out, written in outputs:
+        total = sum(f.stat().st_size for f in written)
+        typer.echo(f"exported {path} (step {meta['step']}, saved as {layout(meta.get('dims'))}) -> {out} "
+                   f"({', '.join(f.name for f in written)}; {human(total)})")
 
 
 def checkpoint_model(path: Path, meta: dict):

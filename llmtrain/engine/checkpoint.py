@@ -20,6 +20,9 @@
   (no pickle beyond the allow-list, only listed shards), so a checkpoint from any layout loads
   into any other. The data position is the global sample
   index (``consumed_samples``); the step's grad accumulation follows the new layout.
+* LoRA with ``checkpoint.init_from_hf``: only the adapters are saved and restored (the trainer
+  loads the base from that directory first); ``metadata.json``'s ``lora_base`` fingerprint must
+  match the directory, or restore refuses in one line (:mod:`llmtrain.engine.finetune.base`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.distributed.checkpoint as dcp
 from llmtrain.engine import checkpoint_state as cs
 from llmtrain.engine import checkpoint_store as store
 from llmtrain.engine.checkpoint_meta import RESUME_FIELDS, CheckpointMeta, load_meta
+from llmtrain.engine.finetune.base import adapters_only, check_base, fingerprint
 from llmtrain.engine.safe_reader import SafeReader, dcp_guard, load_rng
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.lock import secret_free_dict
@@ -76,6 +80,10 @@ class Checkpointer:
         # (seen: main thread in poll's all_reduce, the writer in DCP's final broadcast).
         self.flag_group = dist.new_group(backend="gloo")
         self.pending: tuple | None = None  # (step, meta, future or None)
+        # LoRA from checkpoint.init_from_hf: save the adapters only, and record which base they
+        # belong to (rank 0 writes metadata.json; the fingerprint reads headers and a few blocks)
+        self.adapters_only = adapters_only(recipe)
+        self.lora_base = fingerprint(recipe.checkpoint.init_from_hf) if self.adapters_only and self.rank == 0 else None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -102,7 +110,9 @@ class Checkpointer:
                 "versions": {"torch": torch.__version__, "python": platform.python_version(),
                              "llmtrain": _llmtrain_version()},
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        state = cs.full_state(parts, optimizer)
+        if self.lora_base is not None:
+            meta["lora_base"] = self.lora_base
+        state = cs.full_state(parts, optimizer, self.adapters_only)
         if self.cfg.async_:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -153,6 +163,7 @@ class Checkpointer:
                     found[0] = ("missing", None, None, [])
                 else:
                     path, meta, warnings = store.resolve(self.root, spec, require=RESUME_FIELDS, check_index=True)
+                    self._check_lora(path, meta)
                     found[0] = ("ok", str(path), meta, warnings)
             except LLMTrainError as exc:
                 found[0] = ("error", exc.problems, None, [])
@@ -166,10 +177,10 @@ class Checkpointer:
             for w in warnings:
                 print(f"warning: {w}", file=sys.stderr, flush=True)
         files = CheckpointMeta.model_validate(meta).files
-        state = cs.template_state(parts, optimizer)
+        state = cs.template_state(parts, optimizer, self.adapters_only)
         with dcp_guard(path):  # every rank reads .metadata through the allow-list, shards by name
             dcp.load(state, storage_reader=SafeReader(path, files), process_group=self.group)
-        cs.apply_state(parts, optimizer, state)
+        cs.apply_state(parts, optimizer, state, self.adapters_only)
         sampler.load_state_dict(meta["sampler"])
         same_layout = meta.get("world_size") == self.world and meta.get("dims") == dims_dict(self.dims)
         rng = load_rng(path, f"rng/rank-{self.rank}.pt", files) if same_layout else None
@@ -186,6 +197,14 @@ class Checkpointer:
                   f"(sample {meta['consumed_samples']}, {meta['tokens_seen']} tokens); "
                   + layout_diff(meta, self.dims, self.world, self.grad_accum, self.recipe.parallel.zero), flush=True)
         return int(meta["step"])
+
+
+    def _check_lora(self, path, meta: dict) -> None:
+        """An adapters-only checkpoint needs the base it was trained on (one-line refusal otherwise)."""
+        recorded = meta.get("lora_base")
+        if self.adapters_only or recorded is not None:
+            directory = self.recipe.checkpoint.init_from_hf if self.recipe.train.lora is not None else None
+            check_base(directory, recorded, path)
 
 
 def _llmtrain_version() -> str:

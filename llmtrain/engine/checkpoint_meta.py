@@ -73,6 +73,15 @@ class SamplerState(_Strict):
     consumed_samples: int = Field(ge=0, le=MAX_INT, description="Global sample position of the data sampler.")
 
 
+class LoRABase(_Strict):
+    """The Hugging Face base of an adapters-only LoRA checkpoint (:mod:`llmtrain.engine.finetune.base`)."""
+
+    path: str = Field(min_length=1, max_length=4096, description="The checkpoint.init_from_hf directory, resolved.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="Fingerprint of its files (names, sizes, headers, "
+                                                               "sampled data blocks).")
+    files: int = Field(ge=1, le=MAX_FILES, description="Files the fingerprint covers.")
+
+
 class CheckpointMeta(_Strict):
     """``metadata.json`` as :func:`llmtrain.engine.checkpoint_store.commit` writes it. Only
     ``format``, ``step`` and ``files`` are required here (the store's own bookkeeping);
@@ -91,6 +100,8 @@ class CheckpointMeta(_Strict):
     recipe: dict[str, Any] | None = Field(None, description="The resolved recipe of the run.")
     versions: dict[str, str] | None = Field(None, description="torch, python, llmtrain versions.")
     created: str | None = Field(None, max_length=64, description="UTC time of the save.")
+    lora_base: LoRABase | None = Field(None, description="LoRA with checkpoint.init_from_hf: the base the adapters "
+                                                         "were trained on (the checkpoint holds only the adapters).")
 
     @field_validator("files")
     @classmethod

@@ -10,13 +10,23 @@
   only the owner of a parameter holds (and saves) its state, whole (or its TP shard); DCP merges
   what the ranks hold, and on load each rank asks only for the parameters it owns in the new
   layout. So zero 0/1/2/3, TP and PP checkpoints are interchangeable.
+* LoRA (``train.lora``): the optimizer part holds only the adapters' state (nothing else
+  trains). The model part holds the adapters and the frozen base, **except** when the run starts
+  from ``checkpoint.init_from_hf`` (``adapters_only``): then it holds only the adapters (a few MB
+  instead of the whole model per checkpoint), because the base can be read again from that
+  directory — the trainer loads it before restoring, and ``metadata.json`` records its
+  fingerprint so that a changed base is refused (:mod:`llmtrain.engine.finetune.base`). Without
+  ``init_from_hf`` the base came from the seed's initialization, and the checkpoint is the only
+  record of it, so it is saved.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from llmtrain.engine.finetune.lora import is_adapter_key
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -34,17 +44,18 @@ def param_names(parts) -> dict[int, str]:
     return {id(p): clean_fqn(n) for part in parts.parts for n, p in part.named_parameters()}
 
 
-def model_state(parts) -> dict[str, torch.Tensor]:
+def model_state(parts, adapters_only: bool = False) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for part in parts.parts:
-        state.update(get_model_state_dict(part))
+        full = get_model_state_dict(part)
+        state.update({k: v for k, v in full.items() if is_adapter_key(k)} if adapters_only else full)
     return state
 
 
-def load_model_state(parts, state: dict[str, torch.Tensor]) -> None:
+def load_model_state(parts, state: dict[str, torch.Tensor], adapters_only: bool = False) -> None:
     for part in parts.parts:
-        keys = get_model_state_dict(part).keys()
-        set_model_state_dict(part, {k: state[k] for k in keys})
+        keys = [k for k in get_model_state_dict(part) if not adapters_only or is_adapter_key(k)]
+        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=not adapters_only))
 
 
 def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -87,18 +98,19 @@ def load_optimizer_state(optimizer, names: dict[int, str], state: dict[str, dict
                 o.state[p] = dict(state[names[id(p)]])
 
 
-def full_state(parts, optimizer) -> dict:
-    """The state dict that is saved (tensors shared with the live model: DCP's stager copies them)."""
+def full_state(parts, optimizer, adapters_only: bool = False) -> dict:
+    """The state dict that is saved (tensors shared with the live model: DCP's stager copies them).
+    ``adapters_only``: LoRA with an HF base, leave the frozen base out (module docstring)."""
     names = param_names(parts)
-    return {"model": model_state(parts), "optimizer": {"state": optimizer_state(optimizer, names)}}
+    return {"model": model_state(parts, adapters_only), "optimizer": {"state": optimizer_state(optimizer, names)}}
 
 
-def template_state(parts, optimizer) -> dict:
+def template_state(parts, optimizer, adapters_only: bool = False) -> dict:
     names = param_names(parts)
-    return {"model": model_state(parts), "optimizer": {"state": optimizer_template(optimizer, names)}}
+    return {"model": model_state(parts, adapters_only), "optimizer": {"state": optimizer_template(optimizer, names)}}
 
 
-def apply_state(parts, optimizer, state: dict) -> None:
+def apply_state(parts, optimizer, state: dict, adapters_only: bool = False) -> None:
     names = param_names(parts)
-    load_model_state(parts, state["model"])
+    load_model_state(parts, state["model"], adapters_only)
     load_optimizer_state(optimizer, names, state["optimizer"]["state"])

@@ -5,6 +5,7 @@ then for each chunk:
 1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh;
 2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh, and expert
    parallelism (experts sharded over ``ep``, all-to-all dispatch);
+   then LoRA adapters when ``train.lora`` (:mod:`.finetune.lora`: base weights frozen);
 3. activation checkpointing (none / selective / full) per block;
 4. ``torch.compile`` per block (optional);
 5. data parallel by ``parallel.zero`` (FSDP2 for 2/3, gradient all-reduce for 0/1).
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from llmtrain.engine.finetune.lora import apply_lora
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.models.init import init_weights
 from llmtrain.engine.models.llama import Transformer
@@ -64,6 +66,8 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
         apply_context_parallel(model, meshes.cp, p.cp_method, t.seq_len)
     if meshes.dims.ep > 1:
         apply_expert_parallel(model, meshes.ep)
+    if t.lora is not None:  # adapters on the (TP-sharded) projections, everything else frozen
+        apply_lora(model, t.lora, meshes.tp if meshes.dims.tp > 1 else None)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)

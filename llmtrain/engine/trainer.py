@@ -120,7 +120,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
             part.positions = positions
 
     total_steps = steps or t.steps
-    flops_token = flops_per_token(recipe.model, t.seq_len)
+    flops_token = flops_per_token(recipe.model, t.seq_len, t.lora)  # LoRA: the FLOPs actually executed
     peak = peak_flops(device, t.precision)
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     evaluator = PeriodicEval(recipe, dims, gbs) if t.eval_interval else None  # held-out loss (docs/eval.md)

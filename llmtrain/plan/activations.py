@@ -31,6 +31,15 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
   the fp32 routing tensors (:func:`moe_terms`);
 - selective recomputation (``engine/parallel/checkpointing.py``) keeps the block input and the
   outputs of every matmul and of SDPA; full recomputation keeps the block input.
+- LoRA (:func:`lora_layer_terms`): autograd saves a tensor only for a gradient it computes. A
+  frozen projection saves nothing (its input gradient needs only the weight); a frozen norm weight
+  drops the normalized input (kept only for the weight gradient); each adapter saves its input
+  (``lora_a``, the same tensor as the base's: counted once per input, under autocast once per
+  adapter, which casts it) and ``A x`` (``[b, s, rank]``, for ``lora_b``). The frozen embedding
+  makes block 0's input gradient-free: its attention norm saves nothing, and a branch with no
+  target saves nothing there. The frozen output layer does not save its input, nor the
+  embedding its token ids. Selective recomputation also keeps the adapters' matmul outputs.
+  Adapter dropout (``train.lora.dropout > 0``) gives each adapter its own dropped input and mask.
 """
 
 from __future__ import annotations
@@ -76,6 +85,7 @@ class ActShape:
     cp: int = 1
     cp_method: str = "ring"
     hd: int = 0  # head_dim when given explicitly (Qwen3); 0 = h / heads
+    lora: tuple | None = None  # (rank, target names, dropout > 0) of train.lora; None: full training
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -180,15 +190,69 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
     return out
 
 
-def layer_terms(x: ActShape, moe: bool, recompute: str) -> dict[str, int]:
-    """Bytes one transformer block keeps for backward for one micro batch, by term."""
-    return dict(_layer_terms(x, moe, recompute))
+def layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) -> dict[str, int]:
+    """Bytes one transformer block keeps for backward for one micro batch, by term (``first``:
+    block 0, whose input needs no gradient under LoRA)."""
+    return dict(_layer_terms(x, moe, recompute, first and x.lora is not None))
+
+
+def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]:
+    """A dense block's saved tensors under LoRA (module docstring), following ``requires_grad``."""
+    rank, targets, dropout = x.lora
+    bs, e, t = x.b * x.s, x.e, x.tp
+    q, kv, f = bs * x.heads * x.head_dim // t, bs * x.kv_heads * x.head_dim // t, bs * x.ffn // t
+    ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
+    if recompute == "selective":  # + the adapters' own matmul outputs (A x and B A x)
+        base = dict(_layer_terms(_without_lora(x), False, "selective", False))
+        out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": bs * x.h, "w1": f, "w3": f, "w2": bs * x.h}
+        base["lora_outputs"] = ax + e * sum(out_sizes[name] for name in targets)
+        return base
+    out: dict[str, int] = {}
+    rows = x.b * x.s // x.n
+    norm = {"norm_input": rows * x.h * x.r, "norm_rstd": rows * LSE}  # the normalized input: weight gradient only
+    x_grad = not first
+    attn_t = [name for name in targets if name in ("wq", "wk", "wv")]
+    if x_grad:
+        _add(out, norm)
+    if attn_t and not dropout:
+        out["attn_input"] = (len(attn_t) if x.autocast else 1) * bs * x.h * e
+    if x_grad or attn_t:
+        _add(out, core_attention_terms(x))
+    elif "wo" in targets and not dropout:  # only wo's lora_a needs the (gradient-free) attention output
+        out["attn_out"] = e * q
+    r_grad = x_grad or bool(attn_t) or "wo" in targets
+    if r_grad:
+        _add(out, norm)
+    mlp_t = [name for name in targets if name in ("w1", "w3")]
+    if mlp_t and not dropout:
+        out["mlp_input"] = (len(mlp_t) if x.autocast else 1) * bs * x.h * e
+    gate, up = r_grad or "w1" in targets, r_grad or "w3" in targets
+    # silu saves the w1 output, the product saves silu(w1 x) and w3 x, w2's lora_a the product
+    out["swiglu"] = e * f * (gate + up + gate + ("w2" in targets and not dropout))
+    if dropout:
+        # Each adapter has its own dropout: lora_a saves the dropped input (e bytes), and where
+        # that input needs a gradient the dropout keeps its mask: CUDA's fused kernel a bool
+        # (1 byte), the CPU composite a scaled noise tensor of the input's dtype (``fused_norm``
+        # is the planner's "not on CPU" flag).
+        mask = 1 if x.fused_norm else e
+        w2_grad = gate or up
+        ins = {"wq": (bs * x.h, x_grad), "wk": (bs * x.h, x_grad), "wv": (bs * x.h, x_grad),
+               "wo": (q, x_grad or bool(attn_t)), "w1": (bs * x.h, r_grad), "w3": (bs * x.h, r_grad), "w2": (f, w2_grad)}
+        out["lora_dropout"] = sum(n * (e + mask * grad) for n, grad in (ins[name] for name in targets))
+    out["lora_ax"] = ax
+    return out
+
+
+def _without_lora(x: ActShape) -> ActShape:
+    return ActShape(**{k: getattr(x, k) for k in x.__dataclass_fields__ if k != "lora"})
 
 
 @lru_cache(maxsize=8192)
-def _layer_terms(x: ActShape, moe: bool, recompute: str) -> tuple[tuple[str, int], ...]:
+def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
         return (("block_input", x.b * x.s * x.h * x.r // x.n),)
+    if x.lora is not None and not moe:
+        return tuple(lora_layer_terms(x, recompute, first).items())
     out: dict[str, int] = {}
     if recompute == "selective":
         out["block_input"] = x.b * x.s * x.h * x.r // x.n
@@ -206,12 +270,13 @@ def recompute_working_bytes(x: ActShape, moe: bool, recompute: str) -> int:
     """Extra bytes while one block is recomputed in backward (its activations exist again)."""
     if recompute == "none":
         return 0
-    return layer_bytes(x, moe, "none") - layer_bytes(x, moe, recompute)
+    return max(0, layer_bytes(x, moe, "none") - layer_bytes(x, moe, recompute))
 
 
 def first_stage_terms(x: ActShape) -> dict[str, int]:
-    """Per micro batch on the stage holding the embedding: the token ids (int64) the lookup keeps."""
-    return {"token_ids": 8 * x.b * x.s}
+    """Per micro batch on the stage holding the embedding: the token ids (int64) the lookup keeps
+    (none for a frozen embedding, LoRA)."""
+    return {"token_ids": 8 * x.b * x.s} if x.lora is None else {}
 
 
 def stage_terms(x: ActShape) -> dict[str, int]:
@@ -223,7 +288,10 @@ def last_stage_terms(x: ActShape) -> dict[str, int]:
     """Final norm, the output layer's (gathered) input, the loss's fp32 ``[b, s, vocab/tp]`` tensor
     (log-probabilities; under ``loss_parallel`` its fp32 input logits) and the int64 labels."""
     out = _norm(x)
-    out["output_input"] = x.b * x.s * x.h * x.e
+    if x.lora is None:
+        out["output_input"] = x.b * x.s * x.h * x.e
+    else:  # frozen final norm weight and output layer: neither the normalized input nor the output's input
+        out.pop("norm_normalized", None)
     out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
     out["labels"] = 8 * x.b * x.s
     return out

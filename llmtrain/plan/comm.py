@@ -23,7 +23,11 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
   forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
   accumulate unsharded), and for HSDP an all-reduce of the sharded gradients over
-  dp_replicate. With pp > 1 parameters are gathered once per step.
+  dp_replicate. With pp > 1 parameters are gathered once per step. LoRA: gradients (and the
+  ZeRO-1 broadcast) cover the adapters only; FSDP still gathers the frozen weights. The adapters'
+  own TP collectives (an all-reduce of ``b s rank`` per adapter) are not counted: ``rank`` is
+  small next to ``h``. Block 0's input needs no gradient under LoRA: one TP all-reduce
+  equivalent less per micro batch on the first stage.
 - TP, per layer and micro batch: 2 all-reduces forward and 2 backward of ``bshe``; with
   sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
   recomputation re-runs the forward ones (the engine's selective policy saves matmul and
@@ -169,6 +173,15 @@ class CommSpec:
     chunks: int  # pipeline chunks on this rank (virtual stages)
     root: int = 0  # parameters of the FSDP root unit (embedding, final norm, output) on this rank
     grad_extra: int = 0  # gradient numel beyond ``params`` (TP: the embedding's gradient comes back replicated)
+    trainable: int = -1  # parameters with gradients (LoRA: the adapters only); -1 = all
+    lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
+
+    @property
+    def grad_params(self) -> tuple[int, int]:
+        """(dense, expert) parameters whose gradients are reduced (and, ZeRO-1, broadcast)."""
+        if self.trainable < 0:
+            return self.params, self.expert_params
+        return min(self.trainable, self.params), max(0, self.trainable - self.params)
 
 
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",), "dp_replicate": ("dp_replicate",),
@@ -207,19 +220,21 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         passes = 1 if d.pp > 1 else (2 * m - m * min(c.root, total) / max(1, total) if c.zero == 3 else m)
         out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
                         f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
-        out.append(make("dp", "reduce-scatter", shard, 4 * total, 1, g, "fsdp-reduce", "fp32 gradients, last micro batch"))
+        grads = sum(c.grad_params)
+        out.append(make("dp", "reduce-scatter", shard, 4 * grads, 1, g, "fsdp-reduce", "fp32 gradients, last micro batch"))
         if d.dp_replicate > 1:
-            out.append(make("dp", "all-reduce", d.dp_replicate, 4 * total / shard, 1, lk("dp_replicate"), "fsdp-reduce",
+            out.append(make("dp", "all-reduce", d.dp_replicate, 4 * grads / shard, 1, lk("dp_replicate"), "fsdp-reduce",
                             "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
         g = lk("dp_cp")
-        out.append(make("dp", "all-reduce", dpcp, 4 * (c.params + c.grad_extra), 1, g, "step",
+        dense, expert = c.grad_params
+        out.append(make("dp", "all-reduce", dpcp, 4 * (dense + c.grad_extra), 1, g, "step",
                         "fp32 gradients after backward"))
-        if c.expert_params:
+        if expert:
             eg = d.dp_replicate * d.edp
-            out.append(make("dp", "all-reduce", eg, 4 * c.expert_params, 1, g, "step", "expert gradients over expert-DP"))
+            out.append(make("dp", "all-reduce", eg, 4 * expert, 1, g, "step", "expert gradients over expert-DP"))
         if c.dp_kind == "zero1":
-            out.append(make("dp", "broadcast", dpcp, 4 * (c.params + c.expert_params), 1, g, "step",
+            out.append(make("dp", "broadcast", dpcp, 4 * (dense + expert), 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))
 
     # -- tensor parallel -------------------------------------------------------------------------------
@@ -231,7 +246,10 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # the output layer's input (backward only). With SP each all-reduce becomes an all-gather
         # plus a reduce-scatter (same bytes).
         per_layer = 4 + (2 if c.recompute != "none" else 0)
-        count = m * (per_layer * c.layers + int(c.embedding) + int(c.output))
+        # LoRA: block 0's input needs no gradient (frozen embedding): one all-reduce equivalent less
+        # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
+        # embedding output gradient's all-gather)
+        count = m * (per_layer * c.layers + int(c.embedding) + int(c.output) - int(c.lora_first and c.layers > 0))
         if c.sp:
             out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
             out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))

@@ -28,14 +28,15 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.comm import Comm, CommSpec, group_spans, step_comms
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import block_flops_per_token, flops_per_token, head_flops_per_token, recompute_flops_per_token
+from llmtrain.plan.flops import (
+    block_flops_per_token, flops_per_token, forward_flops_per_token, head_flops_per_token, recompute_flops_per_token,
+)
 from llmtrain.plan.memory import (
     DPMode, best_dp_index, compute_bytes, dp_mode, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
     param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.plan.placement import Placement
-from llmtrain.plan.params import moe_layer_count
-from llmtrain.plan.shards import inventory, is_moe_layer, rank_stages, stage_layers
+from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUS, GPUSpec
 from llmtrain.recipe.schema import Recipe
@@ -58,6 +59,7 @@ class RankMemory:
     phase: str  # "backward" or "optimizer step": when the peak happens
     other_detail: dict[str, int] = field(default_factory=dict)
     activation_detail: dict[str, int] = field(default_factory=dict)
+    trainable_params: int = 0  # parameters with gradients on this rank (TP/PP-local, before DP sharding)
 
     @property
     def peak(self) -> int:
@@ -92,7 +94,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) ->
         e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
-        hd=m.head_dim)
+        hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0))
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
@@ -104,7 +106,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stages or stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
     held = rank_stages(pp_rank, dims.pp, v, p.pp_schedule)
-    inv = inventory(m, stages, held, dims.tp, dims.ep)
+    inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
     index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
     state = model_state_bytes(inv.params, mode, index)
     x = act_shape(recipe, dims, mode, gpu)
@@ -115,6 +117,9 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     kinds = {False: act.layer_terms(x, False, recompute), True: act.layer_terms(x, True, recompute)}
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
         parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x), 1)]
+        if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
+            parts[0] = (kinds[False], n_layers - n_moe - 1)
+            parts.append((act.layer_terms(x, False, recompute, first=True), 1))
         if chunk == 0:
             parts.append((act.first_stage_terms(x), 1))
         if chunk == last:
@@ -132,8 +137,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     other = {
         "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel, mode, t.precision,
                                              inv.largest_block, inv.root, recompute),
-        "grad_buffers": grad_buffer_bytes(inv.dense_numel + inv.expert_numel, mode, t.precision, inv.largest_block,
-                                          batch.grad_accum),
+        "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum),
     }
     if inv.last:
         other["logits"] = counts[held.index(last)] * act.logits_bytes(x) + act.loss_backward_bytes(x)
@@ -144,7 +148,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         if dims.ep > 1:
             other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
     states = state.params + state.grads + state.optimizer
-    step_extra = optimizer_step_bytes(state.stepped, mode, state.full_numel)
+    step_extra = optimizer_step_bytes(state.stepped, mode, state.trainable)
     backward = states + activations + sum(other.values())
     reserve = RESERVE_BYTES.get(gpu.name, DEFAULT_RESERVE)
     if backward >= states + step_extra:
@@ -155,7 +159,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         other["framework_reserve"] = reserve
         other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
-                      other, detail)
+                      other, detail, state.trainable)
 
 
 def probe_ranks(pp: int) -> list[int]:
@@ -186,7 +190,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         worst = rank_memory(recipe, dims, batch, r, None, gpu, stages)
         best = worst
         if mode.kind != "plain" and not fast:
-            inv = inventory(m, stages, rank_stages(r, dims.pp, v, p.pp_schedule), dims.tp, dims.ep)
+            inv = inventory(m, stages, rank_stages(r, dims.pp, v, p.pp_schedule), dims.tp, dims.ep, lora_key(t.lora))
             best = rank_memory(recipe, dims, batch, r, best_dp_index(inv.params, mode), gpu, stages)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         per_pp.append((worst, best, held, sum(len(stages[s]) for s in held)))
@@ -194,9 +198,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
 
     # -- FLOPs ---------------------------------------------------------------------------------------
     seq, tokens_step = t.seq_len, batch.tokens_per_step
-    model_tok = flops_per_token(m, seq)
+    lk = lora_key(t.lora)
+    model_tok = flops_per_token(m, seq, lk)
     recompute = t.activation_checkpointing
-    hw_tok = head_flops_per_token(m)
+    hw_tok = head_flops_per_token(m, lk)
     works: list[RankWork] = []
     comm_by_rank: list[list[Comm]] = []
     tokens_mb = t.micro_batch_size * seq // dims.cp
@@ -208,39 +213,32 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     skipped_attention = 6.0 * m.hidden * seq if causal_kernel else 0.0
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
-        inv = inventory(m, stages, held, dims.tp, dims.ep)
+        inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
         fwd = bwd = 0.0
-        for kind in (False, True):
-            n = inv.moe_layers if kind else len(inv.layers) - inv.moe_layers
-            if not n:
-                continue
-            layer = next(layer for layer in inv.layers if is_moe_layer(m, layer) == kind)
-            split, rep = block_flops_per_token(m, layer, seq)
-            rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
+        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk):
             # Time, not FLOP counting: causal SDPA kernels skip the masked half of the scores
+            # (a third of them in the forward)
             split -= skipped_attention
+            fs -= skipped_attention / 3
             rs -= skipped_attention / 3 if recompute == "full" else 0.0
-            fwd += n * (split / dims.tp + rep) / 3
-            bwd += n * ((split / dims.tp + rep) * 2 / 3 + rs / dims.tp + rr)
+            fwd += n * (fs / dims.tp + fr)
+            bwd += n * ((split - fs) / dims.tp + (rep - fr) + rs / dims.tp + rr)
         if inv.last:
-            head = head_flops_per_token(m) / dims.tp
-            fwd, bwd = fwd + head / 3, bwd + head * 2 / 3
+            head = head_flops_per_token(m, lk) / dims.tp
+            share = 1 / 3 if lk is None else 1 / 2
+            fwd, bwd = fwd + head * share, bwd + head * (1 - share)
         spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), inv.dense_numel, inv.expert_numel,
                         inv.largest_block, batch.microbatches, tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k,
                         len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
-                        recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv))
+                        recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv), inv.trainable,
+                        lk is not None and inv.first and 0 in inv.layers)
         comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
-    n_moe = moe_layer_count(m)
-    for kind, n in ((False, m.layers - n_moe), (True, n_moe)):
-        if n:
-            layer = next(i for i in range(m.layers) if m.is_moe_layer(i) == kind)
-            split, rep = block_flops_per_token(m, layer, seq)
-            rs, rr = recompute_flops_per_token(m, layer, seq, recompute)
-            hw_tok += n * (split + rs + (rep + rr) * dims.tp)
+    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk):
+        hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
@@ -251,7 +249,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         "hardware_flops_per_step": hw_tok * tokens_step, "hardware_flops_per_gpu_per_step": hw_tok * tokens_step / world,
         "recompute_overhead": hw_tok / model_tok - 1.0,
         "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
-                      "hardware FLOPs add recomputation and MoE blocks replicated over TP",
+                      "hardware FLOPs add recomputation and MoE blocks replicated over TP"
+                      + ("; LoRA: 4 x frozen + 6 x adapter params (executed: no weight gradients of the frozen base)"
+                         if lk is not None else ""),
     }
     cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st, _global_rank(dims, worst))
     if hints and not cm.fits:
@@ -259,6 +259,24 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
 
         cm.hints = memory_hints(recipe, placement, cm)
     return cm
+
+
+def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk) -> list[tuple]:
+    """``(count, (split, replicated, recompute split, recompute replicated), (forward split, forward
+    replicated))`` FLOPs per token of the given blocks, grouped: by kind (dense, MoE) without LoRA
+    (the forward is a third); with LoRA block 0 differs from the others (its input needs no
+    gradient), so each block is its own group (cached per block in :mod:`llmtrain.plan.flops`)."""
+    if lk is not None:
+        return [(1, block_flops_per_token(m, i, seq, lk) + recompute_flops_per_token(m, i, seq, recompute, lk),
+                 forward_flops_per_token(m, i, seq, lk)) for i in layers]
+    out = []
+    n_moe = sum(1 for layer in layers if is_moe_layer(m, layer)) if m.is_moe else 0
+    for kind, n in ((False, len(layers) - n_moe), (True, n_moe)):
+        if n:
+            layer = next(layer for layer in layers if is_moe_layer(m, layer) == kind)
+            split, rep = block_flops_per_token(m, layer, seq)
+            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute), (split / 3, rep / 3)))
+    return out
 
 
 def _global_rank(dims: ParallelDims, mem: RankMemory) -> int:
@@ -283,7 +301,8 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
     for worst, best, held, layers in cm.per_pp:
         per_rank.append({"pp": worst.pp_rank, "ranks": dims.world_size // dims.pp, "stages": held, "layers": layers,
                          "peak_gib": _gib(worst.peak), "peak_gib_min": _gib(best.peak),
-                         "worst_dp_index": worst.dp_index, **{f"{k}_gib": v for k, v in memory_dict(worst).items()}})
+                         "worst_dp_index": worst.dp_index, "trainable_params": worst.trainable_params,
+                         **{f"{k}_gib": v for k, v in memory_dict(worst).items()}})
     return {
         "memory": {
             "gpu": cm.gpu.name, "capacity_gib": _gib(cm.gpu.memory_bytes), "peak_gib": _gib(w.peak), "fits": cm.fits,
@@ -293,6 +312,7 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
             "other_gib": {k: _gib(v) for k, v in w.other_detail.items()},
             "activations_gib": {k: _gib(v) for k, v in sorted(w.activation_detail.items(), key=lambda kv: -kv[1])},
             "per_rank": per_rank, "hints": cm.hints,
+            "trainable_params_per_rank": max(worst.trainable_params for worst, *_ in cm.per_pp),
         },
         "flops": cm.flops,
         "comm": [c.to_dict() for c in cm.comms],
@@ -307,4 +327,4 @@ def replicated_grad_extra(inv) -> int:
     if not inv.first or not inv.params:
         return 0
     head = inv.params[0]
-    return head.numel * (head.grad_factor - 1)
+    return head.numel * (head.grad_factor - 1) if head.trainable else 0

@@ -7,15 +7,35 @@ and value matmuls, ``12 L h s`` for sequence length ``s`` (PaLM, Chowdhery et al
 appendix B). The attention term is counted WITHOUT the causal halving,
 as PaLM and Megatron do, so MFU numbers compare across projects; recomputation is not counted
 (these are model FLOPs, not hardware FLOPs).
+
+**LoRA** (``train.lora``): the FLOPs actually executed, by the same convention. A frozen weight
+of ``P`` parameters costs ``2P`` forward and ``2P`` backward for its input gradient -- only when
+that input requires a gradient -- and no weight gradient; an adapter matrix costs ``6P`` (its
+input gradient again only when needed). So, per token, ``4 N_frozen + 6 N_adapters + 12 L h s``
+with two exact corrections that follow autograd's ``requires_grad`` propagation: the embedding
+is frozen, so block 0's input needs no gradient (its q/k/v projections, their ``lora_a`` and its
+attention norm run forward only; with targets that leave a whole branch frozen, that branch of
+block 0 runs no backward at all), and the SDPA backward computes only the gradients of q, k, v
+that are needed (``dV`` and ``dP``, ``dQ``, ``dK``: ``2 h s`` each; all of them from block 1 on).
+The output layer is frozen: ``4 V h``. MFU is reported on these executed model FLOPs, so a LoRA
+run's MFU compares with a full run's (the 1/3 of backward it skips is not credited to it).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
 from llmtrain.recipe.schema import ModelConfig
 
 
-def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+def flops_per_token(model: ModelConfig, seq_len: int, lora=None) -> float:
+    """Model FLOPs per token (``lora``: a :class:`~llmtrain.recipe.schema.LoRAConfig`, or its
+    ``(rank, targets)`` key; None: full training)."""
+    if lora is not None:
+        key = _key(lora)
+        return head_flops_per_token(model, key) + sum(sum(block_flops_per_token(model, i, seq_len, key))
+                                                      for i in range(model.layers))
     params = count_params(model)
     matmul_params = params.active - params.embedding
     if model.tie_embeddings:  # the shared matrix is still a matmul in the output layer
@@ -28,8 +48,10 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
 # as above) + 12 h s for the attention scores and values. Summed over the blocks and the head
 # (6 x (output layer + final norm)) this is exactly ``flops_per_token``. ``replicated`` is the
 # part the engine does not split over tensor parallelism (an MoE block's router and experts).
-def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int) -> tuple[float, float]:
+def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora=None) -> tuple[float, float]:
     """(tp-split, tp-replicated) model FLOPs per token of block ``layer``, forward + backward."""
+    if lora is not None:
+        return _lora_block(model, layer, seq_len, _key(lora))
     h = model.hidden
     attn = attention_params(model) + 2 * h  # q, o, k, v (+ biases, q/k norms), two norms
     split = 6.0 * attn + 12.0 * h * seq_len
@@ -39,12 +61,14 @@ def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int) -> tuple
     return split + 6.0 * 3 * h * model.ffn_hidden, 0.0
 
 
-def head_flops_per_token(model: ModelConfig) -> float:
-    """Output layer and final norm, forward + backward (the embedding is a lookup: 0)."""
-    return 6.0 * (model.vocab_size * model.hidden + model.hidden)
+def head_flops_per_token(model: ModelConfig, lora=None) -> float:
+    """Output layer and final norm, forward + backward (the embedding is a lookup: 0); frozen
+    under LoRA: forward and input gradient only."""
+    return (4.0 if lora is not None else 6.0) * (model.vocab_size * model.hidden + model.hidden)
 
 
-def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, recompute: str) -> tuple[float, float]:
+def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, recompute: str,
+                              lora=None) -> tuple[float, float]:
     """Extra hardware FLOPs per token of block ``layer`` from activation recomputation.
 
     ``full`` re-runs the block's forward in backward: one third of its forward + backward FLOPs
@@ -57,8 +81,79 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     """
     if recompute != "full":
         return 0.0, 0.0
+    if lora is not None:
+        # The block's forward again, up to the last tensor backward needs: without an adapter on
+        # w2 that is the SwiGLU product (w2 is frozen: its output saves nothing); with one, w2's
+        # lora_a output A x (LoRALinear runs the base w2 first, then lora_a; lora_b, replicated
+        # over TP, is not re-run)
+        key = _key(lora)
+        split, replicated = _lora_block(model, layer, seq_len, key, forward_only=True)
+        if "w2" in key[1]:
+            return split, replicated - 2.0 * model.hidden * key[0]
+        return split - 2.0 * model.hidden * model.ffn_hidden, replicated
     split, replicated = block_flops_per_token(model, layer, seq_len)
     h = model.hidden
     if model.is_moe_layer(layer):
         return split / 3.0, replicated / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn
     return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0
+
+
+# ---- LoRA ---------------------------------------------------------------------------------------
+def forward_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora) -> tuple[float, float]:
+    """(tp-split, tp-replicated) forward FLOPs per token of block ``layer`` under LoRA."""
+    return _lora_block(model, layer, seq_len, _key(lora), forward_only=True)
+
+
+def _key(lora) -> tuple[int, tuple[str, ...]]:
+    return lora if isinstance(lora, tuple) else (lora.rank, tuple(lora.target_names))
+
+
+def _lora_block(m: ModelConfig, layer: int, seq_len: int, lora: tuple[int, tuple[str, ...]],
+                forward_only: bool = False) -> tuple[float, float]:
+    """(tp-split, tp-replicated) FLOPs per token of block ``layer`` under LoRA (module docstring).
+
+    Column-wise bases keep ``lora_a`` replicated over TP and row-wise ones ``lora_b``: those are
+    the replicated part. ``forward_only``: the forward FLOPs (for recomputation)."""
+    return _lora_block_cached(_shape_key(m), layer == 0, seq_len, lora, forward_only)
+
+
+def _shape_key(m: ModelConfig) -> tuple:
+    return (m.hidden, m.heads, m.kv_heads, m.head_dim, m.ffn_hidden, m.qkv_bias, m.qk_norm)
+
+
+@lru_cache(maxsize=1024)
+def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int, tuple[str, ...]],
+                       forward_only: bool) -> tuple[float, float]:
+    h, heads, kv, hd, f, qkv_bias, qk_norm = shape
+    rank, targets = lora
+    bwd = 0.0 if forward_only else 1.0
+    split = rep = 0.0
+
+    def proj(name: str, rows: int, cols: int, column_wise: bool, input_grad: bool, bias: bool = False) -> bool:
+        """Add one frozen projection and its adapter; returns whether its output needs a gradient."""
+        nonlocal split, rep
+        base = rows * cols + (rows if bias else 0)
+        split += 2.0 * base * (1 + bwd * input_grad)
+        if name not in targets:
+            return input_grad
+        a, b = 2.0 * rank * cols * (1 + bwd * (1 + input_grad)), 6.0 * rows * rank if bwd else 2.0 * rows * rank
+        split, rep = (split + b, rep + a) if column_wise else (split + a, rep + b)
+        return True
+
+    x_grad = not first  # the frozen embedding: block 0's input needs no gradient
+    split += 2.0 * h * (1 + bwd * x_grad)  # attention norm (frozen weight)
+    q = proj("wq", heads * hd, h, True, x_grad, qkv_bias)
+    k = proj("wk", kv * hd, h, True, x_grad, qkv_bias)
+    v = proj("wv", kv * hd, h, True, x_grad, qkv_bias)
+    if qk_norm:
+        split += 2.0 * 2 * hd * (1 + bwd * (q or k))
+    # scores and values: 4 h s forward; backward dV, dP (for dQ or dK), dQ, dK, 2 h s each
+    split += 4.0 * h * seq_len + bwd * 2.0 * h * seq_len * (v + (q or k) + q + k)
+    attn = q or k or v
+    o = proj("wo", h, heads * hd, False, attn)
+    r_grad = x_grad or o
+    split += 2.0 * h * (1 + bwd * r_grad)  # ffn norm
+    g = proj("w1", f, h, True, r_grad)
+    u = proj("w3", f, h, True, r_grad)
+    proj("w2", h, f, False, g or u)
+    return split, rep

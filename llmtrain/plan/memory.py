@@ -26,6 +26,10 @@ Two accountings live here:
    12 = 16 too, split differently: no fp16 parameter copy, fp32 gradients instead of fp16).
    ZeRO-2 (FSDP2 with ``reshard_after_forward=False``) and ZeRO-3 shard all three; ZeRO-1
    (:mod:`llmtrain.engine.parallel.zero1`) shards only the AdamW states, by whole parameters.
+   - LoRA: frozen parameters (``ParamShape.trainable`` False) are stored and sharded like the
+     others (fp32, FSDP2 shards them too) but have no gradient and are not in the optimizer, so
+     they cost 4 bytes per element; the adapters cost the full 16. ZeRO-1's greedy partition
+     runs over the trainable parameters only (the engine's optimizer never sees the others).
 """
 
 from __future__ import annotations
@@ -115,6 +119,11 @@ class StateBytes:
     local_numel: int  # parameter elements this rank stores
     full_numel: int  # parameter elements of its stages (TP/EP-local, before DP sharding)
     stepped: int  # parameter elements whose AdamW update this rank computes
+    trainable_numel: int = -1  # trainable elements of its stages (before DP sharding); -1 = full_numel
+
+    @property
+    def trainable(self) -> int:
+        return self.full_numel if self.trainable_numel < 0 else self.trainable_numel
 
 
 def _zero1(numels: tuple[int, ...], ranks: int, index: int) -> tuple[int, int]:
@@ -131,11 +140,31 @@ def _extremes(sizes: tuple[int, ...], ranks: int) -> tuple[int, int]:
     return worst, best
 
 
+@dataclass(frozen=True)
+class _Split:
+    full: int  # elements
+    grads: int  # gradient elements (trainable parameters only; the TP embedding's replicated gradient)
+    dense: tuple[ParamShape, ...]  # all non-expert parameters (stored)
+    experts: tuple[ParamShape, ...]  # EP-sharded experts (stored)
+    t_full: int  # trainable elements
+    t_count: int  # trainable parameters (one AdamW step tensor each)
+    t_dense: tuple[ParamShape, ...]  # trainable non-expert parameters (gradients, AdamW states)
+    t_experts: tuple[ParamShape, ...]
+
+
 @lru_cache(maxsize=4096)
-def _split(params: tuple[ParamShape, ...]) -> tuple[int, int, tuple[ParamShape, ...], tuple[ParamShape, ...]]:
-    """(elements, gradient elements, dense params, expert params) of a stage, cached."""
-    return (sum(p.numel for p in params), sum(p.numel * p.grad_factor for p in params),
-            tuple(p for p in params if p.kind != "expert"), tuple(p for p in params if p.kind == "expert"))
+def _split(params: tuple[ParamShape, ...]) -> _Split:
+    """The stage's parameters by kind and by trainability, cached (without LoRA every parameter is
+    trainable and the trainable tuples are the same objects, so the shard caches stay shared)."""
+    dense = tuple(p for p in params if p.kind != "expert")
+    experts = tuple(p for p in params if p.kind == "expert")
+    trainable = [p for p in params if p.trainable]
+    t_dense, t_experts = dense, experts
+    if len(trainable) != len(params):
+        t_dense = tuple(p for p in dense if p.trainable)
+        t_experts = tuple(p for p in experts if p.trainable)
+    return _Split(sum(p.numel for p in params), sum(p.numel * p.grad_factor for p in trainable), dense, experts,
+                  sum(p.numel for p in trainable), len(trainable), t_dense, t_experts)
 
 
 @lru_cache(maxsize=4096)
@@ -150,17 +179,22 @@ def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: D
     edp (a separate FSDP unit), ZeRO-1 a separate optimizer over dp_replicate x edp.
     """
     params = tuple(params)
-    full, grads, dense, experts = _split(params)
+    sp = _split(params)
+    full, grads, t_full = sp.full, sp.grads, sp.t_full
     if mode.kind == "fsdp":
-        local = fsdp_local_numel(dense, mode.slice, mode.dense_index(j))
-        local += fsdp_local_numel(experts, mode.edp, mode.expert_index(j))
-        return StateBytes(FP32 * local, FP32 * local, ADAM_BYTES * local + STEP_BYTES * len(params), local, full, local)
+        d, e = mode.dense_index(j), mode.expert_index(j)
+        local = fsdp_local_numel(sp.dense, mode.slice, d) + fsdp_local_numel(sp.experts, mode.edp, e)
+        t_local = local if sp.t_dense is sp.dense and sp.t_experts is sp.experts else \
+            fsdp_local_numel(sp.t_dense, mode.slice, d) + fsdp_local_numel(sp.t_experts, mode.edp, e)
+        return StateBytes(FP32 * local, FP32 * t_local, ADAM_BYTES * t_local + STEP_BYTES * sp.t_count, local, full,
+                          t_local, t_full)
     if mode.kind == "zero1":
-        owned, count = _zero1(_sizes(dense), mode.group, mode.dense_index(j))
-        e_owned, e_count = _zero1(_sizes(experts), mode.expert_shards, mode.expert_index(j))
+        owned, count = _zero1(_sizes(sp.t_dense), mode.group, mode.dense_index(j))
+        e_owned, e_count = _zero1(_sizes(sp.t_experts), mode.expert_shards, mode.expert_index(j))
         owned, count = owned + e_owned, count + e_count
-        return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * owned + STEP_BYTES * count, full, full, owned)
-    return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * full + STEP_BYTES * len(params), full, full, full)
+        return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * owned + STEP_BYTES * count, full, full, owned, t_full)
+    return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * t_full + STEP_BYTES * sp.t_count, full, full, t_full,
+                      t_full)
 
 
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
@@ -168,7 +202,7 @@ def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
     loaded owner, found among the dense owners of replica 0)."""
     if mode.kind != "zero1":
         return 0
-    return _extremes(_sizes(_split(tuple(params))[2]), mode.group)[0]
+    return _extremes(_sizes(_split(tuple(params)).t_dense), mode.group)[0]
 
 
 def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
@@ -177,7 +211,7 @@ def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
         return mode.slice - 1
     if mode.kind != "zero1":
         return 0
-    return _extremes(_sizes(_split(tuple(params))[2]), mode.group)[1]
+    return _extremes(_sizes(_split(tuple(params)).t_dense), mode.group)[1]
 
 
 def compute_bytes(precision: str) -> int:

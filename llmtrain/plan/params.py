@@ -59,3 +59,21 @@ def attention_params(m: ModelConfig) -> int:
     h, hd = m.hidden, m.head_dim
     return (2 * h * m.heads * hd + 2 * h * m.kv_heads * hd + (m.heads + 2 * m.kv_heads) * hd * m.qkv_bias
             + 2 * hd * m.qk_norm)
+
+
+def lora_adapter_params(m: ModelConfig, lora) -> int:
+    """Adapter parameters of the whole model: per block and target with base ``[out, in]``,
+    ``rank x (in + out)`` (``lora_a`` and ``lora_b``, no bias); MoE blocks get none."""
+    if lora is None:
+        return 0
+    h, q, kv, f = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_hidden
+    sizes = {"wq": h + q, "wk": h + kv, "wv": h + kv, "wo": q + h, "w1": h + f, "w2": f + h, "w3": h + f}
+    attention = sum(sizes[t] for t in lora.target_names if t in ("wq", "wk", "wv", "wo"))
+    mlp = sum(sizes[t] for t in lora.target_names if t in ("w1", "w2", "w3"))
+    n_moe = moe_layer_count(m)
+    return lora.rank * (m.layers * attention + (m.layers - n_moe) * mlp)
+
+
+def trainable_params(m: ModelConfig, lora) -> int:
+    """Parameters that get gradients: all of them, or with ``train.lora`` only the adapters."""
+    return count_params(m).total if lora is None else lora_adapter_params(m, lora)

@@ -39,6 +39,12 @@ def render_plan(d: dict[str, Any], console: Console) -> None:
     if moe:
         params += f", {_count(m['params_active'])} active per token ({moe['num_experts']} experts, top-{moe['top_k']}" \
                   f"{', ' + str(moe['shared_experts']) + ' shared' if moe['shared_experts'] else ''})"
+    lora = m.get("lora")
+    if lora:
+        share = m["trainable_params"] / max(1, m["params_total"])
+        params += (f"; LoRA rank {lora['rank']}, alpha {lora['alpha']:g} (scale {lora['scale']:g})"
+                   f"{', dropout ' + format(lora['dropout'], 'g') if lora['dropout'] else ''} on {' '.join(lora['targets'])}: "
+                   f"{_count(m['trainable_params'])} trainable ({share:.2%}), the base frozen")
     console.print(f"\n[bold]Model[/] {m['preset'] or 'custom'}: {m['layers']} layers, hidden {m['hidden']}, "
                   f"{m['heads']} heads / {m['kv_heads']} kv, ffn {m['ffn_hidden']}, vocab {m['vocab_size']}; {params}", highlight=False)
 
@@ -122,7 +128,9 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
     console.print(f"\n[bold]Memory[/] peak {_gib(mem['peak_gib'])} of {mem['capacity_gib']:.1f} GiB ({mem['gpu']}) on rank "
                   f"{w['rank']} (pp {w['pp']}, at the {mem['phase']}): {verdict}; states {mem['dp_state']}", highlight=False)
     b = mem["breakdown_gib"]
-    console.print("  " + ", ".join(f"{k} {_gib(v)}" for k, v in b.items()), highlight=False)
+    trainable = (f"; {_count(mem['trainable_params_per_rank'])} trainable per rank (LoRA adapters, before data-parallel sharding)"
+                 if d["model"].get("lora") else "")
+    console.print("  " + ", ".join(f"{k} {_gib(v)}" for k, v in b.items()) + trainable, highlight=False)
     for label, parts in (("activations", mem["activations_gib"]), ("other", mem["other_gib"])):
         shown = [f"{k.replace('_', ' ')} {_gib(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0]
         if shown:

@@ -2,13 +2,15 @@
 
 JSON schema (``schema_version`` 1), top level: ``valid``, ``errors`` and ``warnings`` (each
 ``{path, message, hint}``), ``recipe``, ``world_size``, ``model`` (architecture and
-``params_total``/``params_active``), ``parallel`` (degrees, ``dp``, ``edp``, ``zero`` and the
+``params_total``/``params_active``, ``trainable_params``: all parameters, or with ``train.lora``
+the adapters, and ``lora``: ``{rank, alpha, scale, dropout, targets}`` or null), ``parallel`` (degrees, ``dp``, ``edp``, ``zero`` and the
 data-parallel mode), ``batch`` (``dp``, ``micro_batch_size``, ``grad_accum``, ``microbatches``,
 ``global_batch_size``, ``seq_len``, ``tokens_per_step``), ``pipeline`` (``bubble_fraction``),
 ``layout`` (``mesh_dims``, ``mesh_shape``, ``nodes`` with each node's ranks and coordinate
 ranges, ``rank_coords`` for every rank in ``mesh_dims`` order, ``groups`` per dimension, and
 ``ep`` when EP > 1), and the cost model (docs/planner.md): ``memory`` (``peak_gib`` of the worst
-rank, ``breakdown_gib``, ``per_rank`` per pipeline rank, ``fits``, ``hints``), ``flops``, ``comm``
+rank, ``breakdown_gib``, ``per_rank`` per pipeline rank (with its ``trainable_params``, TP/PP-local
+before data-parallel sharding), ``trainable_params_per_rank`` (their largest), ``fits``, ``hints``), ``flops``, ``comm``
 (per dimension and collective, with its link), ``bubble_fraction`` and ``time`` (``step_s``,
 ``tokens_per_s_per_gpu``, ``tflops_per_gpu``, ``mfu``, ``breakdown_s``). ``batch``, ``pipeline``,
 ``layout`` and the cost keys are null when the layout is invalid.
@@ -26,7 +28,7 @@ from llmtrain.plan.api import Plan
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import cost_to_dict, estimate
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
-from llmtrain.plan.params import count_params
+from llmtrain.plan.params import count_params, trainable_params
 from llmtrain.plan.placement import Placement
 
 SCHEMA_VERSION = 1
@@ -61,6 +63,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
             "preset": m.preset, "layers": m.layers, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
             "ffn_hidden": m.ffn_hidden, "vocab_size": m.vocab_size, "moe": m.moe.model_dump() if m.is_moe else None,
             "params_total": params.total, "params_active": params.active,
+            "trainable_params": trainable_params(m, r.train.lora), "lora": lora_dict(r.train.lora),
         },
         "parallel": {
             **{name: (dims.degree(name) if dims else getattr(p, name)) for name in (*MESH_DIMS, "ep")},
@@ -81,6 +84,13 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
     if plan.hostfile is not None:
         out["launch"] = launch_dict(plan)
     return out
+
+
+def lora_dict(lora) -> dict[str, Any] | None:
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "scale": lora.scale, "dropout": lora.dropout,
+            "targets": list(lora.target_names)}
 
 
 def cost_dict(plan: Plan) -> dict[str, Any]:

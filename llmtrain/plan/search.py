@@ -111,6 +111,12 @@ def _variant(recipe: Recipe, par: dict, train: dict) -> Recipe:
                                      "train": recipe.train.model_copy(update=train)})
 
 
+def _state_bytes(recipe: Recipe) -> float:
+    """Model-state bytes per parameter: 16 (fp32 weight, gradient, AdamW); LoRA: 4, the frozen
+    weights only (the adapters' states make the real number larger: still a lower bound)."""
+    return 4.0 if recipe.train.lora is not None else 16.0
+
+
 def _state_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dpcp: int) -> float:
     """Bytes of parameters + gradients + AdamW states per rank if everything were sharded over dp x cp."""
     m = recipe.model
@@ -119,7 +125,7 @@ def _state_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dpcp: int) -> 
     pc = count_params(m)
     per_rank = (pc.total - (pc.per_moe_block and (m.layers - m.moe.first_dense_layers) * m.moe.num_experts * pc.expert
                             * (1 - 1 / ep))) / (tp * pp)
-    return 16.0 * per_rank / max(1, dpcp)
+    return _state_bytes(recipe) * per_rank / max(1, dpcp)
 
 
 def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool = False,
@@ -143,7 +149,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     rate = gpu.peak_flops_bf16 * efficiency(gpu)
     tokens_gpu = gbs * t.seq_len / world
     moe_tok = _moe_flops_per_token(m, t.seq_len)
-    dense_tok = flops_per_token(m, t.seq_len) - moe_tok
+    dense_tok = flops_per_token(m, t.seq_len, t.lora) - moe_tok  # LoRA: fewer FLOPs, the floor must stay a lower bound
 
     splits = []
     for tp in tps:
@@ -223,7 +229,7 @@ def _recompute_tok(recipe: Recipe, tp: int, cp: int) -> float:
     m, seq = recipe.model, recipe.train.seq_len
     total = -_skipped_attention(recipe, cp) / 3
     for layer in range(m.layers):
-        split, rep = recompute_flops_per_token(m, layer, seq, "full")
+        split, rep = recompute_flops_per_token(m, layer, seq, "full", recipe.train.lora)
         total += split + rep * tp
     return total
 
@@ -252,27 +258,35 @@ def _ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int,
 
 def _needs_full_recompute(recipe: Recipe, placement: Placement, base: dict, gbs: int, dp: int, capacity: float) -> bool:
     """Whether even the most sharded state (zero 3, or 2 with pp > 1; no HSDP) with micro batch 1
-    and selective recomputation overflows: then every layout of the split recomputes fully."""
+    and selective recomputation overflows: then every layout of the split recomputes fully.
+
+    With LoRA, selective recomputation can keep MORE than none (it saves the frozen projections'
+    outputs and the adapters', which a frozen weight's backward does not need), so there both are
+    tried."""
     zero = 2 if base["pp"] > 1 else 3
-    variant = _variant(recipe, dict(base, zero=zero, dp_replicate=1, dp_shard=dp),
-                       dict(micro_batch_size=1, global_batch_size=gbs, activation_checkpointing="selective"))
-    v = validate(variant, placement)
-    if not v.valid:
-        return False
-    return peak_bytes(variant, v.dims, v.batch, probe_ranks(v.dims.pp)) > capacity
+    for mode in ("selective",) if recipe.train.lora is None else ("selective", "none"):
+        variant = _variant(recipe, dict(base, zero=zero, dp_replicate=1, dp_shard=dp),
+                           dict(micro_batch_size=1, global_batch_size=gbs, activation_checkpointing=mode))
+        v = validate(variant, placement)
+        if not v.valid:
+            return False
+        if peak_bytes(variant, v.dims, v.batch, probe_ranks(v.dims.pp)) <= capacity:
+            return False
+    return True
 
 
 def _zero_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dp: int, cp: int, zero: int, rep: int) -> float:
     """Model-state bytes of an average rank for this zero mode (a lower bound for the worst rank)."""
-    full = _state_lower_bound(recipe, tp, pp, ep, 1) / 16.0  # parameters per rank
+    per = _state_bytes(recipe)
+    full = _state_lower_bound(recipe, tp, pp, ep, 1) / per  # parameters per rank
     e = 2 if recipe.train.precision == "bf16" else 4
     if zero == 0 or dp * cp == 1:
-        return 16.0 * full
-    if zero == 1:
-        return 8.0 * full + 8.0 * full / (dp * cp)
+        return per * full
+    if zero == 1:  # LoRA: frozen weights are never sharded by ZeRO-1
+        return per * full if recipe.train.lora is not None else 8.0 * full + 8.0 * full / (dp * cp)
     shard = dp // rep * cp
     unsharded = e * full if (zero == 2 or pp > 1) else 0.0
-    return 16.0 * full / shard + unsharded
+    return per * full / shard + unsharded
 
 
 def _tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) -> float:

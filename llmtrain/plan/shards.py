@@ -27,6 +27,13 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
   dense weights, dp_replicate x edp for EP experts), largest first onto the least-loaded rank
   (ties: lowest rank). :func:`zero1_loads` replays that greedy; the loads do
   not depend on how equal-sized parameters are ordered, so only the sizes are needed.
+- **LoRA** (``train.lora``, ``engine/finetune/lora.py``): every base parameter is frozen
+  (``trainable=False``: stored and sharded like any parameter, but no gradient and no AdamW
+  state); each target projection ``t`` of every block with base weight ``[out, in]`` gets
+  ``<t>.lora_a.weight [rank, in]`` and ``<t>.lora_b.weight [out, rank]`` (no bias). Under TP they
+  follow their base: column-wise bases (wq wk wv w1 w3) keep ``lora_a`` replicated and shard
+  ``lora_b`` on dim 0; row-wise bases (wo w2) shard ``lora_a`` on dim 1 and keep ``lora_b``
+  replicated. FSDP2 shards them on dim 0 like every parameter (:func:`lora_params`).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class ParamShape:
     shape: tuple[int, ...]  # local shape after TP and EP
     kind: str  # "matmul" (2-D weight used by a matmul), "norm", "embedding", "expert" (EP-sharded)
     grad_factor: int = 1  # gradient numel / numel without FSDP (the TP embedding's gradient is replicated)
+    trainable: bool = True  # False: a frozen LoRA base weight (no gradient, no optimizer state)
     numel: int = field(init=False, repr=False)
     rows_rest: tuple[int, int] = field(init=False, repr=False)
 
@@ -96,8 +104,43 @@ def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]
 
 
 # ---- parameter inventory ------------------------------------------------------------------------
-def block_params(m: ModelConfig, layer: int, tp: int, ep: int) -> list[ParamShape]:
-    """Local parameter shapes of transformer block ``layer`` on one TP/EP rank (engine order)."""
+# (rank, target names) of ``train.lora``, or None: the part of the recipe the inventory depends on
+LoRAKey = tuple[int, tuple[str, ...]] | None
+
+
+def lora_key(lora) -> LoRAKey:
+    """The hashable inventory key of a :class:`~llmtrain.recipe.schema.LoRAConfig` (None: no LoRA)."""
+    return None if lora is None else (lora.rank, tuple(lora.target_names))
+
+
+def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[ParamShape]:
+    """Adapter shapes of block ``layer`` on one TP rank: ``lora_a [rank, in]`` and ``lora_b [out, rank]``
+    per target, split over TP like their base weight (see the module docstring)."""
+    if lora is None:
+        return []
+    rank, targets = lora
+    h, hd, f = m.hidden, m.head_dim, m.ffn_hidden
+    bases = {"wq": ("attention", m.heads * hd, h, True), "wk": ("attention", m.kv_heads * hd, h, True),
+             "wv": ("attention", m.kv_heads * hd, h, True), "wo": ("attention", h, m.heads * hd, False),
+             "w1": ("feed_forward", f, h, True), "w2": ("feed_forward", h, f, False), "w3": ("feed_forward", f, h, True)}
+    out = []
+    for t in targets:
+        module, rows, cols, column_wise = bases[t]
+        a, b = ((rank, cols), (rows // tp, rank)) if column_wise else ((rank, cols // tp), (rows, rank))
+        name = f"layers.{layer}.{module}.{t}."
+        out += [ParamShape(name + "lora_a.weight", a, "matmul"), ParamShape(name + "lora_b.weight", b, "matmul")]
+    return out
+
+
+def _frozen(params: list[ParamShape]) -> list[ParamShape]:
+    return [ParamShape(p.name, p.shape, p.kind, p.grad_factor, False) for p in params]
+
+
+def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = None) -> list[ParamShape]:
+    """Local parameter shapes of transformer block ``layer`` on one TP/EP rank (engine order); with
+    ``lora`` the base weights are frozen and the adapters follow them."""
+    if lora is not None:
+        return _frozen(block_params(m, layer, tp, ep)) + lora_params(m, layer, tp, lora)
     h, hd = m.hidden, m.head_dim
     p = f"layers.{layer}."
     out = [
@@ -142,8 +185,14 @@ def is_moe_layer(m: ModelConfig, layer: int) -> bool:
     return m.is_moe_layer(layer)
 
 
-def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp: int, ep: int) -> list[ParamShape]:
+def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp: int, ep: int,
+                 lora: LoRAKey = None) -> list[ParamShape]:
     """Every parameter of one pipeline stage (embedding on the first, norm + output on the last)."""
+    if lora is not None:
+        outer = _frozen(stage_params(m, [], first, last, tp, ep))
+        blocks = [q for layer in layers for q in block_params(m, layer, tp, ep, lora)]
+        return [q for q in outer if q.name == "tok_embeddings.weight"] + blocks + \
+            [q for q in outer if q.name != "tok_embeddings.weight"]
     out: list[ParamShape] = []
     if first:
         # DTensor's embedding backward returns a Replicate gradient for the vocabulary-sharded
@@ -158,11 +207,12 @@ def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp:
     return out
 
 
-def rank_params(m: ModelConfig, stages: list[list[int]], held: list[int], tp: int, ep: int) -> list[ParamShape]:
+def rank_params(m: ModelConfig, stages: list[list[int]], held: list[int], tp: int, ep: int,
+                lora: LoRAKey = None) -> list[ParamShape]:
     out: list[ParamShape] = []
     n = len(stages)
     for s in held:
-        out += stage_params(m, stages[s], s == 0, s == n - 1, tp, ep)
+        out += stage_params(m, stages[s], s == 0, s == n - 1, tp, ep, lora)
     return out
 
 
@@ -236,6 +286,16 @@ class Inventory:
     matmul_numel: int  # weights a matmul uses (autocast casts these to bf16)
     chunk_layers: tuple[int, ...]  # per held stage: transformer blocks
     chunk_moe: tuple[int, ...]  # per held stage: of which MoE blocks
+    trainable_numel: int = -1  # parameters with gradients (LoRA: the adapters); -1 = all of them
+    largest_trainable_block: int = -1  # trainable parameters of the largest block; -1 = largest_block
+
+    @property
+    def trainable(self) -> int:
+        return self.dense_numel + self.expert_numel if self.trainable_numel < 0 else self.trainable_numel
+
+    @property
+    def trainable_block(self) -> int:
+        return self.largest_block if self.largest_trainable_block < 0 else self.largest_trainable_block
 
 
 _CACHE: dict[tuple, Inventory] = {}
@@ -261,31 +321,32 @@ def _model_key(m: ModelConfig) -> tuple:
 _TEMPLATES: dict[tuple, tuple[ParamShape, ...]] = {}
 
 
-def _block_template(m: ModelConfig, moe: bool, tp: int, ep: int) -> tuple[ParamShape, ...]:
+def _block_template(m: ModelConfig, moe: bool, tp: int, ep: int, lora: LoRAKey = None) -> tuple[ParamShape, ...]:
     """One block's parameters (shared objects: every block of a kind has the same shapes)."""
-    key = (_model_key(m), moe, tp, ep)
+    key = (_model_key(m), moe, tp, ep, lora)
     out = _TEMPLATES.get(key)
     if out is None:
         kind = [i for i in range(m.layers) if m.is_moe_layer(i) == moe]
         layer = kind[0] if kind else 0
-        out = _TEMPLATES[key] = tuple(block_params(m, layer, tp, ep))
+        out = _TEMPLATES[key] = tuple(block_params(m, layer, tp, ep, lora))
     return out
 
 
-def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inventory:
+def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int, lora: LoRAKey = None) -> Inventory:
     """What one pipeline rank holds, cached. The parameter tuple reuses one shape object per
     parameter of a block kind (only sizes matter to the memory model; names are in
     :func:`rank_params`)."""
     stages = stages if isinstance(stages, Stages) else Stages(tuple(s) for s in stages)
-    key = (_model_key(m), stages, tuple(held), tp, ep)
+    key = (_model_key(m), stages, tuple(held), tp, ep, lora)
     inv = _CACHE.get(key)
     if inv is None:
         moe_set = {i for i in range(m.layers) if m.is_moe_layer(i)}
-        dense, moe = _block_template(m, False, tp, ep), (_block_template(m, True, tp, ep) if m.is_moe else ())
+        dense = _block_template(m, False, tp, ep, lora)
+        moe = _block_template(m, True, tp, ep, lora) if m.is_moe else ()
         params: list[ParamShape] = []
         n_last = len(stages) - 1
         for s in held:
-            outer = stage_params(m, [], s == 0, s == n_last, tp, ep)  # embedding / final norm / output
+            outer = stage_params(m, [], s == 0, s == n_last, tp, ep, lora)  # embedding / final norm / output
             params += [q for q in outer if q.name == "tok_embeddings.weight"]
             for layer in stages[s]:
                 params += moe if layer in moe_set else dense
@@ -301,7 +362,10 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int) -> Inve
                         sum(q.numel for q in params if q.kind == "expert"), 0 in held, n_last in held,
                         sum(q.numel for q in params if q.kind in ("matmul", "expert")),
                         tuple(len(stages[s]) for s in held),
-                        tuple(sum(1 for layer in stages[s] if layer in moe_set) for s in held))
+                        tuple(sum(1 for layer in stages[s] if layer in moe_set) for s in held),
+                        sum(q.numel for q in params if q.trainable),
+                        max(([sum(q.numel for q in dense if q.trainable)] if len(layers) > n_moe else [])
+                            + ([sum(q.numel for q in moe if q.trainable)] if n_moe else []), default=0))
         if len(_CACHE) > 20000:
             _CACHE.clear()
         _CACHE[key] = inv

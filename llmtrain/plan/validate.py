@@ -203,13 +203,50 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if not out.errors:
             out.dims = dims
 
-    # -- data --------------------------------------------------------------------------------------
-    if recipe.data.source == "memmap" and not recipe.data.path:
-        err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
+    # -- data and fine-tuning ---------------------------------------------------------------------
+    _check_data(recipe, err)
+    _check_lora(recipe, err)
     if recipe.train.schedule.warmup_steps > t.steps:
         warn(Problem("train.schedule.warmup_steps", f"warmup ({recipe.train.schedule.warmup_steps}) is longer than the run ({t.steps} steps)",
                      "shorten the warmup"))
     return out
+
+
+FINETUNE_SOURCES = ("chat", "instruction", "text")
+
+
+def _check_data(recipe: Recipe, err) -> None:
+    """Data-source rules: a path where one is read, a chat template where one is needed, packing
+    only where rows are built from samples (and not split by context parallelism)."""
+    d, cp = recipe.data, recipe.parallel.cp
+    if d.source == "memmap" and not d.path:
+        err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
+    if d.source in FINETUNE_SOURCES and not d.path:
+        err(Problem("data.path", f"source {d.source} reads samples from data.path, which is not set",
+                    "set data.path to a .jsonl file" + (" or .txt" if d.source == "text" else "") + " (or a directory of them)"))
+    if d.source == "chat" and (d.tokenizer == "byte" or d.tokenizer.startswith("bpe:")):
+        err(Problem("data.tokenizer", f"source chat needs a chat template, which tokenizer {d.tokenizer!r} does not have "
+                    "(it comes from a Hugging Face tokenizer directory's tokenizer_config.json or chat_template.jinja)",
+                    "set data.tokenizer to a Hugging Face tokenizer directory, or use source instruction"))
+    if d.packing and d.source not in FINETUNE_SOURCES:
+        err(Problem("data.packing", f"packing needs samples to pack, but source {d.source} already yields full "
+                    "train.seq_len rows", "set data.packing: false, or use source chat, instruction or text"))
+    # Context parallelism splits each row's sequence over cp ranks; the block-diagonal (per-sample)
+    # attention mask of a packed row is not carried into the ring / all-gather / Ulysses kernels.
+    if d.packing and cp > 1:
+        err(Problem("data.packing", f"packing with parallel.cp={cp}: context parallelism would split packed samples "
+                    "across ranks, and per-sample attention isolation is not implemented for it",
+                    "set parallel.cp: 1, or data.packing: false"))
+
+
+def _check_lora(recipe: Recipe, err) -> None:
+    """LoRA adapters exist for the dense projections only (llmtrain/engine/finetune/lora.py)."""
+    if recipe.train.lora is None:
+        return
+    m = recipe.model
+    if m.is_moe:
+        err(Problem("train.lora", f"LoRA on an MoE model (model.moe.num_experts = {m.moe.num_experts}): adapters on "
+                    "routed experts are not implemented", "remove train.lora (full fine-tuning), or use a dense model"))
 
 
 def _check_moe_fields(recipe: Recipe, err) -> None:

@@ -51,6 +51,13 @@ class ParallelConfig(Strict):
     cp_method: Literal["ring", "ulysses", "allgather"] = Field(
         "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V)."
     )
+    dp_bucket_mb: float = Field(
+        25.0, gt=0, le=65536,
+        description="zero 0/1: gradients are reduced in buckets of about this many MiB, each started during the "
+                    "backward as soon as its gradients are final (overlapped with the rest of the backward).")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of every gradient reduction (FSDP reduce-scatter, the DP all-reduce, expert "
+                            "gradients): fp32, or bf16 (half the bytes, ~3 significant digits per sum).")
 
     @field_validator("dp_shard")
     @classmethod

@@ -28,6 +28,10 @@
    ``config.json`` is the family's :func:`~llmtrain.engine.hf.families.hf_config` (its dtype set
    to the output dtype), ``generation_config.json`` carries the tokenizer's bos/eos ids when
    it has them, and the run's tokenizer files are copied (:mod:`.tokenizer_files`).
+4. **LoRA** checkpoints (``train.lora``): the adapters are merged into the base per tensor
+   (``W + scale * B @ A``) by the worker that writes it; the base is read from the checkpoint or,
+   for an adapters-only checkpoint, from the HF base directory whose fingerprint the caller
+   checked (:mod:`llmtrain.engine.finetune.lora_export`). The result is a plain model of the family.
 """
 
 from __future__ import annotations
@@ -125,12 +129,15 @@ def assign(plan: ExportPlan, workers: int) -> list[list[int]]:
     return [sorted(s) for s in out if s]
 
 
-def write_shards(ckpt: str, files: dict, plan: ExportPlan, shard_ids: list[int], out: str) -> list[Problem] | None:
-    """Worker body: read and write the shards ``shard_ids`` (None: done; else the problems)."""
+def write_shards(ckpt: str, files: dict, plan: ExportPlan, shard_ids: list[int], out: str,
+                 lora=None) -> list[Problem] | None:
+    """Worker body: read and write the shards ``shard_ids`` (None: done; else the problems).
+    ``lora``: a :class:`~llmtrain.engine.finetune.lora_export.LoRAExport` (base source, merge)."""
     import torch
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+    from llmtrain.engine.finetune.lora_export import HFTensorReader, base_tensor, checkpoint_keys
     from llmtrain.engine.hf.families import to_hf
     from llmtrain.engine.safe_reader import SafeReader, dcp_guard
 
@@ -138,15 +145,19 @@ def write_shards(ckpt: str, files: dict, plan: ExportPlan, shard_ids: list[int],
     try:
         for i in shard_ids:
             entries = plan.shards[i]
-            with dcp_guard(ckpt), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
-                reader = SafeReader(ckpt, files)
-                state = _load_state_dict_from_keys({e.key for e in entries}, storage_reader=reader)["model"]
+            keys = {e.key for e in entries} if lora is None else checkpoint_keys(entries, lora)
+            state = {}
+            if keys:
+                with dcp_guard(ckpt), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+                    reader = SafeReader(ckpt, files)
+                    state = _load_state_dict_from_keys(keys, storage_reader=reader)["model"]
             tensors = {}
-            for e in entries:
-                ours = state.pop(e.key.removeprefix("model."))
-                tensors.update((n, t.to(dtype).contiguous()) for n, t in zip(e.src.hf, to_hf(e.src, ours)))
-                del ours
+            with HFTensorReader(lora.hf_files if lora is not None else {}) as base:
+                for e in entries:
+                    ours = state.pop(e.key.removeprefix("model.")) if lora is None else base_tensor(e, state, lora, base)
+                    tensors.update((n, t.to(dtype).contiguous()) for n, t in zip(e.src.hf, to_hf(e.src, ours)))
+                    del ours
             target = Path(out) / plan.files[i]
             tmp = target.with_name(target.name + ".tmp")
             save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -176,9 +187,10 @@ def default_workers() -> int:
 
 def export_hf(ckpt: Path, files: dict, cfg: ModelConfig, out: Path, dtype: str = "fp32",
               max_shard_bytes: int = 5 * 10**9, workers: int | None = None,
-              tokenizer: tuple[str, str | None] | None = None) -> list[Path]:
+              tokenizer: tuple[str, str | None] | None = None, lora=None) -> list[Path]:
     """Write ``out`` (see the module docstring); returns the files written. ``files``: the
-    verified ``metadata.json`` file entries; ``tokenizer``: ``(data.tokenizer, data.path)``."""
+    verified ``metadata.json`` file entries; ``tokenizer``: ``(data.tokenizer, data.path)``;
+    ``lora``: ``(LoRAConfig, LoRAExport)`` of a LoRA checkpoint (:mod:`llmtrain.engine.finetune.lora_export`)."""
     from llmtrain.engine.hf.checkpoint_read import _check_model_entries
     from llmtrain.engine.hf.families import hf_config
     from llmtrain.engine.hf.tokenizer_files import copy_tokenizer, special_ids
@@ -187,8 +199,15 @@ def export_hf(ckpt: Path, files: dict, cfg: ModelConfig, out: Path, dtype: str =
     if dtype not in DTYPES:
         raise LLMTrainError(f"--dtype {printable(dtype, 20)}", f"use one of {', '.join(DTYPES)}", path="--dtype")
     reader = SafeReader(ckpt, files)
-    _check_model_entries(reader.index, cfg, Path(ckpt))
-    sizes = {k: tuple(v.size) for k, v in reader.index.state_dict_metadata.items() if k.startswith("model.")}
+    spec = None
+    if lora is None:
+        _check_model_entries(reader.index, cfg, Path(ckpt))
+        sizes = {k: tuple(v.size) for k, v in reader.index.state_dict_metadata.items() if k.startswith("model.")}
+    else:
+        from llmtrain.engine.finetune.lora_export import lora_entries
+
+        lora_cfg, spec = lora
+        sizes = lora_entries(reader.index, cfg, lora_cfg, spec, Path(ckpt))
     plan = plan_export(sizes, cfg, dtype, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
     for stale in sorted(out.iterdir()):  # a previous export's shards (--force) would mislead loaders
@@ -196,10 +215,10 @@ def export_hf(ckpt: Path, files: dict, cfg: ModelConfig, out: Path, dtype: str =
             stale.unlink()
     jobs = assign(plan, min(workers or default_workers(), len(plan.files)))
     if len(jobs) == 1:
-        results = [write_shards(str(ckpt), files, plan, jobs[0], str(out))]
+        results = [write_shards(str(ckpt), files, plan, jobs[0], str(out), spec)]
     else:
         with ProcessPoolExecutor(max_workers=len(jobs), mp_context=_context(), initializer=_init_worker) as pool:
-            results = list(pool.map(write_shards, *zip(*[(str(ckpt), files, plan, j, str(out)) for j in jobs])))
+            results = list(pool.map(write_shards, *zip(*[(str(ckpt), files, plan, j, str(out), spec) for j in jobs])))
     problems = [p for r in results if r for p in r]
     if problems:
         raise LLMTrainError(problems)

@@ -160,8 +160,9 @@ def sources_for(cfg: ModelConfig) -> dict[str, Source]:
     return tmap
 
 
-def stream_into(modules, model: HFModel, cfg: ModelConfig) -> LoadStats:
-    """Fill every parameter/buffer of ``modules`` (pipeline chunks) with this rank's slices."""
+def stream_into(modules, model: HFModel, cfg: ModelConfig, skip=None) -> LoadStats:
+    """Fill every parameter/buffer of ``modules`` (pipeline chunks) with this rank's slices;
+    ``skip(key)`` true: a tensor HF files do not hold (LoRA adapters), left as initialized."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     stats = LoadStats()
@@ -170,6 +171,8 @@ def stream_into(modules, model: HFModel, cfg: ModelConfig) -> LoadStats:
     work = []
     for module in modules:
         for key, value in get_model_state_dict(module).items():  # clean names, sharded values
+            if skip is not None and skip(key):
+                continue
             src = tmap.get(key)
             if src is None:
                 raise LLMTrainError(f"our tensor {key} has no Hugging Face counterpart",

@@ -26,6 +26,9 @@ Distributions (GPT-2 / Megatron "scaled init"):
 * residual-branch output projections ``wo`` and ``w2``: normal(0, 0.02 / sqrt(2 * layers)),
   since each block adds two residual contributions, this keeps the residual stream's
   variance roughly independent of depth at initialization;
+* LoRA adapters (:mod:`llmtrain.engine.finetune.lora`): ``lora_a`` kaiming-uniform with
+  ``a = sqrt(5)`` (PEFT's default, i.e. U(-1/sqrt(in), 1/sqrt(in))) from the same per-name
+  generator, ``lora_b`` zeros, so the adapted model starts as the base model;
 * RMSNorm weights (block norms and Qwen3's per-head ``q_norm``/``k_norm``): ones; linear
   biases (Qwen2's q/k/v biases): zeros, as in transformers; buffers (``expert_bias``,
   ``tokens_per_expert``): zeros.
@@ -75,7 +78,11 @@ def _num_layers(model: nn.Module) -> int:
     raise ValueError("init_weights: no module with a ModelConfig `cfg` found (expected a Transformer)")
 
 
-def _init_kind(module: nn.Module, leaf: str) -> str:
+def _init_kind(module: nn.Module, leaf: str, name: str = "") -> str:
+    if name.endswith(".lora_a.weight"):
+        return "kaiming"
+    if name.endswith(".lora_b.weight"):
+        return "zeros"
     if isinstance(module, nn.RMSNorm):
         return "ones"
     if isinstance(module, (nn.Linear, nn.Embedding)) and leaf == "weight":
@@ -93,6 +100,8 @@ def _full_tensor(name: str, kind: str, shape: torch.Size, seed: int, residual_st
     if kind == "zeros":
         return torch.zeros(shape)
     generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
+    if kind == "kaiming":  # LoRA A, as PEFT (and nn.Linear): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
     parts = name.split(".")
     is_residual_out = parts[-1] in RESIDUAL_OUTPUTS or (
         len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in RESIDUAL_OUTPUTS
@@ -123,7 +132,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
                 continue
             done.add(id(param))
             name = canonical_name(prefix + leaf)
-            kind = _init_kind(module, leaf)
+            kind = _init_kind(module, leaf, name)
             if kind == "unknown":
                 raise ValueError(f"init_weights: no rule for parameter {name!r} of {type(module).__name__}")
             _copy_full(param, _full_tensor(name, kind, param.shape, seed, residual_std).to(param.dtype))
