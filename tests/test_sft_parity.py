@@ -69,6 +69,8 @@ def test_finetune_layout_matches_single_process(results, case):
     assert got["losses"][-1] < got["losses"][0] - 0.05, "the loss must fall over 5 steps"
     assert set(got["state"]) == set(ref["state"])
     worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    print(f"sft parity {case}: loss diff {loss_diff:.2e}, weight diff {worst:.2e}, losses {got['losses'][0]:.4f} -> "
+          f"{got['losses'][-1]:.4f}")
     assert worst <= WEIGHT_TOL, f"{case}: weights differ by {worst}"
     assert not got.get("layout_errors"), got.get("layout_errors")
 
