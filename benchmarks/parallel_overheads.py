@@ -37,10 +37,17 @@ ROOT = common.ROOT
 WORKER = ROOT / "benchmarks" / "parallel_overheads_worker.py"
 DENSE, MOE = "recipes/debug.yaml", "recipes/debug-moe.yaml"
 BASE = ["parallel.tp=1", "parallel.zero=0", "parallel.dp_shard=-1", "train.precision=fp32"]
-LAYOUTS = [  # (name, recipe, overrides, world)
+BEFORE_OVERLAP = {"overlap": False}  # zero 0/1: the all-reduce after backward (the path before issue 16)
+WITH_PREFETCH = {"prefetch": True}  # FSDP2 with explicit prefetch (measured, not adopted: data_parallel.py)
+LAYOUTS = [  # (name, recipe, overrides, world[, variant]) — variant: the worker's Harness switches
     ("1 process", DENSE, [], 1),
     ("dp 2 (zero 0, all-reduce)", DENSE, [], 2),
+    ("dp 2 (zero 0), before: all-reduce after backward", DENSE, [], 2, BEFORE_OVERLAP),
+    ("zero 1 dp 2", DENSE, ["parallel.zero=1"], 2),
+    ("zero 1 dp 2, before: all-reduce after backward", DENSE, ["parallel.zero=1"], 2, BEFORE_OVERLAP),
+    ("dp 2 (zero 0), bf16 reduction", DENSE, ["parallel.reduce_dtype=bf16"], 2),
     ("zero 3 (FSDP2) dp 2", DENSE, ["parallel.zero=3"], 2),
+    ("zero 3 (FSDP2) dp 2, explicit prefetch (not adopted)", DENSE, ["parallel.zero=3"], 2, WITH_PREFETCH),
     ("tp 2 (+SP)", DENSE, ["parallel.tp=2"], 2),
     ("pp 2 (1f1b)", DENSE, ["parallel.pp=2", "parallel.pp_schedule=1f1b"], 2),
     ("cp 2 (ring)", DENSE, ["parallel.cp=2", "parallel.cp_method=ring"], 2),
@@ -89,10 +96,17 @@ def planned_bubble(recipe_path: str, overrides: list[str], world: int) -> tuple[
 
 
 def main() -> None:
-    args = common.parser(__doc__.split("\n\n")[0]).parse_args()
-    cfg = TINY if args.tiny else FULL
+    ap = common.parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=None, help="comma-separated substrings: run only the layouts whose name has one")
+    ap.add_argument("--profiled-steps", type=int, default=None, help="profiled steps per layout (default 3)")
+    args = ap.parse_args()
+    cfg = dict(TINY if args.tiny else FULL)
+    if args.profiled_steps:
+        cfg["profiled_steps"] = args.profiled_steps
     # --tiny: one 2-rank layout (PP: all code paths), no 1-process run (each process start costs ~10 s on busy cores)
-    layouts = [lay for lay in LAYOUTS if not args.tiny or lay[0] == "pp 2 (1f1b)"]
+    layouts = [(*lay, {})[:5] for lay in LAYOUTS if not args.tiny or lay[0] == "pp 2 (1f1b)"]
+    if args.only:
+        layouts = [lay for lay in layouts if any(k in lay[0] for k in args.only.split(","))]
     sys.path.insert(0, str(ROOT))
     measured: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -100,7 +114,8 @@ def main() -> None:
         # the 1-process references run before AND after the 2-rank job, so that a drift of the
         # machine's load during the run does not favour one side of the comparison
         for i, world in enumerate(worlds + ([1] if 1 in worlds else [])):
-            cases = [{"name": n, "recipe": str(ROOT / r), "set": BASE + o} for n, r, o, w in layouts if w == world]
+            cases = [{"name": n, "recipe": str(ROOT / r), "set": BASE + o, "variant": v} for n, r, o, w, v in layouts
+                     if w == world]
             got = run_worker(Path(tmp), world, cases, cfg)
             if i < len(worlds):
                 measured.update(got)
@@ -108,7 +123,7 @@ def main() -> None:
                 for name, ranks in got.items():
                     measured[name][0]["step_times_s"] += ranks[0]["step_times_s"]
     rows = []
-    for name, recipe, over, world in layouts:
+    for name, recipe, over, world, _variant in layouts:
         ranks = measured[name]
         r0 = ranks[0]
         step = common.median(r0["step_times_s"])
@@ -142,6 +157,20 @@ def main() -> None:
 Definitions. *step s*: rank 0's wall time of one optimizer step (forward, backward, gradient sync, clipping, AdamW), barrier before each step. *ideal s*: the 1-process step time / 2 (each rank does half the work; with 1 thread per rank, 2 ranks use 2 cores while the reference uses 1, so ideal is reachable only if the cores are free). *speed-up*: 1-process time / layout time. The split is rank 0's, averaged over {cfg['profiled_steps']} further steps under `torch.profiler` (which adds overhead: the parts sum to the profiled step, longer than the median): *compute* = main-thread `aten::` ops that contain no collective; *comm* = time inside a gloo collective, waiting for the slower peer included (`gloo:*` events of gloo's threads, main-thread `c10d::`/`_c10d_functional::` ops, DTensor redistributions included) not overlapped by compute; *bubble* (PP only) = the part of that exposed communication spent in `gloo:recv`, i.e. a stage waiting for its neighbour (the transfer itself included, small next to the wait), plus the wait in the loss all-reduce over the pipeline group right after the schedule (where the last stage waits for the first stage's final backward: the drain); *other* = the rest (Python, autograd and FSDP hooks, the pipeline scheduler, idle). Bubble fraction measured = bubble / compute of the stage (the planner's convention: idle over ideal compute time), averaged over the 2 stages (per stage in the JSON); planned = `llmtrain.plan.bubble.bubble_fraction` for the same recipe, (p - 1) / m for 1F1B. The MoE row's speed-up is against its own 1-process run (recipes/debug-moe.yaml, 1 process).
 
 {noise}"""
+    by_name = {r["layout"]: r for r in rows}
+    pairs = [("dp 2 (zero 0, all-reduce)", "dp 2 (zero 0), before: all-reduce after backward"),
+             ("zero 1 dp 2", "zero 1 dp 2, before: all-reduce after backward"),
+             ("zero 3 (FSDP2) dp 2, explicit prefetch (not adopted)", "zero 3 (FSDP2) dp 2")]
+    lines = []
+    for after, before in pairs:
+        if after in by_name and before in by_name:
+            a, b = by_name[after], by_name[before]
+            lines.append(f"*{after}* vs *{before}*: exposed comm {a['comm_s']:.4g} s vs {b['comm_s']:.4g} s "
+                         f"({a['comm_s'] / max(b['comm_s'], 1e-12):.0%} of before), step median {a['step_s']:.4g} s vs "
+                         f"{b['step_s']:.4g} s (tokens/s {b['step_s'] / a['step_s']:.3f}x before)")
+    if lines:
+        notes += "\n\nBefore/after (issue 16; the before rows run the previous code path in the same job, interleaved): " + \
+            "; ".join(lines) + "."
     table = common.md_table(rows, columns)
     common.publish(args, "parallel_overheads", "Parallel overheads: 1 process vs each dimension at 2 (CPU/gloo)",
                    {"config": cfg, "rows": rows}, table, notes)

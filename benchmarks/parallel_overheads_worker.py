@@ -62,7 +62,15 @@ class Harness:
     is the trainer's loop body (without lr schedule, metrics and checkpoints) on this rank's
     fixed random micro batches (the same global batch in every layout)."""
 
-    def __init__(self, recipe, device):
+    def __init__(self, recipe, device, variant: dict | None = None):
+        """``variant`` selects the previous code paths for before/after rows in one run:
+        ``overlap: false`` = zero 0/1 gradient all-reduce after backward (no bucket hooks),
+        ``prefetch: true`` = FSDP2 with explicit prefetch (not adopted by the engine)."""
+        from llmtrain.engine.parallel import data_parallel
+
+        variant = variant or {}
+        self.overlap = variant.get("overlap", True)
+        data_parallel.PREFETCH = variant.get("prefetch", False)
         rank = dist.get_rank()
         self.recipe, self.device = recipe, device
         dims = self.dims = resolve_dims(recipe, dist.get_world_size())
@@ -74,7 +82,8 @@ class Harness:
             part.train()
         self.params = self.parts.parameters()
         self.fsdp = uses_fsdp(recipe, meshes)
-        self.optimizer, self.grad_sync = build_optimizer(self.parts, recipe, meshes, self.fsdp)
+        data_parallel.PREFETCH = False
+        self.optimizer, self.grad_sync = build_optimizer(self.parts, recipe, meshes, self.fsdp, overlap=self.overlap)
         self.dp_group, self.dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
         self.pp_group = meshes.pp.get_group() if dims.pp > 1 else None
         gbs = t.global_batch_size or t.micro_batch_size * dims.dp
@@ -104,6 +113,9 @@ class Harness:
         self.bias_reduce = (lambda x: dist.all_reduce(x, group=self.dp_group)) if self.dp_size > 1 else None
 
     def forward_backward(self):
+        if self.grad_sync is not None and self.overlap:  # as the trainer: arm the bucket hooks
+            self.grad_sync.expect_backwards(len(self.batches),
+                                            self.recipe.parallel.pp_schedule if self.schedule is not None else None)
         if self.schedule is None:
             return accumulation_step(self.parts, self.batches, self.device, self.fsdp, self.tp, contextlib.nullcontext())
         loss = pipelined_step(self.parts, self.schedule, self.batches, self.device, self.tp, contextlib.nullcontext())
@@ -232,7 +244,7 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     device = init_distributed()
     torch.set_num_threads(1)
-    harnesses = {c["name"]: Harness(load_recipe(c["recipe"], spec.get("set", []) + c["set"]), device)
+    harnesses = {c["name"]: Harness(load_recipe(c["recipe"], spec.get("set", []) + c["set"]), device, c.get("variant"))
                  for c in spec["cases"]}
     times = common.interleaved({n: partial(timed_step, h) for n, h in harnesses.items()}, spec["steps"], spec["warmup"])
     results = {}

@@ -27,7 +27,6 @@ import weakref
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
@@ -41,7 +40,7 @@ from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.pipeline import build_schedule
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import build_parts, uses_fsdp
-from llmtrain.engine.step import cross_entropy, pipelined_step
+from llmtrain.engine.step import StepLoss, cross_entropy, pipelined_step
 from llmtrain.engine.trainer import resolve_dims
 from llmtrain.recipe.load import load_recipe
 
@@ -178,10 +177,9 @@ def run_case(recipe, device) -> dict:
         model = parts.parts[0]
         inputs, labels = batches[0]
 
-        def forward():
-            with loss_parallel() if tp_loss else contextlib.nullcontext():
-                logits = model(inputs)
-                return logits, F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+        def forward():  # the trainer's chunked loss over the head; like accumulation_step, h is not kept
+            hidden = model(inputs, return_hidden=True)
+            return None, StepLoss(head=model.output)(hidden, labels)
 
         def backward(loss):
             with loss_parallel() if tp_loss else contextlib.nullcontext():

@@ -36,6 +36,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers_ckpt import load_ckpt
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, GBS = 6, 8
 SETS = ["train.steps=6", "checkpoint.interval=2", "train.seq_len=64", "train.micro_batch_size=2",
@@ -90,21 +92,6 @@ def assert_exact_coverage(by_step: dict[int, list[int]]) -> None:
     for step, pos in by_step.items():
         assert pos == list(range((step - 1) * GBS, step * GBS)), f"step {step}: positions {pos}"
     assert sorted(by_step) == list(range(1, STEPS + 1))
-
-
-def load_ckpt(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / f"{path.parent.parent.name}-{path.name}.pt"
-    dcp_to_torch_save(str(path), str(out))
-
-    def flat(d, pre=""):
-        res = {}
-        for k, v in d.items():
-            res.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) else {pre + k: v})
-        return res
-
-    return flat(torch.load(out, weights_only=False))
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -171,6 +171,11 @@ CASES = {
     "lora_ddp_dropout": LORA + ["train.lora.dropout=0.1"],  # per-adapter dropped inputs and masks
     "lora_tp2_dropout_wo_w2": LORA + ["train.lora.dropout=0.1", "train.lora.targets=[wo,w2]", "parallel.tp=2"],
     "pp2_zero2_lora": LORA + ["parallel.pp=2", "parallel.zero=2", "train.global_batch_size=8"],
+    # tied embeddings under PP (engine/parallel/tied.py): the last stage holds a copy of the embedding
+    # (parameter, gradient, AdamW state); V-shaped: rank 0 holds both; TP: the embedding's gradient is whole
+    "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",
+                           "parallel.pp_virtual_stages=2", "parallel.zero=1", "train.global_batch_size=16"],
+    "pp2_tp2_tied": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8"],
 }
 
 

@@ -61,6 +61,12 @@ CASES = {
     "pp2_zero-bubble_fsdp2": (4, "dense", pp("zero-bubble") + ["parallel.zero=3"]),
     "pp2_zbv_fsdp2": (4, "dense", pp("zbv") + ["parallel.zero=3"]),
     "pp2_dualpipev_fsdp2": (4, "dense", pp("dualpipev") + ["parallel.zero=3", "train.micro_batch_size=1"]),
+    # issue 16: zero 0 under PP x dp 2 with small buckets: 1f1b starts buckets in the last micro
+    # batch's backward (the schedule's 1/m applied at finish); interleaved-1f1b (wrong when the
+    # overlap was armed) and zbv keep the post-backward path
+    "pp2_dp2_1f1b_bucketed": (4, "dense", pp("1f1b") + ["parallel.dp_bucket_mb=0.1"]),
+    "pp2_dp2_interleaved_bucketed": (4, "dense", pp("interleaved-1f1b") + ["parallel.dp_bucket_mb=0.1"]),
+    "pp2_dp2_zbv_bucketed": (4, "dense", pp("zbv") + ["parallel.dp_bucket_mb=0.1"]),
     # 8-rank compositions (with activation checkpointing on some)
     "pp2_tp2_dp2": (8, "dense", pp("1f1b") + ["parallel.tp=2", "parallel.zero=3", "train.activation_checkpointing=full",
                                              "train.micro_batch_size=1"]),

@@ -44,6 +44,13 @@ CASES = {
     "tp2_fsdp2": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true"],
     "tp2_fsdp2_ac_selective": ["parallel.tp=2", "parallel.zero=3", "train.activation_checkpointing=selective"],
     "zero1_ac_selective": ["parallel.zero=1", "train.activation_checkpointing=selective"],
+    # issue 16: zero 0/1 reduce bucket by bucket during the last backward. Small buckets cut the
+    # gradients into several per block. tp 2 (the recipe's) x dp 2 with micro batch 1: 4
+    # accumulated backward passes per step, only the last starts reductions, DTensor grads
+    # (the TP embedding's comes back Replicate); dp 4 without TP: plain tensors, 1 micro batch.
+    "ddp_bucketed_small": ["parallel.zero=0", "parallel.dp_bucket_mb=0.1", "train.micro_batch_size=1"],
+    "zero1_bucketed": ["parallel.zero=1", "parallel.dp_bucket_mb=0.1"],
+    "dp4_bucketed": ["parallel.tp=1", "parallel.zero=0", "parallel.dp_bucket_mb=0.25"],
 }
 # MoE without expert parallelism (EP is the 5D issue). Bias balancing with a sigmoid router:
 # the per-expert token counts are summed over DP ranks before the bias update, so every layout
@@ -55,6 +62,17 @@ MOE_CASES = {
     "moe_tp2_sp_fsdp2": MOE + ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true"],
 }
 
+# bf16 gradient reduction (parallel.reduce_dtype=bf16), compared with the fp32 1-process run:
+# see test_bf16_reduction_close_to_single_process for the tolerances.
+BF16_CASES = {
+    "ddp_bf16_reduce": ["parallel.zero=0", "parallel.dp_bucket_mb=0.25", "parallel.reduce_dtype=bf16"],
+    "zero3_bf16_reduce": ["parallel.zero=3", "parallel.reduce_dtype=bf16"],
+}
+BF16_FIRST_NORM_TOL = 1e-3
+BF16_LOSS_TOL = 5e-3
+BF16_NORM_TOL = 3e-2
+BF16_MEAN_WEIGHT_TOL = 2e-4
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
@@ -62,8 +80,9 @@ def results(tmp_path_factory):
     single = ["parallel.tp=1", "parallel.zero=0"]
     refs = run_cases(tmp, 1, "recipes/debug.yaml", [{"name": "dense", "set": single}, {"name": "moe", "set": MOE + single}],
                      STEPS, COMMON)
-    cases = {**CASES, **MOE_CASES}
-    layouts = run_cases(tmp, 4, "recipes/debug.yaml", [{"name": k, "set": v} for k, v in cases.items()], STEPS, COMMON)
+    cases = {**CASES, **MOE_CASES, **BF16_CASES}
+    layouts = run_cases(tmp, 4, "recipes/debug.yaml", [{"name": k, "set": v} for k, v in cases.items()]
+                        + [{"name": "chunked_loss_tp2", "check": "tests.chunked_loss_check:tp2"}], STEPS, COMMON)
     return refs, layouts
 
 
@@ -92,3 +111,54 @@ def test_references_trained_and_bias_moved(results):
         assert ref["losses"][0] > ref["losses"][-1]
     biases = [v for k, v in refs["moe"]["state"].items() if k.endswith("expert_bias")]
     assert biases and max(b.abs().max().item() for b in biases) > 0
+
+
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_bf16_reduction_close_to_single_process(results, case):
+    """bf16 gradient reduction (tp 2 x dp 2) against the fp32 1-process run.
+
+    Each reduction rounds every gradient element to bf16 (8 significant bits: <= 2^-9 relative
+    for the cast, and again per partial sum), so a reduced gradient element differs from the
+    fp32 one by up to ~2^-8 relative, randomly signed.
+    - step 1 grad norm (same weights on both sides, only the reduction differs): the norm
+      averages those errors over ~0.9M elements; <= 1e-3 relative (measured 1.0e-5 and 1.1e-5
+      for ddp / zero3); a missing or doubled division by the 2 DP ranks is a factor 2;
+    - later steps diverge through AdamW (its update ~lr * sign(g) flips for elements whose summed
+      gradient is within the rounding of zero): grad norms <= 3e-2 relative (measured 8.4e-3 /
+      9.7e-3 at step 5), losses |diff| <= 5e-3 at loss ~6 (measured 1.0e-3 / 1.4e-3);
+    - weights: a flipped element moves by up to 2 lr per step, so the maximum is no useful
+      bound; the *mean* |diff| over all weights <= 2e-4 (measured 2.0e-5 / 2.4e-5; a broken
+      reduction changes most elements by ~lr = 3e-3).
+    And the bf16 run must differ from the fp32 one: the reduction really ran in bf16.
+    """
+    refs, layouts = results
+    ref, got = refs["dense"], layouts[case]
+    first = abs(got["grad_norms"][0] - ref["grad_norms"][0]) / ref["grad_norms"][0]
+    assert first <= BF16_FIRST_NORM_TOL, f"{case}: step-1 grad norm differs by {first:.2e} (relative)"
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    assert loss_diff <= BF16_LOSS_TOL, f"{case}: losses {got['losses']} vs {ref['losses']}"
+    norm_diff = max(abs(a - b) / b for a, b in zip(got["grad_norms"], ref["grad_norms"]))
+    assert norm_diff <= BF16_NORM_TOL, f"{case}: global grad norm differs by {norm_diff:.2e} (relative)"
+    diffs = torch.cat([(got["state"][k] - ref["state"][k]).abs().flatten() for k in ref["state"]])
+    assert diffs.mean().item() <= BF16_MEAN_WEIGHT_TOL, f"{case}: mean weight diff {diffs.mean().item():.2e}"
+    fp32 = layouts["ddp" if case.startswith("ddp") else "zero3"]
+    assert max(abs(a - b) for a, b in zip(got["grad_norms"], fp32["grad_norms"])) > 0, "bf16 reduction had no effect"
+
+
+def test_chunked_loss_tp2_equals_cross_entropy(results):
+    """The vocabulary-parallel chunked loss (tests/chunked_loss_check.py: TP 2, 5-token chunks,
+    ignored labels, with and without sequence parallelism, mean and sum) against a 1-rank
+    ``F.cross_entropy`` of the same full tensors, fp32. Loss within 1e-6 relative (the issue's bar;
+    only the summation order differs, ~1 ulp); gradients within 2e-6 x max|grad| (each side is a
+    matmul summing over the vocabulary in its own order, ~6e-7 x max from the fp64 truth each,
+    tests/test_chunked_loss.py); a missing TP reduction of dL/dh or a shard offset is O(1). The
+    weight really was split (32 of 64 rows per rank)."""
+    _, layouts = results
+    got = layouts["chunked_loss_tp2"]
+    assert got["local_vocab"] == 32
+    for key, value in got.items():
+        if key.endswith("_loss") or key == "token_losses":
+            assert value <= 1e-6, (key, value)
+        elif key.startswith(("mean", "sum")):
+            assert value <= 2e-6, (key, value)
+

@@ -263,9 +263,8 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 
 def layouts_of(family: str) -> list[str]:
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
-    pp = [] if family == "llama3" else ["pp2"]  # tied embeddings with pp > 1 are refused by plan.validate
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
-    return ["tp2", *pp, "cp2", *fsdp, *extra]
+    return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies
 
 
 def hf_step1_loss(directory: Path, recipe) -> float:

@@ -4,7 +4,7 @@ Model: the tiny Llama of tests/hf_tiny.py (hidden 32, 2 layers, 4 heads / 2 KV h
 vocab 128), fp32, rank 4, alpha 8 (scale 2), all seven projections, AdamW lr 1e-2 (large, so
 the adapters move far from B = 0 within 4 steps and a mismapped export cannot hide).
 
-* **Parity** (one 4-rank torchrun job vs one 1-process job, tests/lora_worker.py): DDP, ZeRO-1,
+* **Parity** (one 4-rank torchrun job vs one 1-process job, tests/dist_worker.py): DDP, ZeRO-1,
   ZeRO-2, FSDP zero 3, TP 2 (without and with sequence parallelism, under FSDP), PP 2 (ZeRO-1),
   plus a target subset (wq, w2: a column- and a row-wise base) under TP 2 + SP. Tolerances are
   those of tests/test_engine_parity.py, for the same reason (layouts differ only in summation
@@ -39,10 +39,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distrun import ROOT, run_cases
+from tests.helpers_ckpt import load_ckpt
 from tests.hf_tiny import save_tiny
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "lora_worker.py"
 STEPS = 4
 LOSS_TOL, WEIGHT_TOL, LOGIT_TOL = 2e-5, 2e-4, 1e-5
 TINY = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=64",
@@ -72,16 +72,9 @@ def env() -> dict:
 
 def run_worker(tmp: Path, nproc: int, cases: dict, saved: tuple[str, ...] = ()) -> dict:
     """One torchrun job over ``cases``; the ``saved`` ones write a checkpoint at the end (tmp/N-case)."""
-    out, spec = tmp / f"res-{nproc}.pt", tmp / f"spec-{nproc}.json"
-    spec.write_text(json.dumps({"recipe": str(ROOT / "recipes/debug.yaml"), "steps": STEPS, "set": COMMON,
-                                "out": str(out), "cases": [{"name": k, "set": v, **({"run_dir": str(tmp / f"{nproc}-{k}")}
-                                                                                     if k in saved else {})}
-                                                           for k, v in cases.items()]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           str(spec)]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(out, weights_only=False)
+    return run_cases(tmp, nproc, "recipes/debug.yaml",
+                     [{"name": k, "set": v, **({"run_dir": str(tmp / f"{nproc}-{k}")} if k in saved else {})}
+                      for k, v in cases.items()], STEPS, COMMON)
 
 
 def cli(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
@@ -259,21 +252,6 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
 
 
-def flat_ckpt(path: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = tmp / f"{path.parent.parent.parent.name}-{path.name}.pt"
-    dcp_to_torch_save(str(path), str(out))
-
-    def flat(d, pre=""):
-        res = {}
-        for k, v in d.items():
-            res.update(flat(v, f"{pre}{k}.") if isinstance(v, dict) else {pre + k: v})
-        return res
-
-    return flat(torch.load(out, weights_only=False))
-
-
 @pytest.fixture(scope="module")
 def hf_run(tmp_path_factory):
     from llmtrain.engine.hf import check_hf_dir, model_from_hf_config
@@ -310,7 +288,7 @@ def test_hf_resume_exact_and_resharded(hf_run, tmp_path):
     """Resume from step 2: same layout bitwise (losses, adapters, AdamW state); dp 2 + ZeRO-1
     within the parity tolerances (module docstring)."""
     tmp, _, ref = hf_run
-    ref_final = flat_ckpt(ref / "checkpoints" / f"step-{STEPS}", tmp_path)
+    ref_final = load_ckpt(ref / "checkpoints" / f"step-{STEPS}", tmp_path)
     for name, sets in (("same", []), ("dp2_zero1", ["parallel.tp=1", "parallel.dp_shard=2", "parallel.zero=1"])):
         run = tmp_path / name / "lora" / ref.name
         shutil.copytree(ref, run)
@@ -320,7 +298,7 @@ def test_hf_resume_exact_and_resharded(hf_run, tmp_path):
             args += ["--set", s]
         proc = cli(args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        got = flat_ckpt(run / "checkpoints" / f"step-{STEPS}", tmp_path / name)
+        got = load_ckpt(run / "checkpoints" / f"step-{STEPS}", tmp_path / name)
         assert got.keys() == ref_final.keys()
         if name == "same":
             assert losses(run) == losses(ref)

@@ -22,9 +22,11 @@ Decisions (docs/eval.md; the definition of the number is in :mod:`llmtrain.engin
   gives a layout (tp, dp_shard, dp_replicate, zero, pp, cp, ...): it is checked like ``plan``
   checks a recipe, then run with a local ``torchrun`` of that many ranks. The answer equals the
   one-process answer up to fp32 reduction order (tests: 1e-5 relative). With pp each forward is
-  ``--batch`` pipeline microbatches of one window (``--batch`` >= pp, a multiple of pp for
-  interleaved schedules); zbv / dualpipev run as interleaved-1f1b (torch 2.13's forward-only
-  mode fails for them; the number does not depend on the schedule).
+  ``--batch`` pipeline microbatches of one window, in the schedule's own stage placement (V-shaped
+  ones included: :mod:`llmtrain.engine.eval_pipeline`).
+* **LoRA.** A LoRA run's checkpoint is evaluated as its merged model (``W + scale B A``, the
+  weights ``ckpt export --hf`` writes); an adapters-only checkpoint (``checkpoint.init_from_hf``)
+  reads its base from that directory after the fingerprint check of ``resume`` and ``export``.
 * Every input is checked here before any rank starts; a mistake is one line, exit 2.
 """
 
@@ -100,7 +102,26 @@ def checkpoint_source(source: Path, tokenizer: str | None):
     except ValidationError as exc:
         raise LLMTrainError(f"{where}: recipe.{validation_line(exc)}", "the checkpoint's recipe is damaged",
                             path="SOURCE") from None
-    return path, cfg, recipe_tokenizer(data, tokenizer), train.seq_len
+    return path, cfg, recipe_tokenizer(data, tokenizer), train.seq_len, lora_source(path, meta)
+
+
+def lora_source(path: Path, meta: dict) -> dict | None:
+    """SPEC's ``lora`` of a LoRA checkpoint (None otherwise): its ``train.lora`` and, for an
+    adapters-only one, the base directory ``checkpoint.init_from_hf`` of its recipe, refused in
+    one line unless its fingerprint is the one ``metadata.json`` recorded (adapters on another
+    base would evaluate without error and be silently wrong)."""
+    from llmtrain.engine.finetune.base import check_base
+    from llmtrain.engine.finetune.lora_export import checkpoint_lora
+
+    lora_cfg = checkpoint_lora(path, meta)
+    if lora_cfg is None:
+        return None
+    recorded, base_dir = meta.get("lora_base"), None
+    if recorded is not None:
+        base_dir = ((meta.get("recipe") or {}).get("checkpoint") or {}).get("init_from_hf")
+        base_dir = base_dir if isinstance(base_dir, str) else None
+        check_base(base_dir, recorded, path)
+    return {"lora": lora_cfg.model_dump(mode="json"), "lora_base": base_dir}
 
 
 def launch(spec: dict, world: int, tmp: Path) -> dict:
@@ -162,10 +183,10 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
         raise LLMTrainError(f"{printable(source)}: no such directory", "pass a run, checkpoint or HF model directory",
                             path="SOURCE")
     if (source / "config.json").exists() and any(source.glob("*.safetensors")):
-        kind, (cfg, tok, default_len), weights = "hf", hf_source(source, tokenizer), source
+        kind, (cfg, tok, default_len), weights, lora = "hf", hf_source(source, tokenizer), source, None
     else:
         kind = "checkpoint"
-        weights, cfg, tok, default_len = checkpoint_source(source, tokenizer)
+        weights, cfg, tok, default_len, lora = checkpoint_source(source, tokenizer)
     n = seq_len or default_len
     tokens = read_token_stream(data, None if data.is_dir() else tok)
     windows = make_windows(tokens, n, cfg.vocab_size, str(data))
@@ -174,7 +195,7 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as tmp:
         np.save(Path(tmp) / "windows.npy", windows)
         spec = {"recipe": {**recipe.model_dump(mode="json", by_alias=True), "model": model_dict(cfg)},
-                "kind": kind, "source": str(weights), "batch": batch, "windows": str(Path(tmp) / "windows.npy"),
+                "kind": kind, "source": str(weights), "batch": batch, "lora": lora, "windows": str(Path(tmp) / "windows.npy"),
                 "out": str(Path(tmp) / "result.json")}
         result = launch(spec, world_size(recipe), Path(tmp))
     if as_json:

@@ -5,6 +5,13 @@
 * The model part merges ``get_model_state_dict`` of every local chunk (one per pipeline stage).
   Parameter names are global, so a PP/TP/FSDP layout and one process produce the same keys;
   tensors are DTensors where the layout shards them, and DCP reshards them on load.
+* Tied embeddings (``model.tie_embeddings``) have one key, ``tok_embeddings.weight``: the
+  output layer's ``output.weight`` (the same Parameter without PP, the last stage's copy with
+  PP, :mod:`llmtrain.engine.parallel.tied`) is never saved, and on load it is filled from that
+  key, so PP and non-PP checkpoints are interchangeable (older non-PP checkpoints that also hold
+  ``output.weight`` still load: extra keys are not read). Its AdamW state is keyed by the same
+  name; a rank that holds only the copy saves nothing for it (the first stage's ranks save the
+  same values) but loads it.
 * The optimizer part is AdamW's per-parameter state keyed by the same names. Parameter groups
   are not saved: they follow from the recipe, and the learning rate from the step. With ZeRO-1
   only the owner of a parameter holds (and saves) its state, whole (or its TP shard); DCP merges
@@ -27,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from llmtrain.engine.finetune.lora import is_adapter_key
+from llmtrain.engine.parallel.tied import COPY, SOURCE, checkpoint_name, copy_params
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -40,22 +48,31 @@ def clean_fqn(name: str) -> str:
 
 
 def param_names(parts) -> dict[int, str]:
-    """``id(param) -> global name`` over all local model chunks."""
-    return {id(p): clean_fqn(n) for part in parts.parts for n, p in part.named_parameters()}
+    """``id(param) -> global name`` over all local model chunks (a tied copy: the embedding's)."""
+    return {id(p): checkpoint_name(part, clean_fqn(n)) for part in parts.parts for n, p in part.named_parameters()}
 
 
-def model_state(parts, adapters_only: bool = False) -> dict[str, torch.Tensor]:
+def model_state(parts, adapters_only: bool = False, for_load: bool = False) -> dict[str, torch.Tensor]:
+    """The model part (module docstring). ``for_load``: a template to load into, where a rank
+    holding only a tied copy asks for ``tok_embeddings.weight`` in its copy's shape."""
     state: dict[str, torch.Tensor] = {}
     for part in parts.parts:
         full = get_model_state_dict(part)
-        state.update({k: v for k, v in full.items() if is_adapter_key(k)} if adapters_only else full)
+        if getattr(part, "tie_embeddings", False) and COPY in full:
+            copy = full.pop(COPY)
+            if for_load and SOURCE not in full and not adapters_only:
+                state.setdefault(SOURCE, copy)
+        for k, v in full.items():
+            if not adapters_only or is_adapter_key(k):
+                state.setdefault(k, v)
     return state
 
 
 def load_model_state(parts, state: dict[str, torch.Tensor], adapters_only: bool = False) -> None:
     for part in parts.parts:
         keys = [k for k in get_model_state_dict(part) if not adapters_only or is_adapter_key(k)]
-        set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(strict=not adapters_only))
+        values = {k: state[checkpoint_name(part, k)] for k in keys}
+        set_model_state_dict(part, values, options=StateDictOptions(strict=not adapters_only))
 
 
 def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -71,12 +88,13 @@ def _own_params(optimizer) -> list[nn.Parameter]:
     return [p for o in inner_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
 
 
-def optimizer_state(optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's AdamW state by parameter name (only parameters it steps)."""
+def optimizer_state(optimizer, names: dict[int, str], skip: set[int] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's AdamW state by parameter name (only parameters it steps; not those in ``skip``,
+    the ids of tied copies, whose state equals the embedding's)."""
     out = {}
     for o in inner_optimizers(optimizer):
         for p, st in o.state.items():
-            if st:
+            if st and id(p) not in skip:
                 out[names[id(p)]] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
     return out
 
@@ -87,27 +105,34 @@ def optimizer_template(optimizer, names: dict[int, str]) -> dict[str, dict[str, 
     for p in _own_params(optimizer):
         entry = {k: torch.zeros_like(p.detach(), memory_format=torch.preserve_format) for k in ADAM_KEYS}
         entry["step"] = torch.zeros((), dtype=torch.float32)
-        out[names[id(p)]] = entry
+        out.setdefault(names[id(p)], entry)  # a tied embedding and its copy on one rank: one entry
     return out
 
 
 def load_optimizer_state(optimizer, names: dict[int, str], state: dict[str, dict[str, torch.Tensor]]) -> None:
+    used: set[str] = set()
     for o in inner_optimizers(optimizer):
         for g in o.param_groups:
             for p in g["params"]:
-                o.state[p] = dict(state[names[id(p)]])
+                name = names[id(p)]
+                entry = state[name]  # the second user of a name (a tied copy) gets its own tensors
+                o.state[p] = {k: v.clone() for k, v in entry.items()} if name in used else dict(entry)
+                used.add(name)
 
 
 def full_state(parts, optimizer, adapters_only: bool = False) -> dict:
     """The state dict that is saved (tensors shared with the live model: DCP's stager copies them).
     ``adapters_only``: LoRA with an HF base, leave the frozen base out (module docstring)."""
     names = param_names(parts)
-    return {"model": model_state(parts, adapters_only), "optimizer": {"state": optimizer_state(optimizer, names)}}
+    skip = {id(p) for p in copy_params(parts)}
+    return {"model": model_state(parts, adapters_only),
+            "optimizer": {"state": optimizer_state(optimizer, names, skip)}}
 
 
 def template_state(parts, optimizer, adapters_only: bool = False) -> dict:
     names = param_names(parts)
-    return {"model": model_state(parts, adapters_only), "optimizer": {"state": optimizer_template(optimizer, names)}}
+    return {"model": model_state(parts, adapters_only, for_load=True),
+            "optimizer": {"state": optimizer_template(optimizer, names)}}
 
 
 def apply_state(parts, optimizer, state: dict, adapters_only: bool = False) -> None:

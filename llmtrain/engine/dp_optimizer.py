@@ -1,19 +1,31 @@
 """Optimizer and gradient synchronization for the chosen data-parallel mode.
 
 - FSDP (zero 2/3): gradients are reduce-scattered by FSDP itself; one AdamW over the shards.
-- zero 0/1: gradients are averaged by :class:`GradientAllReduce` — dense weights over all
+- zero 0/1: gradients are averaged by :class:`GradSync` — dense weights over all
   data/context-parallel ranks, routed-expert weights (with EP) only over the ranks holding the
-  same experts (expert-DP). zero 1 shards AdamW states the same way, one
-  :class:`ZeRO1Optimizer` per group of ranks.
+  same experts (expert-DP), each set by its own :class:`BucketedGradReducer` (buckets of
+  ``parallel.dp_bucket_mb`` started during the last micro batch's backward, in
+  ``parallel.reduce_dtype``). zero 1 shards AdamW states the same way, one
+  :class:`ZeRO1Optimizer` per group of ranks. ZeRO-1 still all-reduces the whole gradient (not a
+  reduce-scatter to the owners): clipping takes the norm of the full, identical gradients on
+  every rank (parallel/clip.py), and the owners' broadcast then spreads the updated weights.
+
+``build_optimizer(..., overlap=False)`` selects the previous post-backward path
+(:class:`GradientAllReduce`, 32 MiB buckets in forward order, started after backward); it is
+kept for the before/after measurement of benchmarks/parallel_overheads.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
+
+import torch
 
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.optim import is_expert_param, make_adamw, param_groups
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
+from llmtrain.engine.parallel.grad_buckets import OVERLAP_SCHEDULES, BucketedGradReducer
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import ModelParts
 from llmtrain.recipe.schema import Recipe
@@ -35,7 +47,38 @@ class CombinedOptimizer:
             o.zero_grad(set_to_none=set_to_none)
 
 
-def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: bool) -> tuple[object, Callable | None]:
+class GradSync:
+    """The trainer's ``grad_sync``: one reducer per group of ranks (dense, and expert with EP).
+
+    ``expect_backwards(n, pipeline)`` before a step's forward/backward arms the overlap (n =
+    micro batches; under PP only for gpipe / 1f1b, and the schedule's ``1 / n`` is accounted for,
+    see parallel/grad_buckets.py); calling it waits for every reduction and leaves averaged
+    gradients. Without the arming call (other callers) every bucket starts at the call."""
+
+    def __init__(self, reducers: list):
+        self.reducers = reducers
+
+    def expect_backwards(self, n: int, pipeline: str | None = None) -> None:
+        """Arm for ``n`` backward passes; ``pipeline``: the PP schedule's name (None without PP)."""
+        if pipeline is not None and pipeline not in OVERLAP_SCHEDULES:
+            return  # post-backward path (parallel/grad_buckets.py says why)
+        for r in self.reducers:
+            if hasattr(r, "expect_backwards"):
+                r.expect_backwards(n, n if pipeline is not None else 1)
+
+    def __call__(self, _params=None) -> None:
+        for r in self.reducers:
+            r()
+
+
+def registration_order(parts: ModelParts, params: list) -> list:
+    """``params`` in the order the model parts register them (the buckets take it reversed)."""
+    wanted = {id(p) for p in params}
+    return [p for part in parts.parts for p in part.parameters() if id(p) in wanted]
+
+
+def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: bool,
+                    overlap: bool = True) -> tuple[object, Callable | None]:
     t, wd = recipe.train, recipe.train.optimizer.weight_decay
     make = make_adamw(t)
     ep = meshes.dims.ep > 1
@@ -47,13 +90,16 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
     dp_group, dp_size = meshes.dp_cp.get_group(), meshes.dp_cp.size()
     edp_group = meshes.edp_group() if ep else None
     edp_size = meshes.dims.dp_replicate * meshes.dims.edp
-    syncs = [(GradientAllReduce(dp_group, dp_size), [p for g in dense for p in g["params"]])]
+    sets = [(dp_group, dp_size, [p for g in dense for p in g["params"]])]
     if ep:
-        syncs.append((GradientAllReduce(edp_group, edp_size), [p for g in expert for p in g["params"]]))
-
-    def grad_sync(_params=None) -> None:
-        for sync, params in syncs:
-            sync(params)
+        sets.append((edp_group, edp_size, [p for g in expert for p in g["params"]]))
+    if overlap:
+        bucket = int(recipe.parallel.dp_bucket_mb * 2**20)
+        rdtype = torch.bfloat16 if recipe.parallel.reduce_dtype == "bf16" else None
+        grad_sync = GradSync([BucketedGradReducer(registration_order(parts, ps), g, n, bucket, rdtype)
+                              for g, n, ps in sets])
+    else:  # the post-backward path (benchmarks' "before")
+        grad_sync = GradSync([partial(GradientAllReduce(g, n), ps) for g, n, ps in sets])
 
     if recipe.parallel.zero == 1:
         import torch.distributed as dist

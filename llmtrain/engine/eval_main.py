@@ -9,7 +9,8 @@ torchrun on every rank::
 ranks see no user mistake but a layout error): ``recipe`` (the eval recipe: the source's model,
 ``train.seq_len`` = N, ``train.micro_batch_size`` = --batch, fp32, ``parallel`` from --set),
 ``kind`` (``checkpoint`` | ``hf``), ``batch`` (windows per forward per data-parallel rank; with pp
-the recipe's micro_batch_size is 1, one window per pipeline microbatch), ``source`` (a verified checkpoint directory or an HF model
+each window is one pipeline microbatch, :mod:`llmtrain.engine.eval_pipeline`), ``lora`` (a LoRA
+checkpoint: its ``train.lora``, and ``lora_base``, the checked HF base of an adapters-only one), ``source`` (a verified checkpoint directory or an HF model
 directory), ``windows`` (an ``.npy`` of [W, N] int64 token windows) and ``out`` (rank 0 writes
 the result JSON there). Decisions:
 
@@ -66,35 +67,13 @@ def eval_recipe(model, seq_len: int, batch: int, sets: list[str]):
         if seq_len % need:
             raise LLMTrainError(f"--seq-len {seq_len}: parallel.cp={p.cp} ({p.cp_method}) shards each window in "
                                 f"{need} equal chunks", f"use a --seq-len that is a multiple of {need}", path="--seq-len")
-    if p.pp > 1:  # one window per pipeline microbatch: --batch windows = --batch microbatches per forward
-        asked = p.pp_schedule
-        if p.pp_schedule in FORWARD_ONLY_BROKEN:
-            # torch 2.13's zbv / dualpipev action lists keep their backward steps in schedule.eval()
-            # ("can't steal_bwd_input if this stage doesn't have backward"); the weights are loaded
-            # by name, so the same 2 chunks per rank in looped placement give the same number
-            data["parallel"]["pp_schedule"] = "interleaved-1f1b"
-        data["train"].update(micro_batch_size=1, global_batch_size=batch * p.dp_replicate * p.dp_shard)
+    if p.pp > 1:
+        # The batch math of the recipe is not used by eval (its batch is SPEC's "batch", one window
+        # per pipeline microbatch); it is set so that plan's microbatch rules hold for every schedule
+        # (>= 2 pp microbatches for dualpipev, a multiple of pp for the interleaved ones).
+        data["train"].update(micro_batch_size=1, global_batch_size=2 * p.pp * p.dp_replicate * p.dp_shard)
         recipe = validate_recipe_dict(data)
-        check_pipeline_batch(recipe.parallel, batch, asked)
     return recipe
-
-
-FORWARD_ONLY_BROKEN = ("zbv", "dualpipev")
-
-
-def check_pipeline_batch(p, batch: int, asked: str) -> None:
-    """``plan``'s microbatch rules for PP, said in terms of ``--batch`` (plan's advice names
-    global_batch_size, which eval has not)."""
-    from llmtrain.plan.validate import INTERLEAVED
-
-    name = asked if asked == p.pp_schedule else f"{asked}; eval runs it as {p.pp_schedule}"
-    need = p.pp  # dualpipev (plan: >= 2 pp) never gets here: it runs as interleaved-1f1b
-    if batch < need:
-        raise LLMTrainError(f"--batch {batch}: with parallel.pp={p.pp} ({name}) each forward needs >= {need} "
-                            "windows (one pipeline microbatch each)", f"use --batch >= {need}", path="--batch")
-    if p.pp_schedule in INTERLEAVED and batch % p.pp:
-        raise LLMTrainError(f"--batch {batch}: with parallel.pp={p.pp} ({name}) each forward needs a multiple "
-                            f"of {p.pp} windows", f"use --batch {batch + p.pp - batch % p.pp}", path="--batch")
 
 
 def world_size(recipe) -> int:
@@ -113,7 +92,9 @@ def check_layout(recipe) -> None:
         raise LLMTrainError(result.errors)
 
 
-def load_weights(parts, kind: str, source: str, cfg) -> None:
+def load_weights(parts, kind: str, source: str, cfg, lora: dict | None = None) -> None:
+    """``lora``: SPEC's ``lora`` (a LoRA checkpoint): the merged model is loaded (base from the
+    checkpoint or ``lora_base``, the HF directory whose fingerprint the CLI checked)."""
     if kind == "hf":
         from llmtrain.engine.hf import load_hf_weights
 
@@ -126,7 +107,13 @@ def load_weights(parts, kind: str, source: str, cfg) -> None:
 
     from llmtrain.engine.hf import read_checkpoint_model
 
-    state = read_checkpoint_model(source, None, cfg)
+    if lora is not None:
+        from llmtrain.engine.hf.checkpoint_read import read_lora_checkpoint_model
+        from llmtrain.recipe.schema import LoRAConfig
+
+        state = read_lora_checkpoint_model(source, cfg, LoRAConfig.model_validate(lora["lora"]), lora.get("lora_base"))
+    else:
+        state = read_checkpoint_model(source, None, cfg)
     for part in parts.parts:
         keys = part.state_dict().keys()
         set_model_state_dict(part, {k: state[k] for k in keys}, options=StateDictOptions(full_state_dict=True))
@@ -147,7 +134,7 @@ def run_job(spec: dict, device):
     dims = resolve_dims(recipe, torch.distributed.get_world_size())
     meshes = build_meshes(dims, device.type)
     parts = build_parts(recipe, meshes, device)
-    load_weights(parts, spec["kind"], spec["source"], recipe.model)
+    load_weights(parts, spec["kind"], spec["source"], recipe.model, spec.get("lora"))
     windows = np.load(spec["windows"], allow_pickle=False)
     batch = spec.get("batch", recipe.train.micro_batch_size)  # with pp: micro_batch_size is 1 (see eval_recipe)
     result = evaluate(parts, windows, batch, device, meshes, recipe)

@@ -27,19 +27,23 @@ Decisions:
   work runs a dummy micro-batch with weight 0: FSDP/EP collectives need every rank), TP ranks of
   one group see the same windows, and the per-window losses are summed in float64 and
   all-reduced over the data-parallel group.
-* **Context parallelism** (``llmtrain eval`` only). Labels are built on the whole window, then
-  inputs and labels are sharded by the trainer's global positions (``cp_positions``: zigzag for
-  ring, contiguous for ulysses / allgather), and RoPE gets those positions. Each cp rank sums the
-  losses of its own tokens (the ignored last label sits on whichever rank holds position N-1);
-  the sums, divided by the global N-1, are all-reduced over ``dp_cp`` (data and context ranks).
-* **Pipeline parallelism** (``llmtrain eval`` only). ``schedule.eval()`` of
-  ``torch.distributed.pipelining`` runs forward only; each call takes ``batch`` windows as
-  ``batch`` microbatches of one (static stage shapes, so a short last round is padded with
-  uncounted copies of window 0) and the last stage's loss function returns per-window sums.
-  The sum is then all-reduced over the pp group (only the last stage's ranks hold one), so
-  every rank, rank 0 included, has the answer.
-* **The periodic eval** (``train.eval_interval``) refuses pp > 1 and cp > 1 (one line; plan
-  refuses it too): it would need its own schedule beside the training one.
+* **Context parallelism.** Labels are built on the whole window, then inputs and labels are
+  sharded by the trainer's global positions (``cp_positions``: zigzag for ring, contiguous for
+  ulysses / allgather), and RoPE gets those positions. Each cp rank sums the losses of its own
+  tokens (the ignored last label sits on whichever rank holds position N-1); the sums, divided
+  by the global N-1, are all-reduced over ``dp_cp`` (data and context ranks).
+* **Pipeline parallelism.** A forward-only pass over the chunks the ranks hold, in the
+  schedule's own placement, V-shaped ones included (:mod:`llmtrain.engine.eval_pipeline`: not a
+  torch schedule, which cannot run zbv / dualpipev forward-only in torch 2.13). Each round's
+  windows go as microbatches of ``micro`` windows (``llmtrain eval``: one; the periodic eval:
+  the training step's microbatch size and count); the last stage computes per-window sums,
+  all-reduced over the pp group (only the last stage's ranks hold one), so every rank, rank 0
+  included, has the answer.
+* **The periodic eval** (``train.eval_interval``) runs in every layout the trainer runs, on the
+  trainer's own model chunks, beside (never through) the training schedule. The chunks'
+  ``positions`` and ``return_hidden`` (the chunked loss's last pipeline stage returns hidden
+  states) are set for eval and put back after, and FSDP parameters the forwards gathered are
+  re-sharded, so the next training step starts from the state it would have had.
 * **No effect on training.** No RNG is drawn, the forward runs under ``torch.no_grad`` in eval
   mode (MoE routers count no tokens for the bias update in eval mode) and the previous mode
   is restored.
@@ -47,11 +51,9 @@ Decisions:
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -185,57 +187,44 @@ def window_losses(model: torch.nn.Module, windows: torch.Tensor, tp: bool) -> to
         return token_sums(model(windows), window_labels(windows)) / (windows.shape[1] - 1)
 
 
-def refuse_layout(dims, field: str) -> None:
-    """The periodic eval (``train.eval_interval``) runs only without pipeline and context parallelism."""
-    for name in ("pp", "cp"):
-        if getattr(dims, name) > 1:
-            raise LLMTrainError(f"parallel.{name}={getattr(dims, name)}: the periodic eval during training does not "
-                                f"run with {'pipeline' if name == 'pp' else 'context'} parallelism",
-                                f"use train.eval_interval=0 and `llmtrain eval RUN` on the checkpoints "
-                                f"(it runs with parallel.{name} > 1)", path=field)
-
-
 def dp_coords(dims) -> tuple[int, int]:
     c = dims.coord_dict(dist.get_rank())
     return c["dp_replicate"] * dims.dp_shard + c["dp_shard"], dims.dp
 
 
 class _Forward:
-    """Per-window loss sums of one micro-batch [batch, N] on this rank: a plain forward, or (PP) the
-    forward-only pipeline schedule (``schedule.eval``), whose last stage computes the sums.
+    """Per-window loss sums of one round (``[batch, N]`` windows) on this rank: a plain forward, or
+    (PP) the forward-only pipeline pass (:class:`~llmtrain.engine.eval_pipeline.PipelineEval`) of
+    the round split into microbatches of ``micro`` windows, whose last stage computes the sums.
 
     With CP the windows and their labels (built on the whole window) are sharded by the same
     global positions the trainer uses (:func:`cp_positions`: zigzag for ring), RoPE gets those
     positions, and each rank's sums cover only its tokens: the caller all-reduces them over the
     cp group (part of ``dp_cp``). Returns None on pipeline ranks without the last stage."""
 
-    def __init__(self, parts, meshes, device, batch: int, seq_len: int, recipe=None):
+    def __init__(self, parts, meshes, device, seq_len: int, recipe=None, micro: int = 1, act_dtype=torch.float32):
         from llmtrain.engine.parallel.context import cp_positions
 
         dims = meshes.dims
-        self.parts, self.tp, self.device, self.schedule, self.stages = parts, dims.tp > 1, device, None, []
+        self.parts, self.tp, self.device, self.pipeline, self.micro = parts, dims.tp > 1, device, None, micro
         self.positions = None
+        # the trainer's chunked loss makes a pipeline's last stage return the final norm's output
+        # (``return_hidden``); eval computes its sums from logits: put both back in close()
+        self.saved = [(part.positions, getattr(part, "return_hidden", False)) for part in parts.parts]
+        for part in parts.parts:
+            part.return_hidden = False
         if dims.cp > 1 or dims.pp > 1:
-            method = recipe.parallel.cp_method if recipe is not None else "ring"
+            if recipe is None:
+                raise LLMTrainError("pipeline / context parallel eval needs the recipe", "pass recipe=",
+                                    path="parallel")
+            method = recipe.parallel.cp_method
             self.positions = cp_positions(seq_len, dims.cp, meshes.cp.get_local_rank(), method).to(device)
             for part in parts.parts:  # global RoPE positions (PP: later stages get hidden states)
                 part.positions = self.positions
         if dims.pp > 1:
-            if recipe is None:
-                raise LLMTrainError("pipeline parallel eval needs the recipe", "pass recipe=", path="parallel.pp")
-            from llmtrain.engine.parallel.pipeline import (
-                build_schedule,
-                stage_io_shapes,
-            )
+            from llmtrain.engine.eval_pipeline import PipelineEval
 
-            p, m = recipe.parallel, recipe.model
-            sp_shards = dims.tp if dims.tp > 1 and p.sequence_parallel else 1
-            # one window per pipeline microbatch: `batch` microbatches per call, static shapes
-            shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=1, seq=seq_len // dims.cp,
-                             hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards)
-            self.schedule, self.stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule,
-                                                        batch, token_sums, device, meshes.pp.get_group(),
-                                                        shapes=shapes, dtype=torch.float32)
+            self.pipeline = PipelineEval(parts, meshes, recipe, device, seq_len, token_sums, act_dtype)
 
     def __call__(self, windows: torch.Tensor) -> torch.Tensor | None:
         from llmtrain.engine.parallel.context import shard_sequence
@@ -245,23 +234,29 @@ class _Forward:
         if self.positions is not None:
             inputs, labels = shard_sequence(inputs, self.positions), shard_sequence(labels, self.positions)
         with loss_context(self.tp):
-            if self.schedule is None:
+            if self.pipeline is None:
                 return token_sums(self.parts.parts[0](inputs), labels)
-            first, last = self.parts.has_first, self.parts.has_last
-            losses: list[torch.Tensor] = []
-            args = (inputs,) if first else ()
-            self.schedule.eval(*args, target=labels if last else None, losses=losses if last else None)
-            return torch.cat(losses) if last else None
+            return self.pipeline(list(inputs.split(self.micro)), list(labels.split(self.micro)))
 
     def close(self) -> None:
-        """Trap 6 of the CPU facts note: drop schedule and stages before the process group goes."""
-        self.schedule, self.stages = None, []
-        gc.collect()
+        """Put back the chunks' positions and re-shard FSDP parameters the forwards gathered (with
+        PP they stay gathered after a forward): the state between two training steps."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for part, (positions, hidden) in zip(self.parts.parts, self.saved):
+            part.positions, part.return_hidden = positions, hidden
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        self.pipeline = None
 
 
-def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshes, recipe=None) -> EvalResult:
-    """Loss over ``windows`` with the (parallelized) model ``parts`` on every rank of the mesh.
-    ``recipe`` (its ``parallel`` and ``model``) is needed for pipeline parallelism."""
+def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshes, recipe=None, micro: int = 1,
+             act_dtype=torch.float32) -> EvalResult:
+    """Loss over ``windows`` with the (parallelized) model ``parts`` on every rank of the mesh,
+    ``batch`` windows per forward round and data-parallel rank (with PP: in microbatches of
+    ``micro`` windows, boundaries sent as ``act_dtype``). ``recipe`` (its ``parallel`` and
+    ``model``) is needed for pipeline and context parallelism."""
     dims = meshes.dims
     dp_rank, dp = dp_coords(dims)
     n, seq_len = windows.shape
@@ -270,22 +265,22 @@ def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshe
     modes = [part.training for part in parts.parts]
     for part in parts.parts:
         part.eval()
-    forward = _Forward(parts, meshes, device, batch, seq_len, recipe)
+    forward = None
     try:
+        forward = _Forward(parts, meshes, device, seq_len, recipe, micro, act_dtype)
         with torch.no_grad():
             for r in range(rounds):
                 lo = (r * dp + dp_rank) * batch
                 chunk = windows[lo:lo + batch]
                 real = len(chunk)
-                if forward.schedule is not None and real < batch:  # static pipeline shapes: pad with window 0
-                    chunk = np.concatenate([chunk, np.repeat(windows[:1], batch - real, axis=0)])
-                elif real == 0:
+                if real == 0:
                     chunk = windows[:1]  # a dummy forward: every rank takes part in the collectives
                 sums = forward(torch.from_numpy(chunk).to(device))
                 if sums is not None:
                     total += sums[:real].sum() / (seq_len - 1)
     finally:
-        forward.close()
+        if forward is not None:
+            forward.close()
         for part, mode in zip(parts.parts, modes):
             part.train(mode)
     if dp * dims.cp > 1:  # data-parallel ranks: other windows; cp ranks: other tokens of the same windows
@@ -307,20 +302,25 @@ class PeriodicEval:
         if not recipe.data.eval_path:
             raise LLMTrainError(f"train.eval_interval is {t.eval_interval} but data.eval_path is not set",
                                 "set data.eval_path to held-out text, or train.eval_interval=0", path="data.eval_path")
-        refuse_layout(dims, "train.eval_interval")
         path = Path(recipe.data.eval_path)
         tokenizer = None if path.is_dir() else recipe_tokenizer(recipe.data)
         tokens = read_token_stream(path, tokenizer, field="data.eval_path", limit=t.eval_batches * gbs * t.seq_len)
         windows = make_windows(tokens, t.seq_len, recipe.model.vocab_size, str(path), field="data.eval_path")
         self.windows = windows[: t.eval_batches * gbs]
-        self.interval, self.batch = t.eval_interval, t.micro_batch_size
+        self.recipe, self.interval, self.micro = recipe, t.eval_interval, t.micro_batch_size
+        # PP: one round = one training step's microbatches (count and size) per data-parallel rank
+        self.batch = self.micro * (gbs // (self.micro * dims.dp) if dims.pp > 1 else 1)
 
     def due(self, step: int, total_steps: int) -> bool:
         return step % self.interval == 0 or step == total_steps
 
     def run(self, parts, meshes, device, step: int, writer, verbose: bool) -> EvalResult:
         start = time.perf_counter()
-        result = evaluate(parts, self.windows, self.batch, device, meshes)
+        from llmtrain.engine.parallelize import uses_fsdp
+
+        bf16 = self.recipe.train.precision == "bf16" and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
+        result = evaluate(parts, self.windows, self.batch, device, meshes, self.recipe, self.micro,
+                          torch.bfloat16 if bf16 else torch.float32)
         if dist.get_rank() == 0:
             writer.log({"step": step, "eval_loss": result.loss, "eval_perplexity": result.perplexity,
                         "eval_tokens": result.tokens, "eval_windows": result.windows,

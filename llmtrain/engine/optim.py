@@ -35,7 +35,8 @@ def param_groups(model: nn.Module, weight_decay: float, select=None) -> list[dic
     for name, p in model.named_parameters():
         if not p.requires_grad or (select is not None and not select(name)):
             continue
-        no_decay = p.ndim < 2 or "tok_embeddings" in name or name.endswith(".bias")
+        no_decay = p.ndim < 2 or "tok_embeddings" in name or name.endswith(".bias") or (
+            name == "output.weight" and getattr(model, "tie_embeddings", False))  # a tied copy (PP): as the embedding
         kind = (id(p.device_mesh), p.placements) if isinstance(p, DTensor) else None
         group = groups.setdefault((no_decay, kind), {"params": [], "weight_decay": 0.0 if no_decay else weight_decay})
         group["params"].append(p)

@@ -74,7 +74,7 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
     if uses_fsdp(recipe, meshes):
         expert_mesh = meshes.edp_fsdp_mesh() if meshes.dims.ep > 1 else None
         apply_fsdp(model, meshes.fsdp_mesh(), p.zero, pp_enabled=meshes.dims.pp > 1, precision=t.precision,
-                   expert_mesh=expert_mesh)
+                   expert_mesh=expert_mesh, reduce_dtype=p.reduce_dtype)
     return model
 
 

@@ -5,6 +5,13 @@ loss divided by ``grad_accum``; FSDP reduces gradients only on the last one). Wi
 schedule consumes all micro-batches in one call. With TP the logits stay vocabulary-sharded and
 the cross-entropy runs under ``loss_parallel``. Returns the rank's mean loss (PP: only the last
 stage knows it; other stages return None).
+
+The trainer's loss is chunked (:mod:`llmtrain.engine.parallel.loss`, on by default because it is
+exact: tests/test_chunked_loss.py): the model returns the final norm's output (``return_hidden``)
+and :class:`StepLoss` applies the output head and the cross-entropy one token chunk at a time,
+vocabulary-parallel under TP, so no ``[b, s, vocab]`` logits or log-probabilities exist. A
+``StepLoss`` without a head takes logits (the unchunked path: benchmarks, and callers that build
+their own schedules on ``model(tokens)``).
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from llmtrain.engine.parallel.loss import IGNORE, chunked_cross_entropy
 from llmtrain.engine.parallel.pipeline import pipeline_step
 from llmtrain.engine.parallelize import ModelParts
 
 
-IGNORE = -100  # label of a token that carries no loss (prompt, padding): F.cross_entropy's ignore_index
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -44,13 +51,34 @@ class StepLoss:
     trainer's loss all-reduce both give exactly the global token mean, on any layout.
     """
 
-    def __init__(self):
+    def __init__(self, head: torch.nn.Module | None = None):
         self.factor: float | None = None
+        # The output layer (nn.Linear) of the stage that computes the loss: set, the loss takes the
+        # final norm's output and applies the head chunk by chunk; None, it takes logits. Its
+        # ``weight`` is read at every call (FSDP2 swaps the sharded and unsharded parameters).
+        self.head = head
+
+    @classmethod
+    def for_parts(cls, parts: ModelParts) -> StepLoss:
+        """The trainer's chunked loss over ``parts``' output head (None on pipeline ranks without the
+        last stage). Sets ``return_hidden`` on a pipeline's last stage: the schedule hands the
+        stage's output to this loss."""
+        if not parts.has_last:
+            return cls()
+        last = parts.parts[parts.stage_ids.index(parts.n_stages - 1)]
+        if parts.n_stages > 1:
+            last.return_hidden = True
+        return cls(head=last.output)
 
     def set_targets(self, targets: int | None, ranks_averaged: int, pipeline_microbatches: int = 1) -> None:
         self.factor = None if targets is None else ranks_averaged * pipeline_microbatches / max(1, targets)
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``logits`` [b, s, V], or with a head the final norm's output [b, s, hidden]."""
+        if self.head is not None:
+            reduction = "mean" if self.factor is None else "sum"
+            loss = chunked_cross_entropy(logits, self.head.weight, labels, reduction=reduction)
+            return loss if self.factor is None else loss * self.factor
         if self.factor is None:
             return cross_entropy(logits, labels)
         total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE, reduction="sum")
@@ -77,10 +105,12 @@ def accumulation_step(parts: ModelParts, batches, device, fsdp: bool, tp: bool, 
         inputs, labels, kwargs = split_batch(batch, device)
         if fsdp:
             model.set_requires_gradient_sync(i == len(batches) - 1)
-        with loss_context(tp):
+        chunked = loss_fn.head is not None
+        with loss_context(tp and not chunked):
             with autocast:
-                logits = model(inputs, **kwargs)
-            loss = loss_fn(logits, labels)
+                out = model(inputs, return_hidden=True, **kwargs) if chunked else model(inputs, **kwargs)
+                loss = loss_fn(out, labels)  # chunked: the head's matmul runs here, in the compute dtype
+            del out
             loss = loss / len(batches) if loss_fn.factor is None else loss
             loss.backward()
         loss_sum += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()

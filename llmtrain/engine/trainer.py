@@ -29,6 +29,7 @@ from llmtrain.engine.optim import lr_multiplier, set_lr
 from llmtrain.engine.parallel.clip import clip_grads
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.pipeline import build_schedule, stage_io_shapes
+from llmtrain.engine.parallel.tied import TiedEmbedding
 from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
 from llmtrain.engine.step import StepLoss, accumulation_step, pipelined_step
 from llmtrain.errors import LLMTrainError
@@ -92,6 +93,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     params = parts.parameters()
     fsdp = uses_fsdp(recipe, meshes)
     optimizer, grad_sync = build_optimizer(parts, recipe, meshes, fsdp)
+    tied = TiedEmbedding.build(parts, meshes, recipe.parallel)  # PP + tie_embeddings: two copies, one gradient
 
     dataset = build_data(recipe.data, t.seq_len, recipe.model.vocab_size, t.seed)
     gbs = t.global_batch_size or t.micro_batch_size * dims.dp
@@ -99,14 +101,15 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     grad_accum = gbs // (t.micro_batch_size * dims.dp)
     if rank == 0 and verbose and getattr(dataset, "summary", None) is not None:
         print(f"data: {dataset.summary.line()}", flush=True)
-    loss_fn = StepLoss()  # token-weighted over the global batch for data with ignored labels
+    # token-weighted over the global batch for data with ignored labels; chunked over the output head
+    loss_fn = StepLoss.for_parts(parts)
     schedule = None
     if dims.pp > 1:
         p, m = recipe.parallel, recipe.model
         sp_shards = dims.tp if dims.tp > 1 and p.sequence_parallel else 1
         act_dtype = torch.bfloat16 if t.precision == "bf16" and fsdp else torch.float32
         shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=t.micro_batch_size, seq=t.seq_len // dims.cp,
-                         hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards)
+                         hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards, head_in_loss=True)
         schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
                                      loss_fn, device, pp_group, shapes=shapes, dtype=act_dtype)
     for part in parts.parts:  # the aux loss is scaled like the main loss (PP: the schedule scales grads)
@@ -158,6 +161,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         loss_fn.set_targets(step_target_count(dataset, sampler), dp_size, grad_accum if schedule else 1)
         if dims.cp > 1:  # packed rows (4-tuples) never get here: plan refuses data.packing with cp > 1
             batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
+        if grad_sync is not None:  # zero 0/1: reduce buckets during the last backward
+            grad_sync.expect_backwards(len(batches), recipe.parallel.pp_schedule if schedule is not None else None)
         if schedule is None:
             loss = accumulation_step(parts, batches, device, fsdp, tp, autocast, loss_fn)
         else:
@@ -167,7 +172,8 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         test_hooks.maybe_poison(sampler, loss, params)
         if grad_sync is not None:
             grad_sync(params)
-        norm = clip_grads(params, t.grad_clip, pp_group)
+        tied.sync_grads()
+        norm = clip_grads(params, t.grad_clip, pp_group, skip=tied.copies)
         dist.all_reduce(loss, group=dp_group)
         loss_value = loss.item() / dp_size
         verdict = guard_verdict(guard, loss_value, float(norm), world_group)

@@ -40,6 +40,13 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
   target saves nothing there. The frozen output layer does not save its input, nor the
   embedding its token ids. Selective recomputation also keeps the adapters' matmul outputs.
   Adapter dropout (``train.lora.dropout > 0``) gives each adapter its own dropped input and mask.
+- the loss (``engine/parallel/loss.py``, chunked cross-entropy, on by default): the head's matmul
+  and the cross-entropy run ``loss_chunk_tokens`` tokens at a time with the gradients computed in
+  forward, so the last stage keeps the fp32 ``dL/dh`` of its (TP: full) sequence and, when the
+  head trains, the fp32 ``dL/dW`` of its vocabulary shard, instead of the head's input, the
+  ``[b, s, vocab/tp]`` logits and log-probabilities; one chunk's fp32 logits are the transient.
+  ``ActShape.chunked_loss=False`` models the unchunked loss (``F.cross_entropy`` over full
+  logits) for comparisons.
 """
 
 from __future__ import annotations
@@ -48,6 +55,17 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 LSE = 4  # fp32 log-sum-exp / rstd bytes
+LOSS_CHUNK_BYTES = 128 << 20  # fp32 logits of one loss chunk, per rank
+LOSS_CHUNK_ALIGN = 128  # tokens: chunk sizes are multiples of this (matmul tiles), and at least this
+
+
+def loss_chunk_tokens(tokens: int, vocab_local: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy (``engine/parallel/loss.py``), shared by the
+    engine and the planner: as many as keep one chunk's fp32 logits ``[chunk, vocab_local]`` within
+    ``LOSS_CHUNK_BYTES`` (128 MiB), rounded down to a multiple of 128, at least 128, at most
+    ``tokens``. 1024 tokens at a 32K local vocabulary, 256 at Llama 3's 128K, 128 at Qwen's 152K."""
+    fit = LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)) // LOSS_CHUNK_ALIGN * LOSS_CHUNK_ALIGN
+    return max(1, min(tokens, max(LOSS_CHUNK_ALIGN, fit)))
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -86,6 +104,7 @@ class ActShape:
     cp_method: str = "ring"
     hd: int = 0  # head_dim when given explicitly (Qwen3); 0 = h / heads
     lora: tuple | None = None  # (rank, target names, dropout > 0) of train.lora; None: full training
+    chunked_loss: bool = True  # the engine's chunked cross-entropy; False: F.cross_entropy over full logits
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -101,6 +120,11 @@ class ActShape:
     @property
     def n(self) -> int:
         return self.tp if self.sp and self.tp > 1 else 1
+
+    @property
+    def loss_chunk(self) -> int:
+        """Tokens per chunk of the chunked loss (one micro batch: ``b x s`` tokens on each TP rank)."""
+        return loss_chunk_tokens(self.b * self.s, self.vocab // self.tp)
 
 
 def _norm(x: ActShape) -> dict[str, int]:
@@ -285,13 +309,23 @@ def stage_terms(x: ActShape) -> dict[str, int]:
 
 
 def last_stage_terms(x: ActShape) -> dict[str, int]:
-    """Final norm, the output layer's (gathered) input, the loss's fp32 ``[b, s, vocab/tp]`` tensor
-    (log-probabilities; under ``loss_parallel`` its fp32 input logits) and the int64 labels."""
+    """Final norm and the loss, per micro batch on the stage holding the output head.
+
+    Chunked loss (default): the fp32 ``dL/dh`` over the full sequence (TP gathers it; each rank
+    holds its vocabulary shard's partial sum) and, when the head trains (not LoRA), the fp32
+    ``dL/dW`` of the local ``[vocab/tp, hidden]`` weight. Unchunked: the output layer's (gathered)
+    input, the loss's fp32 ``[b, s, vocab/tp]`` tensor (log-probabilities; under ``loss_parallel``
+    its fp32 input logits) and the int64 labels."""
     out = _norm(x)
-    if x.lora is None:
-        out["output_input"] = x.b * x.s * x.h * x.e
-    else:  # frozen final norm weight and output layer: neither the normalized input nor the output's input
+    if x.lora is not None:  # frozen final norm weight: no normalized input for its gradient
         out.pop("norm_normalized", None)
+    if x.chunked_loss:
+        out["loss_grad_hidden"] = 4 * x.b * x.s * x.h
+        if x.lora is None:
+            out["loss_grad_weight"] = 4 * (x.vocab // x.tp) * x.h
+        return out
+    if x.lora is None:  # a frozen output layer does not save its input
+        out["output_input"] = x.b * x.s * x.h * x.e
     out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
     out["labels"] = 8 * x.b * x.s
     return out
@@ -299,15 +333,23 @@ def last_stage_terms(x: ActShape) -> dict[str, int]:
 
 def logits_bytes(x: ActShape) -> int:
     """Logits alive from the forward to the end of backward (``[b, s, vocab/tp]`` in compute dtype).
-    With TP in fp32 the vocabulary-parallel loss keeps the logits themselves: nothing extra."""
-    if x.tp > 1 and x.e == 4:
+    With TP in fp32 the vocabulary-parallel loss keeps the logits themselves: nothing extra. The
+    chunked loss keeps none."""
+    if x.chunked_loss or (x.tp > 1 and x.e == 4):
         return 0
     return x.b * x.s * x.vocab // x.tp * x.e
 
 
 def loss_backward_bytes(x: ActShape) -> int:
-    """Transient fp32 gradients of the log-softmax and of the upcast logits during loss backward."""
-    return 2 * 4 * x.b * x.s * x.vocab // x.tp
+    """Transient memory of the loss. Unchunked: the fp32 gradients of the log-softmax and of the
+    upcast logits during loss backward. Chunked: one chunk's fp32 logits (turned into their
+    gradient in place), in bf16 also the matmul's output and the gradient's cast, and the bf16
+    weight-gradient product of a chunk before its fp32 accumulation."""
+    v = x.vocab // x.tp
+    if not x.chunked_loss:
+        return 2 * 4 * x.b * x.s * v
+    low = x.e != 4
+    return x.loss_chunk * v * (4 + 2 * x.e * low) + (v * x.h * x.e if low and x.lora is None else 0)
 
 
 # ---- micro batches in flight per schedule --------------------------------------------------------

@@ -17,9 +17,15 @@ one direction is half of it; the NIC figure (400 Gb/s) is per direction. NCCL re
 Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens per CP rank,
 ``h`` hidden, ``e`` compute bytes, ``P`` the rank's parameters, ``m`` micro batches):
 
-- DP, zero 0: all-reduce of the fp32 gradients (``4P``, plus the replicated part of a TP
-  embedding's gradient) over dp x cp, once per step, after backward (``GradientAllReduce``). zero 1: the same, plus each owner broadcasting its updated
-  fp32 parameters (``4P`` in all). FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
+- DP, zero 0: all-reduce of the gradients (``rP`` with ``r`` = 4 bytes, 2 with
+  ``parallel.reduce_dtype: bf16``, plus the replicated part of a TP embedding's gradient) over
+  dp x cp, once per step, in buckets of ``parallel.dp_bucket_mb`` that start during the last
+  micro batch's backward (``engine/parallel/grad_buckets.py``; phase ``step-overlap``: the
+  step-time model exposes only the last bucket and what exceeds that backward), also under
+  gpipe / 1f1b; with the other PP schedules the engine reduces after the schedule (phase
+  ``step``: fully exposed; engine/parallel/grad_buckets.py says why). zero 1: the same, plus each
+  owner broadcasting its updated fp32 parameters (``4P`` in all; after the optimizer step, not
+  overlapped). FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
   forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
   accumulate unsharded), and for HSDP an all-reduce of the sharded gradients over
@@ -134,6 +140,7 @@ class Comm:
     exposed_s: float = 0.0  # filled by the step-time model
     note: str = ""
     per_item_s: float = field(default=0.0, repr=False)
+    bucket_bytes: float = 0.0  # phase "step-overlap": the bucket size (the last one is exposed)
 
     def to_dict(self) -> dict:
         return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
@@ -175,6 +182,9 @@ class CommSpec:
     grad_extra: int = 0  # gradient numel beyond ``params`` (TP: the embedding's gradient comes back replicated)
     trainable: int = -1  # parameters with gradients (LoRA: the adapters only); -1 = all
     lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
+    reduce_bytes: int = 4  # bytes per gradient element in every reduction (parallel.reduce_dtype)
+    bucket_bytes: int = 25 << 20  # zero 0/1 gradient bucket (parallel.dp_bucket_mb)
+    grad_overlap: bool = True  # zero 0/1 buckets start during backward (PP: gpipe / 1f1b only)
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -221,18 +231,29 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
                         f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
         grads = sum(c.grad_params)
-        out.append(make("dp", "reduce-scatter", shard, 4 * grads, 1, g, "fsdp-reduce", "fp32 gradients, last micro batch"))
+        r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
+        out.append(make("dp", "reduce-scatter", shard, r * grads, 1, g, "fsdp-reduce", f"{rname} gradients, last micro batch"))
         if d.dp_replicate > 1:
-            out.append(make("dp", "all-reduce", d.dp_replicate, 4 * grads / shard, 1, lk("dp_replicate"), "fsdp-reduce",
+            out.append(make("dp", "all-reduce", d.dp_replicate, r * grads / shard, 1, lk("dp_replicate"), "fsdp-reduce",
                             "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
         g = lk("dp_cp")
         dense, expert = c.grad_params
-        out.append(make("dp", "all-reduce", dpcp, 4 * (dense + c.grad_extra), 1, g, "step",
-                        "fp32 gradients after backward"))
+        r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
+        overlap = c.grad_overlap
+
+        def grads_comm(group: int, message: float, what: str) -> Comm:
+            n = max(1, ceil(message / c.bucket_bytes))
+            how = (f"{n} bucket(s) of {c.bucket_bytes / 2**20:.3g} MiB during the last backward, the last one exposed"
+                   if overlap else "after the pipeline schedule (not overlapped)")
+            comm = make("dp", "all-reduce", group, message, 1, g, "step-overlap" if overlap else "step",
+                        f"{rname} {what}: {how}")
+            comm.bucket_bytes = c.bucket_bytes
+            return comm
+
+        out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))
         if expert:
-            eg = d.dp_replicate * d.edp
-            out.append(make("dp", "all-reduce", eg, 4 * expert, 1, g, "step", "expert gradients over expert-DP"))
+            out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
         if c.dp_kind == "zero1":
             out.append(make("dp", "broadcast", dpcp, 4 * (dense + expert), 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))

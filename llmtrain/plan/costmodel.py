@@ -231,7 +231,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         inv.largest_block, batch.microbatches, tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k,
                         len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
                         recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv), inv.trainable,
-                        lk is not None and inv.first and 0 in inv.layers)
+                        lk is not None and inv.first and 0 in inv.layers,
+                        reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
+                        grad_overlap=dims.pp == 1 or p.pp_schedule in ("gpipe", "1f1b"))
         comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped

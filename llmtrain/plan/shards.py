@@ -9,7 +9,11 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
   interleaved-1f1b, zero-bubble) put stages ``r, r + pp, r + 2 pp, ...`` on pipeline rank
   ``r``; V-shaped ones (zbv, dualpipev) put stages ``r`` and ``2 pp - 1 - r`` on it (torch's
   ``generate_rank_to_stage_mapping(style="v")``). Stage 0 holds ``tok_embeddings``, the last
-  stage ``norm`` and ``output`` (the engine sets the others to None).
+  stage ``norm`` and ``output`` (the engine sets the others to None). With tied embeddings and
+  pp > 1 the last stage's ``output.weight`` is a copy of the embedding with its own gradient
+  and AdamW state (``engine/parallel/tied.py``), so it is counted there like an untied output
+  layer, also on rank 0 of a V-shaped schedule, which then holds both; only a stage that is
+  first and last (pp = 1) holds the one shared Parameter.
 - **Tensor parallelism** (Megatron layout): ``wq/wk/wv`` and ``w1/w3`` split their output rows
   over ``tp``, ``wo`` and ``w2`` their input columns; the embedding and the output layer split
   the vocabulary (its gradient, though, comes back replicated: full ``[vocab, hidden]`` unless
@@ -202,7 +206,7 @@ def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp:
         out += block_params(m, layer, tp, ep)
     if last:
         out.append(ParamShape("norm.weight", (m.hidden,), "norm"))
-        if not (m.tie_embeddings and first):  # tied: one parameter, counted once
+        if not (m.tie_embeddings and first):  # tied, pp = 1: one parameter; pp > 1: the copy counts
             out.append(ParamShape("output.weight", (m.vocab_size // tp, m.hidden), "matmul"))
     return out
 

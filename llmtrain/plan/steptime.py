@@ -10,10 +10,14 @@ Model (per pipeline rank ``r``, per micro batch):
     step = m x max_r t_mb(r) x (1 + bubble)                           bubble: llmtrain.plan.bubble
          + DP exposed + PP fill/drain P2P + optimizer
 
-DP exposure follows the engine: zero 0/1 all-reduce (and ZeRO-1's broadcast) run after the last
-backward (``GradientAllReduce`` is called once per step), so they are fully exposed unless
-``dp_overlap=True`` (Megatron/DDP-style bucketed overlap with the last micro batch's backward,
-used for the published-system comparisons in docs/planner.md). FSDP2 prefetches the next
+DP exposure follows the engine: the zero 0/1 gradient all-reduce is bucketed
+(``parallel.dp_bucket_mb``) and each bucket starts during the last micro batch's backward
+(engine/parallel/grad_buckets.py; comm phase ``step-overlap``), so only the last bucket and
+whatever exceeds that one backward pass are exposed: ``exposed = last + max(0, rest - t_b)``.
+With PP the engine reduces after the schedule (phase ``step``: fully exposed), and ZeRO-1's
+broadcast of the updated parameters runs after the optimizer step (exposed).
+``dp_overlap=True`` (Megatron-style, used for the published-system comparisons in
+docs/planner.md) also overlaps the PP case and ZeRO-1's broadcast (with the next forward). FSDP2 prefetches the next
 block's all-gather and reduce-scatters the previous block's gradients while computing, so only
 the first block's all-gather, the last block's reduce-scatter and whatever exceeds the compute
 of that pass are exposed. PP point-to-point sends overlap with compute in the steady state;
@@ -95,9 +99,10 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 c.exposed_s = c.seconds
             elif c.dim == "ep":
                 c.exposed_s = EP_EXPOSED * c.seconds
-            elif c.phase == "step":
-                if dp_overlap:  # bucketed: all but the last bucket hide behind the last backward (or next forward)
-                    last = c.seconds * min(1.0, BUCKET_BYTES / max(1.0, c.message_bytes))
+            elif c.phase in ("step", "step-overlap"):
+                if dp_overlap or c.phase == "step-overlap":  # all but the last bucket hide behind the last backward
+                    bucket = c.bucket_bytes or BUCKET_BYTES  # (dp_overlap: ZeRO-1's broadcast behind the next forward)
+                    last = c.seconds * min(1.0, bucket / max(1.0, c.message_bytes))
                     c.exposed_s = last + max(0.0, c.seconds - last - (t_f if c.op == "broadcast" else t_b))
                 else:
                     c.exposed_s = c.seconds

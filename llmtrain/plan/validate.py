@@ -129,10 +129,9 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if not recipe.data.eval_path:
             err(Problem("data.eval_path", f"train.eval_interval is {t.eval_interval} but data.eval_path is not set",
                         "set data.eval_path to held-out text, or train.eval_interval=0"))
-        for name, what in (("pp", "pipeline"), ("cp", "context")):
-            if getattr(p, name) > 1:
-                err(Problem("train.eval_interval", f"parallel.{name}={getattr(p, name)}: evaluation does not run with "
-                            f"{what} parallelism", f"set train.eval_interval=0, or parallel.{name}=1"))
+        # every layout evaluates (pp: a forward-only pass over the training chunks, engine/eval_pipeline.py;
+        # cp: windows sharded like training's); the held-out windows use train.seq_len, so the seq_len
+        # rules below cover them too
 
     # -- context parallelism and sequence splits ----------------------------------------------
     if p.cp > 1:
@@ -165,9 +164,8 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     elif v != 1:
         warn(Problem("parallel.pp_virtual_stages", f"{v} virtual stages have no effect with pp = 1", "remove it"))
     stages = p.pp * v
-    if p.pp > 1 and m.tie_embeddings:
-        err(Problem("model.tie_embeddings", "tied embeddings with pp > 1: the embedding (first stage) and the output "
-                    "layer (last stage) live on different ranks", "set model.tie_embeddings: false, or pp: 1"))
+    # Tied embeddings with pp > 1 need no rule: the last stage holds a copy of the embedding whose
+    # gradient is summed with the first stage's (engine/parallel/tied.py; planned in plan/shards.py).
     if p.pp_layers_per_stage is not None:
         split = p.pp_layers_per_stage
         if len(split) != stages or sum(split) != m.layers or any(x < 0 for x in split):
@@ -178,6 +176,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("model.layers", f"layers ({m.layers}) not divisible by pp x pp_virtual_stages = {p.pp}x{v} = {stages}",
                     f"use pp x virtual stages in {_choices(divisors(m.layers))}, or give parallel.pp_layers_per_stage, "
                     f"e.g. {_even_split(m.layers, stages)}"))
+
+    # -- data and fine-tuning (before the layout is accepted: an error here means no layout) ------
+    _check_data(recipe, err)
+    _check_lora(recipe, err)
 
     # -- batch math ------------------------------------------------------------------------------
     if dp_shard is not None:
@@ -196,6 +198,12 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
             _check_microbatches(recipe, out.batch, err, warn)
         if p.zero > 0 and dp == 1:
             warn(Problem("parallel.zero", f"zero {p.zero} shards over data parallelism, but dp is 1", "set zero: 0"))
+        # bf16 reduction is real in every mode (torch 2.13 FSDP2 keeps reduce_dtype=bf16 with fp32
+        # parameters: it is clamped to None only when equal to param_dtype; zero 0/1 and EP cast
+        # their buckets): nothing to refuse, only a no-op to point out
+        if p.reduce_dtype == "bf16" and dp * p.cp == 1:
+            warn(Problem("parallel.reduce_dtype", "reduce_dtype bf16 has no effect: no gradient is reduced (dp x cp is 1)",
+                         "remove it"))
         if p.zero == 3 and p.pp > 1:
             warn(Problem("parallel.zero", "with pp > 1 parameters are not resharded after forward (memory as zero 2): "
                          "zero-bubble schedules need the unsharded weights for their weight-gradient pass",
@@ -203,9 +211,6 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if not out.errors:
             out.dims = dims
 
-    # -- data and fine-tuning ---------------------------------------------------------------------
-    _check_data(recipe, err)
-    _check_lora(recipe, err)
     if recipe.train.schedule.warmup_steps > t.steps:
         warn(Problem("train.schedule.warmup_steps", f"warmup ({recipe.train.schedule.warmup_steps}) is longer than the run ({t.steps} steps)",
                      "shorten the warmup"))

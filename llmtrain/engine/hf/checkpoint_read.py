@@ -33,7 +33,9 @@ def read_checkpoint_model(path: str | Path, files=None, cfg: ModelConfig | None 
     only shards ``metadata.json`` lists: ``files``, read from it when None). With ``cfg`` the
     index's ``model.*`` entries must be exactly that model's names and shapes, so nothing else
     is allocated or read."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
 
     from llmtrain.engine.checkpoint_meta import load_meta
     from llmtrain.engine.safe_reader import SafeReader, dcp_guard
@@ -70,3 +72,51 @@ def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
                             "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
 
 
+
+
+def read_lora_checkpoint_model(path: str | Path, cfg: ModelConfig, lora_cfg, base_dir: str | Path | None = None,
+                               files=None) -> dict[str, torch.Tensor]:
+    """The MERGED full model (``W + scale B A`` per adapted weight, no adapter keys) of a LoRA
+    checkpoint, in fp32, as :func:`read_checkpoint_model` returns a plain one.
+
+    The base comes from the checkpoint (a run without ``checkpoint.init_from_hf`` saved it) or,
+    for an adapters-only checkpoint, from ``base_dir`` (the caller checked its fingerprint
+    against ``metadata.json``'s ``lora_base`` first: :func:`llmtrain.engine.finetune.base.check_base`),
+    read by HF name and converted to ours as ``ckpt export --hf`` does. The index must hold
+    exactly the adapters (+ the base when it is in the checkpoint) of ``cfg`` and ``lora_cfg``.
+    Merging is :func:`~llmtrain.engine.finetune.lora.merge_lora` (fp64 sum), the export's own
+    arithmetic, so the result equals the weights ``ckpt export --hf --dtype fp32`` writes."""
+    import torch
+    from torch.distributed.checkpoint.state_dict_loader import (
+        _load_state_dict_from_keys,
+    )
+
+    from llmtrain.engine.checkpoint_meta import load_meta
+    from llmtrain.engine.finetune.lora import merge_lora
+    from llmtrain.engine.finetune.lora_export import (
+        HFTensorReader,
+        LoRAExport,
+        hf_files_of,
+        lora_entries,
+    )
+    from llmtrain.engine.hf.families import to_ours
+    from llmtrain.engine.hf.stream import sources_for
+    from llmtrain.engine.safe_reader import SafeReader, dcp_guard
+
+    if files is None:
+        files = load_meta(path).files
+    hf_files = hf_files_of(base_dir, cfg) if base_dir is not None else {}
+    spec = LoRAExport(scale=lora_cfg.scale, merge=True, hf_files=hf_files)
+    with dcp_guard(path):
+        reader = SafeReader(path, files)
+        base_shapes = lora_entries(reader.index, cfg, lora_cfg, spec, Path(path))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
+            state = dict(_load_state_dict_from_keys({"model"}, storage_reader=reader)["model"])
+    if not spec.base_in_checkpoint:
+        tmap = sources_for(cfg)
+        with HFTensorReader(hf_files) as hf:
+            for key in base_shapes:
+                name = key.removeprefix("model.")
+                state[name] = to_ours(tmap[name], [hf.get(n) for n in tmap[name].hf])
+    return {k: v.to(torch.float32) for k, v in merge_lora(state, lora_cfg).items()}

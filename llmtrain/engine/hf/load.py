@@ -8,6 +8,9 @@ whole model. A LoRA model's adapters (``*.lora_a.weight`` / ``*.lora_b.weight``)
 files: they are skipped and keep their initialization (B = 0: the loaded model is the base). :func:`load_hf_weights_whole` is the previous way (every rank reads every
 tensor, then ``set_model_state_dict(full_state_dict=True)`` keeps its shard): kept as the
 reference the tests compare against bitwise and the baseline of benchmarks/hf_load_memory.py.
+Tied models: the HF file holds one tensor (the embedding); ``output.weight`` is read from it
+(:func:`~llmtrain.engine.hf.stream.sources_for`), once when it is the embedding's Parameter, and
+again into the last pipeline stage's copy (:mod:`llmtrain.engine.parallel.tied`).
 """
 
 from __future__ import annotations

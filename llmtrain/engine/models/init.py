@@ -34,7 +34,10 @@ Distributions (GPT-2 / Megatron "scaled init"):
   ``tokens_per_expert``): zeros.
 
 Tied embeddings share one Parameter, which ``named_parameters`` yields once (under
-``tok_embeddings.weight``), so it is initialized once. Unknown parameters or floating
+``tok_embeddings.weight``), so it is initialized once. Under pipeline parallelism the last
+stage's ``output.weight`` is a separate copy of the embedding (:mod:`llmtrain.engine.parallel.tied`):
+it is keyed as ``tok_embeddings.weight`` (same generator, same normal(0, 0.02), same full shape),
+so both copies start identical whichever ranks hold them. Unknown parameters or floating
 buffers raise instead of being silently left uninitialized.
 """
 
@@ -52,6 +55,7 @@ INIT_STD = 0.02
 WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 ZERO_BUFFERS = ("expert_bias", "tokens_per_expert")
 RESIDUAL_OUTPUTS = ("wo", "w2")
+TIED_COPY, TIED_SOURCE = "output.weight", "tok_embeddings.weight"
 
 
 def canonical_name(name: str) -> str:
@@ -132,6 +136,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
                 continue
             done.add(id(param))
             name = canonical_name(prefix + leaf)
+            if name == TIED_COPY and getattr(model, "tie_embeddings", False):
+                name = TIED_SOURCE  # the copy of a tied embedding on a pipeline's last stage
             kind = _init_kind(module, leaf, name)
             if kind == "unknown":
                 raise ValueError(f"init_weights: no rule for parameter {name!r} of {type(module).__name__}")

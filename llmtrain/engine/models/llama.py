@@ -165,6 +165,10 @@ class Transformer(nn.Module):
         # Positions used when forward() gets none: set by the trainer for pipeline stages that
         # receive (possibly sequence-sharded) hidden states and for context parallelism.
         self.positions: torch.Tensor | None = None
+        # Return the final norm's output instead of logits (the loss applies ``output`` itself,
+        # chunked: engine/parallel/loss.py). The default of forward's ``return_hidden``; the trainer
+        # sets it on a pipeline's last stage, whose forward the schedule calls without our kwargs.
+        self.return_hidden = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -181,8 +185,14 @@ class Transformer(nn.Module):
         return result
 
     def forward(self, tokens_or_hidden: torch.Tensor, positions: torch.Tensor | None = None,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, return_hidden: bool | None = None) -> torch.Tensor:
         """Token ids [b, s] (or hidden states [b, s, hidden] without embeddings) -> logits or hidden.
+
+        ``return_hidden`` (default: the ``return_hidden`` attribute, False): stop after the final
+        norm and return its output [b, s, hidden] for the chunked loss, which applies ``output``
+        one token chunk at a time. A keyword of forward rather than a separate method so that the
+        call still goes through ``forward``, where FSDP2 gathers the parameters; ``model(tokens)``
+        keeps returning logits for eval, interop and tests.
 
         ``positions``: global positions [s] or [b, s] (default ``arange(s)``), used by RoPE;
         context parallelism passes the positions of the local, possibly non-contiguous chunks,
@@ -202,6 +212,6 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:
             h = self.norm(h)
-        if self.output is not None:
+        if self.output is not None and not (self.return_hidden if return_hidden is None else return_hidden):
             h = self.output(h)
         return h

@@ -6,11 +6,15 @@ already identical across data-parallel ranks (zero 0/1 after the all-reduce). Fo
 we take the norm of the DTensor (a Partial/Replicate DTensor that accounts for its shards) and
 materialize it, grouped by (mesh, placements) so that each group costs one reduction.
 Plain tensors contribute their local norm. With pipeline parallelism each stage only holds its
-own parameters, so the squared norms are summed over the ``pp`` group as well.
+own parameters, so the squared norms are summed over the ``pp`` group as well. ``skip`` names
+parameters whose gradient is already counted on this or another rank (the last stage's copy of a
+tied embedding under PP, :mod:`.tied`): left out of the norm, but scaled like every other.
 torch's ``clip_grad_norm_`` cannot mix DTensors of different meshes, hence this function.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -18,8 +22,10 @@ from torch.distributed.tensor import DTensor
 
 
 @torch.no_grad()
-def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
+def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | None = None,
+                     skip: Collection[torch.Tensor] = ()) -> torch.Tensor:
+    skipped = {id(p) for p in skip}
+    grads = [p.grad for p in params if p.grad is not None and id(p) not in skipped]
     groups: dict[tuple, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
     for g in grads:
@@ -41,8 +47,9 @@ def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | N
 
 
 @torch.no_grad()
-def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    norm = global_grad_norm(params, pp_group)
+def clip_grads(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+               skip: Collection[torch.Tensor] = ()) -> torch.Tensor:
+    norm = global_grad_norm(params, pp_group, skip)
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm.item() + 1e-6))
         if coef < 1.0:

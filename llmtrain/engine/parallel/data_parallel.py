@@ -7,14 +7,32 @@
   once per step). With PP > 1 parameters are never resharded after forward (zero-bubble
   schedules need them for the weight-gradient pass; CPU facts note, trap 3).
 - zero 0 and 1: every rank holds full parameters and gradients are all-reduced (averaged) over
-  all data- and context-parallel ranks by :class:`GradientAllReduce`. We do not use
+  all data- and context-parallel ranks, bucket by bucket during the last backward
+  (:class:`~llmtrain.engine.parallel.grad_buckets.BucketedGradReducer`; :class:`GradientAllReduce`
+  below is the previous post-backward path, kept for the benchmarks' before/after). We do not use
   ``DistributedDataParallel``/``replicate``: they do not accept the DTensor parameters that tensor
   parallelism creates, and one small, explicit code path serves TP and non-TP layouts alike.
   zero 1 additionally shards optimizer states (:mod:`llmtrain.engine.parallel.zero1`).
 
 bf16: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` keeps fp32 master weights
 and fp32 gradient reduction (FSDP); for zero 0/1 the trainer runs the forward under autocast
-and reduces the fp32 gradients.
+and reduces the fp32 gradients (:mod:`llmtrain.engine.parallel.grad_buckets`).
+
+``parallel.reduce_dtype: bf16`` sets ``MixedPrecisionPolicy.reduce_dtype=bf16``. In torch 2.13
+this is real also with fp32 parameters: ``FSDPParam.init_dtype_attrs`` clamps ``reduce_dtype``
+to None only when it equals ``param_dtype`` (None for fp32 compute), so the fp32 gradients are
+cast to bf16 for the reduce-scatter (and HSDP's all-reduce) and the sharded result is cast back
+to the fp32 parameters' dtype (``foreach_reduce``). The expert unit (EP) takes the same policy.
+
+Prefetch (zero 3, where parameters are resharded after forward): each block's unit is told to
+all-gather the next block's parameters at its own pre-forward, and in backward the previous
+block's, one unit ahead (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``),
+so the gather is issued before it is needed instead of when the module runs. **Not adopted**
+(:data:`PREFETCH` is False): measured on CPU/gloo in benchmarks/parallel_overheads.py
+(docs/benchmarks.md, zero 3 dp 2), it did not help — exposed communication 0.118 s with vs
+0.059 s without, step time within noise (1.04x) — since FSDP2 already prefetches one unit ahead
+in backward implicitly, and on CPU its all-gathers run on the same cores as compute. The
+benchmark's worker turns it on for its comparison row; re-measure on GPUs before enabling.
 """
 
 from __future__ import annotations
@@ -27,20 +45,32 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
+PREFETCH = False  # explicit one-unit-ahead prefetch (zero 3): not adopted, see the module docstring
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, precision: str,
-               expert_mesh: DeviceMesh | None = None) -> None:
+               expert_mesh: DeviceMesh | None = None, reduce_dtype: str = "fp32") -> None:
     """FSDP2 per block and on the root; with EP the experts get their own FSDP unit on the
     expert-data-parallel mesh first (the block's unit then skips their parameters)."""
     reshard = zero == 3 and not pp_enabled
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" \
-        else MixedPrecisionPolicy()
+    bf16_compute = precision == "bf16"
+    reduce = torch.bfloat16 if reduce_dtype == "bf16" else (torch.float32 if bf16_compute else None)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=reduce)
     layers = getattr(model, "layers", None)
+    blocks = []
     if layers is not None:
         for block in layers.values():
             experts = getattr(getattr(block, "moe", None), "experts", None)
             if expert_mesh is not None and experts is not None:
                 fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            blocks.append(block)
+    if reshard and PREFETCH:
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
     # The root wraps embeddings, final norm and output. It is never resharded after forward:
     # backward starts with the output layer, so a reshard would be gathered again at once.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)

@@ -10,7 +10,9 @@ stage holds the final norm and the output layer, and computes the loss. Stage pl
 
 Each local stage is its own model chunk (a :class:`Transformer` with the other layers removed);
 parameter names keep their global layer index, so checkpoints and initialization do not depend
-on the split. The schedule splits each rank's batch into ``grad_accum`` microbatches and scales
+on the split. With tied embeddings the last stage's ``output.weight`` becomes a Parameter of its
+own once the embedding is removed from its chunk: a copy kept equal to the first stage's
+embedding by :mod:`.tied`. The schedule splits each rank's batch into ``grad_accum`` microbatches and scales
 gradients by ``1 / n_microbatches`` (``scale_grads``), which with a per-microbatch mean loss gives
 the mean over the whole batch, as without PP.
 """
@@ -69,7 +71,7 @@ def prune_to_stage(model: nn.Module, stage: int, n_stages: int, layers: range) -
 
 
 def stage_io_shapes(stage: int, n_stages: int, micro: int, seq: int, hidden: int, vocab: int,
-                    sp_shards: int) -> tuple[tuple, tuple]:
+                    sp_shards: int, head_in_loss: bool = False) -> tuple[tuple, tuple]:
     """Static (input, output) shapes of a stage for one microbatch.
 
     ``seq`` is this rank's sequence length (after context parallelism); between stages the
@@ -77,10 +79,13 @@ def stage_io_shapes(stage: int, n_stages: int, micro: int, seq: int, hidden: int
     Giving torch the shapes up front selects its STATIC metadata mode: no shape-inference
     forward/backward at the first step, which would run our collectives (ring attention, MoE
     all-to-all) outside the schedule's order and can deadlock across CP/EP peers.
+    The last stage returns logits [micro, seq, vocab], or with ``head_in_loss`` (the trainer's
+    chunked loss applies the output head itself) the final norm's output [micro, seq, hidden]
+    (global shapes: under TP a DTensor, vocabulary- or sequence-sharded).
     """
     boundary = (micro, seq // sp_shards, hidden)
     inp = (micro, seq) if stage == 0 else boundary
-    out = (micro, seq, vocab) if stage == n_stages - 1 else boundary
+    out = (micro, seq, hidden if head_in_loss else vocab) if stage == n_stages - 1 else boundary
     return inp, out
 
 
