@@ -53,20 +53,17 @@ def lora_entries(index, cfg, lora_cfg, spec: LoRAExport, ckpt: Path) -> dict[str
     """Check the index's ``model.*`` tensors are exactly a LoRA checkpoint of ``cfg`` (adapters,
     plus the base when the spec reads it from the checkpoint); return the base's shapes by DCP key."""
     from llmtrain.engine.finetune.lora import adapter_shapes
-    from llmtrain.engine.hf.checkpoint_read import expected_model_shapes
+    from llmtrain.engine.hf.checkpoint_read import expected_model_shapes, shape_mismatch
 
     have = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if k.startswith("model.")}
     base = expected_model_shapes(cfg)
     want = {f"model.{k}": v for k, v in adapter_shapes(cfg, lora_cfg).items()}
     if spec.base_in_checkpoint:
         want.update(base)
-    extra, absent = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-    wrong = sorted(k for k in set(have) & set(want) if have[k] != want[k])
-    if extra or absent or wrong:
-        what = (f"unexpected {printable(extra[0], 80)}" if extra else f"no {absent[0]}" if absent
-                else f"{wrong[0]} is {list(have[wrong[0]])}, expected {list(want[wrong[0]])}")
+    what = shape_mismatch(have, want)
+    if what is not None:
         raise LLMTrainError(f"{printable(ckpt / '.metadata')}: tensors do not match metadata.json's recipe.model and "
-                            f"train.lora ({what}; {len(extra) + len(absent) + len(wrong)} differences)",
+                            f"train.lora ({what})",
                             "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
     return base
 

@@ -52,6 +52,17 @@ def read_checkpoint_model(path: str | Path, files=None, cfg: ModelConfig | None 
     return dict(state["model"])
 
 
+def shape_mismatch(have: dict, want: dict, expected: str = "expected") -> str | None:
+    """The first difference between tensor shapes found (``have``) and expected (``want``) and how
+    many there are, or None when they agree (key sets and every shape)."""
+    extra, absent = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+    wrong = sorted(k for k in set(have) & set(want) if have[k] != want[k])
+    if not (extra or absent or wrong):
+        return None
+    what = (f"unexpected {printable(extra[0], 80)}" if extra else f"no {absent[0]}" if absent
+            else f"{wrong[0]} is {list(have[wrong[0]])}, {expected} {list(want[wrong[0]])}")
+    return f"{what}; {len(extra) + len(absent) + len(wrong)} differences"
+
 def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
     have = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if k.startswith("model.")}
     layers = {k.split(".")[2] for k in have if k.startswith("model.layers.")}
@@ -61,14 +72,10 @@ def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
                             f"{list(embed) if embed else None}, metadata.json's recipe.model has {cfg.layers} layers "
                             f"and [{cfg.vocab_size}, {cfg.hidden}]",
                             "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
-    want = expected_model_shapes(cfg)
-    extra, absent = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-    wrong = sorted(k for k in set(have) & set(want) if have[k] != want[k])
-    if extra or absent or wrong:
-        what = (f"unexpected {printable(extra[0], 80)}" if extra else f"no {absent[0]}" if absent
-                else f"{wrong[0]} is {list(have[wrong[0]])}, the recipe's model has {list(want[wrong[0]])}")
+    what = shape_mismatch(have, expected_model_shapes(cfg), "the recipe's model has")
+    if what is not None:
         raise LLMTrainError(f"{printable(path / '.metadata')}: model tensors do not match metadata.json's "
-                            f"recipe.model ({what}; {len(extra) + len(absent) + len(wrong)} differences)",
+                            f"recipe.model ({what})",
                             "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
 
 
