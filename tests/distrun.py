@@ -27,3 +27,18 @@ def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int,
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)
+
+
+def compare_to_reference(case: str, got: dict, ref: dict, steps: int, loss_tol: float, weight_tol: float
+                         ) -> tuple[float, float]:
+    """Assert one ``run_cases`` result equals its 1-process reference: ``steps`` losses within
+    ``loss_tol`` that fall over the run, the same weight names, every weight within ``weight_tol``.
+    Returns (worst loss difference, worst weight difference)."""
+    assert len(got["losses"]) == steps
+    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
+    assert loss_diff <= loss_tol, f"{case}: losses {got['losses']} vs {ref['losses']}"
+    assert got["losses"][-1] < got["losses"][0] - 0.05, f"{case}: the loss must fall over {steps} steps"
+    assert set(got["state"]) == set(ref["state"])
+    worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    assert worst <= weight_tol, f"{case}: max weight diff {worst}"
+    return loss_diff, worst

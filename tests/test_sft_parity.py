@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.distrun import ROOT, run_cases
+from tests.distrun import ROOT, compare_to_reference, run_cases
 
 RECIPE = "examples/sft/tiny-chat.yaml"
 STEPS = 5
@@ -63,15 +63,9 @@ def test_finetune_layout_matches_single_process(results, case):
     refs, layouts = results
     ref = refs["packed" if case.startswith("packed") else "unpacked"]
     got = layouts[case]
-    assert len(got["losses"]) == STEPS
-    loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
-    assert loss_diff <= LOSS_TOL, f"{case}: losses {got['losses']} vs {ref['losses']}"
-    assert got["losses"][-1] < got["losses"][0] - 0.05, "the loss must fall over 5 steps"
-    assert set(got["state"]) == set(ref["state"])
-    worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in ref["state"])
+    loss_diff, worst = compare_to_reference(case, got, ref, STEPS, LOSS_TOL, WEIGHT_TOL)
     print(f"sft parity {case}: loss diff {loss_diff:.2e}, weight diff {worst:.2e}, losses {got['losses'][0]:.4f} -> "
           f"{got['losses'][-1]:.4f}")
-    assert worst <= WEIGHT_TOL, f"{case}: weights differ by {worst}"
     assert not got.get("layout_errors"), got.get("layout_errors")
 
 
