@@ -7,9 +7,10 @@ Examples::
     llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes --dry-run     # print each node's command
     llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes               # preflight, then run
     llmtrain launch recipes/llama3-8b.yaml --hosts hosts --include 'worker-1@worker-2:0,1'
+    llmtrain launch recipes/llama3-8b.yaml --launcher slurm --partition gpu --nodes 2 --time 04:00:00 --dry-run
 
 The command exits with the run's exit code (torchrun's; 130/143 after Ctrl-C/SIGTERM; over
-SSH also 124 for a hang and 255 for a lost node); a recipe that does not validate, or a host
+SSH also 124 for a hang and 255 for a lost node; with --launcher slurm the job's ExitCode); a recipe that does not validate, or a host
 that fails preflight, exits 2 before anything is created or started.
 """
 
@@ -48,13 +49,50 @@ def launch(
     init_from_hf: Optional[Path] = typer.Option(
         None, "--init-from-hf", help="Start from Hugging Face Llama weights in DIR (config.json + *.safetensors; "
                                      "= --set checkpoint.init_from_hf=DIR)."),
+    launcher: Optional[str] = typer.Option(
+        None, "--launcher", help="local | ssh | slurm (default: ssh with --hosts, else local). slurm: one sbatch job "
+                                 "(docs/launch.md, Slurm)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (default: the cluster's default)."),
+    account: Optional[str] = typer.Option(None, "--account", help="Slurm account to charge."),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit, HH:MM:SS (or D-HH:MM:SS)."),
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, max=100000,
+                                        help="Slurm nodes (default: the recipe's cluster.nodes)."),
+    gpus_per_node: Optional[int] = typer.Option(
+        None, "--gpus-per-node", min=1, max=1024, help="Ranks (GPUs) per Slurm node (default: cluster.gpus_per_node)."),
+    slurm_arg: list[str] = typer.Option([], "--slurm-arg", help="One more sbatch option, e.g. --slurm-arg=--qos=high "
+                                                                "(repeatable; one #SBATCH line each)."),
 ) -> None:
-    """Validate a recipe, then train it with torchrun: on this machine, or on every host of --hosts over SSH."""
+    """Validate a recipe, then train it with torchrun: on this machine, on every host of --hosts over SSH,
+    or as one Slurm job (--launcher slurm)."""
+    slurm_opts = {"--partition": partition, "--account": account, "--time": time_limit, "--nodes": nodes,
+                  "--gpus-per-node": gpus_per_node, "--slurm-arg": slurm_arg}
+    if launcher not in (None, "local", "ssh", "slurm"):
+        raise LLMTrainError(f"unknown launcher {launcher!r}", "use local, ssh or slurm", path="--launcher")
+    if launcher != "slurm":
+        given = [flag for flag, value in slurm_opts.items() if value]
+        if given:
+            raise LLMTrainError(f"{given[0]} needs --launcher slurm", "add --launcher slurm, or drop the flag", path=given[0])
+    if launcher == "ssh" and hosts is None:
+        raise LLMTrainError("--launcher ssh needs --hosts", "pass a hostfile", path="--launcher")
+    if launcher == "local" and hosts is not None:
+        raise LLMTrainError("--launcher local runs on this machine only", "drop --hosts, or use --launcher ssh",
+                            path="--launcher")
     if max_restarts is not None:
         set_ = [*set_, f"launch.max_restarts={max_restarts}"]
     if init_from_hf is not None:
         set_ = [*set_, *check_init_from_hf(recipe, set_, init_from_hf)]
-    set_ = check_data(recipe, set_, local=hosts is None)
+    set_ = check_data(recipe, set_, local=hosts is None and launcher != "slurm")
+    if launcher == "slurm":
+        for flag, value in (("--hosts", hosts), ("--include", include), ("--exclude", exclude),
+                            ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
+            if value or value == "":
+                raise LLMTrainError(f"{flag} does not apply to --launcher slurm (Slurm picks the nodes)",
+                                    "drop the flag; use --nodes / --partition", path=flag)
+        from llmtrain.launch.slurm import launch_slurm
+
+        code = launch_slurm(recipe, set_, runs_root=runs, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition,
+                            account=account, time_limit=time_limit, slurm_args=tuple(slurm_arg), dry_run=dry_run)
+        raise typer.Exit(code)
     if hosts is None:
         for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):

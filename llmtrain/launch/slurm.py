@@ -1,0 +1,285 @@
+"""``llmtrain launch RECIPE --launcher slurm``: the run as one Slurm batch job, streamed, one exit code.
+
+What happens, in order (:func:`launch_slurm`):
+
+1. The recipe (with ``--set``) is validated for ``--nodes`` x ``--gpus-per-node`` ranks
+   (defaults: ``cluster.nodes`` / ``cluster.gpus_per_node``), exactly as ``llmtrain plan``
+   does; the options are checked (:class:`~llmtrain.launch.slurm_script.SlurmOptions`).
+2. ``--dry-run``: the launch plan (:mod:`llmtrain.launch.launchplan`) is built for a run
+   directory that is not created, and the job script, the node script and every node's exact
+   command (secrets masked) are printed. Nothing is created, no Slurm command runs (so it works
+   on a laptop), nothing is submitted.
+3. Otherwise, before anything is written: the Slurm clients exist, the partition exists and
+   ``--nodes`` fits it (:mod:`llmtrain.launch.slurmctl`). Then the run directory is created (on
+   shared storage: every node reads the recipe and writes its logs there, as ``resume --hosts``
+   assumes), ``slurm/job.sbatch`` and ``slurm/node.sh`` are written
+   (:mod:`llmtrain.launch.slurm_script`), and ``sbatch --parsable`` submits the job with the
+   policy's environment in memory. sbatch's refusal (an account it rejects) is one line.
+4. The job id is printed; every node's output is streamed from the run directory as
+   ``[host:rank] text`` (torchrun's per-worker files) and ``[host] text`` (torchrun itself,
+   ``logs/slurm/node-<i>.out``), the job's own lines (srun's messages) as ``[slurm] text``; rank
+   0's events drive the progress display. ``squeue -h -j ID`` is polled every 0.5 s; once the job
+   is no longer live, ``scontrol show job`` gives its ``ExitCode``, which is the exit code.
+5. SIGINT / SIGTERM / SIGHUP: ``scancel ID``, then wait until squeue no longer lists the job
+   (Slurm's cgroup tracking has then ended every process of it on every node), exit 130 / 143 /
+   129. An error in the launcher itself also cancels the job: a launch never leaves a job behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Mapping
+
+from rich.console import Console
+from rich.text import Text
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.launch import slurmctl
+from llmtrain.launch.envpolicy import Redactor, lock_recipe, policy_env, restore_env, shell_assignments
+from llmtrain.launch.events import RunStats
+from llmtrain.launch.hostfile import HostEntry, Hostfile
+from llmtrain.launch.launchplan import LaunchPlan, build_plan, describe
+from llmtrain.launch.local import engine_module, resolve_recipe
+from llmtrain.launch.proctree import signals_to
+from llmtrain.launch.rundir import RunDir, create_run_dir, hostfile_text, new_run_id
+from llmtrain.launch.slurm_script import (JOB_SCRIPT, NODE_SCRIPT, SlurmOptions, check_run_dir, job_environment,
+                                          job_script, node_script)
+from llmtrain.launch.stream import (Display, LineRouter, LineSplitter, WorkerLogTailer, error_file_message,
+                                   failure_lines, interrupted_line, parse_failures, stats_summary)
+from llmtrain.plan.api import plan_recipe
+
+POLL_S = 0.1
+QUEUE_POLL_S = 0.5
+CANCEL_WAIT_S = 60.0
+PENDING_NOTE_S = 3.0  # a job still pending after this long: say why, once
+EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+def slurm_hostfile(nodes: int, per_node: int) -> Hostfile:
+    """The placement ``plan`` validates: ``nodes`` hosts the scheduler has not named yet."""
+    return Hostfile(tuple(HostEntry(host=f"slurm-node-{i}", slots=per_node) for i in range(nodes)), source="<slurm>")
+
+
+def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Path = "runs",
+                 nodes: int | None = None, gpus_per_node: int | None = None, partition: str | None = None,
+                 account: str | None = None, time_limit: str | None = None, slurm_args: tuple[str, ...] = (),
+                 dry_run: bool = False, console: Console | None = None,
+                 environ: Mapping[str, str] | None = None) -> int:
+    """Validate, submit one batch job, stream it, return its exit code (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    recipe = restore_env(resolve_recipe(recipe, overrides), environ, base_dir=os.getcwd())
+    n_nodes = nodes or recipe.cluster.nodes
+    per_node = gpus_per_node or recipe.cluster.gpus_per_node
+    opts = SlurmOptions(n_nodes, per_node, partition, account, time_limit, recipe.cluster.gpu != "cpu",
+                        tuple(slurm_args))
+    opts.check()
+    hostfile = slurm_hostfile(n_nodes, per_node)
+    plan_result = plan_recipe(recipe, hostfile)
+    if not plan_result.valid:
+        raise LLMTrainError(plan_result.validation.errors)
+    console = console or Console(highlight=False, soft_wrap=True)
+    say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
+    for warning in plan_result.validation.warnings:
+        say(f"warning: {warning.line()}", "yellow")
+    name = recipe.name or "run"
+    labels = [(f"node {i} of the allocation", per_node) for i in range(n_nodes)]
+    module = engine_module()
+    if dry_run:
+        run_id = new_run_id()
+        run_dir = str((Path(runs_root) / name / run_id).absolute())
+        plan = build_plan("slurm", recipe, labels, run_id, run_dir, module, "$MASTER_ADDR", environ)
+        redact = Redactor(plan.policy)
+        say(f"# {run_dir}/slurm/{JOB_SCRIPT}")
+        for line in job_script(plan, opts).splitlines():
+            say(redact(line))
+        say(f"# {run_dir}/slurm/{NODE_SCRIPT}")
+        for line in node_script(plan).splitlines():
+            say(redact(line))
+        for line in describe(plan):
+            say(redact(line))
+        say("dry run: nothing was created or submitted, no Slurm command ran (the partition and --nodes are "
+            "checked at launch; a real launch draws its own run id)")
+        return 0
+    check_run_dir(str((Path(runs_root) / name).absolute()))
+    slurmctl.check_clients()
+    part = slurmctl.check_partition(partition, n_nodes, environ)
+    policy = policy_env(recipe.launch, environ, base_dir=os.getcwd())
+    run = create_run_dir(lock_recipe(recipe, policy, os.getcwd()), hostfile, runs_root)  # no value reaches disk
+    run_dir = str(run.path.absolute())
+    plan = build_plan("slurm", recipe, labels, run.run_id, run_dir, module, "$MASTER_ADDR", environ)
+    script = write_scripts(run, plan, opts)
+    job_id = slurmctl.submit(str(script), job_environment(plan, environ))
+    say(f"run dir {run_dir}: {plan.world_size} ranks on {n_nodes} node(s); submitted Slurm job {job_id} "
+        f"(partition {part.name})")
+    return SlurmRun(run, plan, job_id, console, environ).run()
+
+
+def write_scripts(run: RunDir, plan: LaunchPlan, opts: SlurmOptions) -> Path:
+    """``slurm/job.sbatch``, ``slurm/node.sh``, ``logs/commands.txt`` (masked); the job script's path."""
+    folder = run.path / "slurm"
+    folder.mkdir()
+    (run.logs / "slurm").mkdir()
+    (folder / NODE_SCRIPT).write_text(node_script(plan))
+    script = folder / JOB_SCRIPT
+    script.write_text(job_script(plan, opts))
+    lines = [f"# node {n.node_rank} ({n.rank_span}): env {' '.join(shell_assignments(n.env, masked='disk'))}"
+             for n in plan.nodes]
+    (run.logs / "commands.txt").write_text("\n".join(lines) + "\n")
+    return script
+
+
+class _FileLines:
+    """Whole new lines of a file that another machine appends to (srun's per-node output)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.splitter = path, 0, LineSplitter()
+
+    def read(self, final: bool = False) -> list[str]:
+        try:
+            with open(self.path, "rb") as fp:
+                fp.seek(self.offset)
+                data = fp.read()
+        except OSError:
+            data = b""
+        self.offset += len(data)
+        return (self.splitter.feed(data) if data else []) + (self.splitter.flush() if final else [])
+
+
+class SlurmRun:
+    """One submitted job: its streamed logs, its end, its cancellation."""
+
+    def __init__(self, run: RunDir, plan: LaunchPlan, job_id: str, console: Console, environ: Mapping[str, str]):
+        self.run_dir, self.plan, self.job_id, self.environ = run, plan, job_id, environ
+        self.redact = Redactor(plan.policy)
+        self.stats = RunStats()
+        self.display = Display(console, label=run.name)
+        self.routers = [LineRouter(run.logs, self.display, self.stats, host=f"node-{n.node_rank}",
+                                   launcher_log=f"node-{n.node_rank}.log") for n in plan.nodes]
+        self.tailers = [WorkerLogTailer(Path(n.log_dir), n.nproc, n.node_rank) for n in plan.nodes]
+        self.outputs = [_FileLines(Path(n.output_log)) for n in plan.nodes]
+        self.job_out = _FileLines(run.logs / "slurm" / "job.out")
+        self.hosts: list[str] = []
+        self.signals: list[int] = []
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals.append(signum)
+
+    def run(self) -> int:
+        for router, node in zip(self.routers, self.plan.nodes):
+            router.create_logs(node.ranks)
+        finished = False
+        try:
+            with signals_to(self._on_signal):
+                code = self._watch()
+                finished = True
+                return code
+        finally:
+            if not finished:  # a launcher error or KeyboardInterrupt: never leave the job behind
+                slurmctl.cancel(self.job_id, self.environ)
+            for router in self.routers:
+                router.close()
+            self.display.stop()
+
+    def _watch(self) -> int:
+        self.display.start()
+        state, last_poll, started, told_pending, t0 = "PENDING", 0.0, False, False, time.monotonic()
+        while True:
+            if self.signals:
+                return self._cancel(self.signals[0])
+            if time.monotonic() - last_poll >= QUEUE_POLL_S:
+                last_poll = time.monotonic()
+                state = slurmctl.queue_state(self.job_id, self.environ)
+                if state is not None and state != "PENDING" and not started:
+                    started = self._learn_hosts()
+                elif state == "PENDING" and not told_pending and time.monotonic() - t0 > PENDING_NOTE_S:
+                    told_pending = True
+                    reason = slurmctl.job_fields(self.job_id, self.environ).get("Reason", "?")
+                    self.display.line(f"[slurm] job {self.job_id} is pending (Reason={reason}); Ctrl-C cancels it")
+                if state is None:
+                    break
+            self._pump(nodes=started)  # node lines wait until their host is known: never "[node-0:0]"
+            time.sleep(POLL_S)
+        fields = slurmctl.job_fields(self.job_id, self.environ)
+        if not started:
+            self._learn_hosts(fields)
+        time.sleep(0.2)  # the nodes' last writes (shared storage) before the final read
+        self._pump(final=True)
+        code = slurmctl.exit_code(fields)
+        job_state = fields.get("JobState", "UNKNOWN")
+        if code is None:
+            self.display.line(f"[launcher] Slurm no longer knows job {self.job_id}: its exit code is lost")
+            code = 1
+        elif code == 0 and job_state != "COMPLETED":
+            code = 1  # e.g. NODE_FAIL, TIMEOUT with a clean step
+        self._summary(code, job_state)
+        return code
+
+    def _learn_hosts(self, fields: Mapping[str, str] | None = None) -> bool:
+        """Name each node's lines by its host once Slurm has placed the job."""
+        fields = slurmctl.job_fields(self.job_id, self.environ) if fields is None else fields
+        hosts = slurmctl.hostnames(fields.get("NodeList", ""), self.environ)
+        if len(hosts) != len(self.plan.nodes):
+            return False
+        self.hosts = hosts
+        for router, host in zip(self.routers, hosts):
+            router.host = host
+        self.run_dir.hostfile.write_text(hostfile_text(Hostfile(tuple(
+            HostEntry(host=h, slots=n.nproc) for h, n in zip(hosts, self.plan.nodes)))))
+        self.display.line(f"[slurm] job {self.job_id} running on {', '.join(hosts)}")
+        return True
+
+    def _pump(self, final: bool = False, nodes: bool = True) -> None:
+        for line in self.job_out.read(final):
+            self.display.stream_line(f"[slurm] {self.redact(line)}")
+        if not nodes:
+            return
+        for router, tailer, output in zip(self.routers, self.tailers, self.outputs):
+            for rank, stream, line in tailer.poll(final=final):
+                router.rank_line(rank, stream, self.redact(line))
+            for line in output.read(final):
+                router.launcher_line(self.redact(line))
+            router.flush()
+
+    def _cancel(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        self.display.line(f"[launcher] {name} received: cancelling Slurm job {self.job_id} (scancel)")
+        if signum == signal.SIGINT:
+            self.display.mute()
+        problem = slurmctl.cancel(self.job_id, self.environ)
+        if problem:
+            self.display.line(f"[launcher] scancel {self.job_id} failed: {problem}")
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        while slurmctl.queue_state(self.job_id, self.environ) is not None and time.monotonic() < deadline:
+            self._pump()
+            time.sleep(0.2)
+        gone = slurmctl.queue_state(self.job_id, self.environ) is None
+        self._pump(final=True)
+        code = EXIT_FOR_SIGNAL.get(signum, 128 + signum)
+        if signum == signal.SIGINT:
+            self.display.line(interrupted_line("SIGINT", code, self.plan.world_size, len(self.plan.nodes), None,
+                                               self.stats, self.run_dir.logs, self.display.hidden))
+        else:
+            self.display.line(f"== run stopped by {name}: exit code {code}; Slurm job {self.job_id} cancelled")
+        if not gone:
+            self.display.line(f"[launcher] job {self.job_id} still listed by squeue after {CANCEL_WAIT_S:g} s")
+        return code
+
+    def _summary(self, code: int, job_state: str) -> None:
+        say = self.display.line
+        say(f"== run {'finished' if code == 0 else 'failed'}: exit code {code} (Slurm job {self.job_id}: {job_state})")
+        say("   " + stats_summary(self.stats))
+        say(f"   run dir: {self.run_dir.path}")
+        if code == 0:
+            return
+        for node, router in zip(self.plan.nodes, self.routers):
+            failures = parse_failures(router.launcher_lines)
+            host = self.hosts[node.node_rank] if self.hosts else router.host
+            for line in failure_lines(failures, router.rank_tails, self.run_dir.rank_log,
+                                      lambda f: self.redact(error_file_message(f.error_file) or "") or None, host=host):
+                say(line)
+
+
+__all__ = ["launch_slurm", "slurm_hostfile", "write_scripts", "SlurmRun"]

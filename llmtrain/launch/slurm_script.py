@@ -1,0 +1,157 @@
+"""The two files a Slurm launch writes into the run directory, rendered from the launch plan.
+
+``RUN_DIR/slurm/job.sbatch`` is what ``sbatch --parsable`` submits, as is (a user can read it,
+and resubmit it by hand with the same environment)::
+
+    #!/bin/bash
+    #SBATCH --job-name=llmtrain-debug
+    #SBATCH --nodes=2
+    #SBATCH --ntasks-per-node=1
+    #SBATCH --partition=debug                  # --partition, --account, --time, --gpus-per-node when given
+    #SBATCH --output=RUN_DIR/logs/slurm/job.out
+    #SBATCH --open-mode=append
+    #SBATCH --export=ALL
+    #SBATCH ...                                # each --slurm-arg, verbatim
+    # environment (from llmtrain's policy; values are not written here): GLOO_SOCKET_IFNAME HF_TOKEN
+    MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+    export MASTER_ADDR
+    exec srun --kill-on-bad-exit=1 --nodes=2 --ntasks=2 --ntasks-per-node=1 \\
+        --output=RUN_DIR/logs/slurm/node-%n.out /bin/sh RUN_DIR/slurm/node.sh
+
+``RUN_DIR/slurm/node.sh`` is the one srun task per node: a ``case`` on ``$SLURM_NODEID`` (0 is
+the first host of the allocation, the order of ``scontrol show hostnames``) with each node's
+exact command from the plan, ``cd WORKDIR && exec env LLMTRAIN_...=... PYTHON -m
+torch.distributed.run ... --rdzv-endpoint "$MASTER_ADDR":PORT --node-rank I ...``.
+
+Decisions:
+
+* **Secret values never reach these files.** Only the launcher's own variables (run ids,
+  paths) are written; the env policy's variables reach the job through sbatch's environment
+  (``--export=ALL``), which the launcher builds in memory (:func:`job_environment`). Slurm
+  itself keeps a job's environment in slurmctld's state directory while the job lives: that is
+  the scheduler's storage, not the run directory, and is how every Slurm job gets its variables.
+* **The job's environment is exactly the policy**, as over SSH: sbatch runs with a small base
+  (``PATH HOME USER LOGNAME SHELL LANG LC_* TZ TMPDIR``, the login environment an SSH node would
+  have), ``SLURM_CONF``, plus the policy. Nothing else of this machine's environment travels:
+  not ``SBATCH_*`` either (sbatch ranks its input variables above the script's ``#SBATCH``
+  lines, so an ``SBATCH_PARTITION`` in the shell would make the written script lie), nor the
+  ``SLURM_*`` of an enclosing allocation.
+* ``--kill-on-bad-exit=1``: the first rank that fails ends the step (its siblings get SIGTERM
+  within ~0.25 s), so one dead node never leaves the others waiting on a collective.
+* ``exec srun``: the job's exit code is srun's, which Slurm records as the job's ``ExitCode``.
+* One srun task per node (``--ntasks-per-node=1``) runs torchrun, which starts the node's ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.launch.launchplan import LaunchPlan, node_command
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,128}$")
+TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$|^\d+-\d{1,2}$|^(UNLIMITED|INFINITE)$")  # MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
+# options the script sets itself: a --slurm-arg repeating one would silently change the job
+OWN_OPTIONS = {"--nodes": "--nodes", "--ntasks-per-node": None, "--ntasks": None, "--output": None, "--error": None,
+               "--export": None, "--open-mode": None, "--job-name": None, "--partition": "--partition",
+               "--account": "--account", "--time": "--time", "--gpus-per-node": "--gpus-per-node"}
+BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR")
+JOB_SCRIPT, NODE_SCRIPT = "job.sbatch", "node.sh"
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the user asked Slurm for (``llmtrain launch --launcher slurm`` options)."""
+
+    nodes: int
+    gpus_per_node: int  # ranks per node (torchrun --nproc-per-node)
+    partition: str | None = None
+    account: str | None = None
+    time: str | None = None
+    request_gpus: bool = True  # emit --gpus-per-node (not for a CPU recipe: CPU nodes have no GPU GRES)
+    extra: tuple[str, ...] = field(default=())  # --slurm-arg, each one #SBATCH line
+
+    def check(self) -> None:
+        """Every option checked at once, before anything is written (each becomes an #SBATCH line)."""
+        from llmtrain.errors import Problem
+
+        problems = []
+        for flag, value in (("--partition", self.partition), ("--account", self.account)):
+            if value is not None and not NAME_RE.match(value):
+                problems.append(Problem(flag, f"{value[:60]!r} is not a Slurm name",
+                                        "use letters, digits and . _ + - (sinfo -s lists the partitions)"))
+        if self.time is not None and not TIME_RE.match(self.time):
+            problems.append(Problem("--time", f"{self.time[:60]!r} is not a Slurm time limit",
+                                    "write HH:MM:SS, MM or D-HH:MM:SS (sbatch --time)"))
+        for arg in self.extra:
+            if not arg.startswith("--") or any(ch in arg for ch in "\n\r\0") or len(arg) > 1000:
+                problems.append(Problem("--slurm-arg", f"{arg[:60]!r} is not one sbatch option",
+                                        "pass one long option per --slurm-arg, e.g. --slurm-arg=--qos=high"))
+            elif arg.split("=", 1)[0] in OWN_OPTIONS:
+                flag = arg.split("=", 1)[0]
+                own = OWN_OPTIONS[flag]
+                problems.append(Problem("--slurm-arg", f"{flag} is set by llmtrain's job script",
+                                        f"use llmtrain's {own} option" if own else "drop it (docs/launch.md, Slurm)"))
+        if problems:
+            raise LLMTrainError(problems)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """The run directory goes into #SBATCH lines, which sbatch splits at whitespace."""
+    if re.search(r"\s", run_dir):
+        raise LLMTrainError(f"the run directory {run_dir!r} contains whitespace, which #SBATCH lines cannot hold",
+                            "pass a --runs directory without spaces", path="--runs")
+
+
+def _pattern(path: str) -> str:
+    return path.replace("%", "%%")  # sbatch/srun file names: %j, %n, ... are patterns, %% is a literal %
+
+
+def job_script(plan: LaunchPlan, opts: SlurmOptions) -> str:
+    run = plan.run_dir
+    check_run_dir(run)
+    lines = ["#!/bin/bash",
+             f"# llmtrain: the Slurm job of run {plan.run_name}/{plan.run_id} (written by `llmtrain launch --launcher "
+             "slurm`, submitted as is with sbatch --parsable)",
+             f"#SBATCH --job-name=llmtrain-{plan.run_name}", f"#SBATCH --nodes={len(plan.nodes)}",
+             "#SBATCH --ntasks-per-node=1"]
+    for flag, value in (("partition", opts.partition), ("account", opts.account), ("time", opts.time)):
+        if value is not None:
+            lines.append(f"#SBATCH --{flag}={value}")
+    if opts.request_gpus:
+        lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
+    lines += [f"#SBATCH --output={_pattern(run)}/logs/slurm/job.out", "#SBATCH --open-mode=append", "#SBATCH --export=ALL"]
+    lines += [f"#SBATCH {arg}" for arg in opts.extra]
+    names = " ".join(v.name for v in plan.policy) or "(none)"
+    lines += [f"# environment (from llmtrain's policy; values are not written here): {names}",
+              'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+              "export MASTER_ADDR",
+              f"exec srun --kill-on-bad-exit=1 --nodes={len(plan.nodes)} --ntasks={len(plan.nodes)} --ntasks-per-node=1 "
+              f"--output={shlex.quote(_pattern(run) + '/logs/slurm/node-%n.out')} /bin/sh {shlex.quote(f'{run}/slurm/{NODE_SCRIPT}')}"]
+    return "\n".join(lines) + "\n"
+
+
+def node_script(plan: LaunchPlan) -> str:
+    lines = ["#!/bin/sh",
+             f"# llmtrain: what each node of the Slurm job of run {plan.run_name}/{plan.run_id} runs (one srun task per "
+             "node; node rank = $SLURM_NODEID, the order of `scontrol show hostnames`)",
+             'case "${SLURM_NODEID:-}" in']
+    for node in plan.nodes:
+        lines.append(f"{node.node_rank}) {node_command(node, node.launcher_vars())} ;;")
+    lines += [f'*) echo "llmtrain: unexpected SLURM_NODEID=${{SLURM_NODEID:-unset}} (this job has {len(plan.nodes)} '
+              'nodes)" >&2; exit 2 ;;', "esac"]
+    return "\n".join(lines) + "\n"
+
+
+def job_environment(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """sbatch's environment, hence the job's (``--export=ALL``): the base login variables and
+    Slurm's own from ``environ``, then the policy's variables with their values (in memory)."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items()
+           if k in BASE_ENV or k.startswith("LC_") or k == "SLURM_CONF"}
+    env.update({v.name: v.value for v in plan.policy})
+    return env
