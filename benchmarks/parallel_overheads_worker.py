@@ -11,6 +11,8 @@ micro batches), then per layout:
 
 - ``warmup`` rounds, then ``steps`` timed steps, the layouts stepped round-robin
   (``common.interleaved``; a barrier before each step; each rank's wall time);
+- per timed step also the main thread's wait in the gradient sync (``grad_sync``: zero 0/1,
+  the DP reduction that backward did not hide, plus writing the averages back);
 - ``profiled_steps`` more steps under ``torch.profiler`` (CPU activity), whose timelines are
   split per rank (and averaged over those steps) into
   **compute** (main-thread ``aten::`` ops that contain no collective), **comm** (time inside a
@@ -110,12 +112,12 @@ class Harness:
             if dims.cp > 1:
                 self.batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in self.batches]
         self.tp = dims.tp > 1
+        self.sync_times: list[float] = []  # seconds in grad_sync per step (every step run)
         self.bias_reduce = (lambda x: dist.all_reduce(x, group=self.dp_group)) if self.dp_size > 1 else None
 
     def forward_backward(self):
         if self.grad_sync is not None and self.overlap:  # as the trainer: arm the bucket hooks
-            self.grad_sync.expect_backwards(len(self.batches),
-                                            self.recipe.parallel.pp_schedule if self.schedule is not None else None)
+            self.grad_sync.expect_backwards(len(self.batches), self.schedule)
         if self.schedule is None:
             return accumulation_step(self.parts, self.batches, self.device, self.fsdp, self.tp, contextlib.nullcontext())
         loss = pipelined_step(self.parts, self.schedule, self.batches, self.device, self.tp, contextlib.nullcontext())
@@ -126,8 +128,10 @@ class Harness:
 
     def step(self) -> float:
         loss = self.forward_backward()
-        if self.grad_sync is not None:
+        t0 = time.perf_counter()
+        if self.grad_sync is not None:  # zero 0/1: what the main thread waits for the DP reduction
             self.grad_sync(self.params)
+        self.sync_times.append(time.perf_counter() - t0)
         clip_grads(self.params, self.recipe.train.grad_clip, self.pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -249,9 +253,11 @@ def main() -> None:
     times = common.interleaved({n: partial(timed_step, h) for n, h in harnesses.items()}, spec["steps"], spec["warmup"])
     results = {}
     for name, h in harnesses.items():
+        sync = h.sync_times[spec["warmup"]:]  # the timed steps' (warm-up steps come first)
         profiled = [profile_step(h) for _ in range(spec["profiled_steps"])]
         mine = {"rank": dist.get_rank(), "coords": h.dims.coord_dict(dist.get_rank()), "step_times_s": times[name],
-                "microbatches": h.grad_accum, "profiled": profiled,
+                "sync_times_s": sync, "microbatches": h.grad_accum, "profiled": profiled,
+                "comm_median_s": common.median([p["comm_s"] for p in profiled]),
                 **{k: sum(p[k] for p in profiled) / len(profiled) for k in profiled[0]}}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)

@@ -191,8 +191,12 @@ def run_case(recipe, device) -> dict:
             def pack(x):
                 if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
                     return x  # a weight (FSDP's all-gathered ones included), not an activation
+                # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
+                # unsharded storages exist only during forward, so they are looked up now
+                weights = param_storages(parts)
                 for st in storages_of(x):
-                    seen[st.data_ptr()] = st.nbytes()
+                    if st.data_ptr() not in weights:
+                        seen[st.data_ptr()] = st.nbytes()
                 return x
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):

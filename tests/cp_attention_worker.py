@@ -1,8 +1,12 @@
-"""Context-parallel attention against full causal attention on a long sequence (4 ranks).
+"""Context-parallel attention against full causal attention on a long sequence, CP 4 and CP 2.
 
-Every rank builds the same random fp64 q, k, v for the whole sequence, runs full causal SDPA
-as the reference, then runs each CP method on its own shard (zigzag for ring, contiguous for
-the others) and compares its outputs and the gradients of its shard of q, k, v.
+One 4-rank job covers both degrees: the 4 ranks form one CP 4 group, and also two CP 2 groups
+({0, 1} and {2, 3}) that each run the whole sequence independently. Every rank builds the same
+random fp64 q, k, v for the whole sequence, runs full causal SDPA as the reference, then runs
+each CP method on its own shard (zigzag for ring, contiguous for the others) and compares its
+outputs and the gradients of its shard of q, k, v. The report holds the worst error over all
+ranks per (degree, method), and for ring also a bf16 run (the kernels' half-precision path:
+bf16 blocks, fp32 lse and merge) next to plain bf16 SDPA's error, both against fp64.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/cp_attention_worker.py OUT.json SEQ
 """
@@ -18,30 +22,55 @@ import torch.nn.functional as F
 
 from llmtrain.engine.parallel.context import cp_positions, make_cp_attention
 
+METHODS = ("ring", "ulysses", "allgather")
+
+
+def _errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads, dtype=None):
+    """Worst |difference| of the output and the q/k/v gradients of this rank's shard."""
+    q, k, v, dout = inputs
+    pos = cp_positions(seq, cp, cp_rank, method)
+    cast = (lambda t: t.to(dtype)) if dtype else (lambda t: t)
+    local = [cast(t.index_select(2, pos)).requires_grad_() for t in (q, k, v)]
+    out = make_cp_attention(method, group, cp, cp_rank, seq)(*local)
+    out.backward(cast(dout.index_select(2, pos)))
+    errors = [(out.double() - ref_out.index_select(2, pos)).abs().max().item()]
+    errors += [(t.grad.double() - g.index_select(2, pos)).abs().max().item() for t, g in zip(local, ref_grads)]
+    return max(errors)
+
+
+def _worst(value: float) -> float:
+    t = torch.tensor(value, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
 
 def main() -> None:
     out_path, seq = sys.argv[1], int(sys.argv[2])
     dist.init_process_group("gloo")
-    rank, cp = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(cp)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {world: (dist.new_group(list(range(world))), rank)}
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
+    groups[2] = (pairs[rank // 2], rank % 2)
     gen = torch.Generator().manual_seed(0)
     b, h, d = 1, 4, 16  # ulysses needs heads divisible by cp
-    q, k, v, dout = (torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for _ in range(4))
-    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    inputs = [torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for _ in range(4)]
+    ref_in = [t.clone().requires_grad_() for t in inputs[:3]]
     ref_out = F.scaled_dot_product_attention(*ref_in, is_causal=True)
-    ref_out.backward(dout)
+    ref_out.backward(inputs[3])
+    ref_out, ref_grads = ref_out.detach(), [t.grad for t in ref_in]
     report = {}
-    for method in ("ring", "ulysses", "allgather"):
-        pos = cp_positions(seq, cp, rank, method)
-        local = [t.index_select(2, pos).clone().requires_grad_() for t in (q, k, v)]
-        fn = make_cp_attention(method, group, cp, rank, seq)
-        out = fn(*local)
-        out.backward(dout.index_select(2, pos))
-        errors = [(out - ref_out.detach().index_select(2, pos)).abs().max().item()]
-        errors += [(t.grad - r.grad.index_select(2, pos)).abs().max().item() for t, r in zip(local, ref_in)]
-        worst = torch.tensor(max(errors), dtype=torch.float64)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        report[method] = worst.item()
+    for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
+        for method in METHODS:
+            report[f"cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads))
+    group, cp_rank = groups[world]
+    report["bf16_ring"] = _worst(_errors("ring", group, world, cp_rank, seq, inputs, ref_out, ref_grads,
+                                         torch.bfloat16))
+    plain = [t.to(torch.bfloat16).requires_grad_() for t in inputs[:3]]
+    out = F.scaled_dot_product_attention(*plain, is_causal=True)
+    out.backward(inputs[3].to(torch.bfloat16))
+    errors = [(out.double() - ref_out).abs().max().item()]
+    errors += [(t.grad.double() - g).abs().max().item() for t, g in zip(plain, ref_grads)]
+    report["bf16_sdpa"] = max(errors)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f)

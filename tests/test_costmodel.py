@@ -84,6 +84,51 @@ def test_zero_bubble_h1_is_a_third_of_1f1b():
     assert bubble_fraction("dualpipev", 16, 2, 120) == pytest.approx(15 / 360)  # (p - 1) / (3 m)
 
 
+@pytest.mark.parametrize("schedule, pp, v, m", [
+    ("interleaved-1f1b", 4, 2, 8), ("interleaved-1f1b", 4, 3, 16), ("zero-bubble", 4, 2, 8), ("zero-bubble", 2, 2, 8),
+    ("zbv", 4, 2, 8), ("dualpipev", 3, 2, 12), ("1f1b", 4, 1, 8),
+])
+def test_gradient_ready_is_the_simulated_schedule(schedule, pp, v, m):
+    """The DP buckets' readiness per chunk (plan/schedule.py gradient_ready) equals the simulated
+    timeline exactly: the end of each stage's last B (W when split) before the rank's last op, in
+    single-chunk backwards (2 units)."""
+    from llmtrain.plan.schedule import V_SHAPED, gradient_ready
+
+    tl = simulate(schedule, pp, v, m)
+    split = schedule in ("zero-bubble", *V_SHAPED)
+    for r in range(pp):
+        mine = [s for s in tl.slots if s.rank == r]
+        end = max(s.end for s in mine)
+        leads = sorted(((end - max(s.end for s in mine if s.op.stage == st and s.op.kind == ("W" if split else "B"))) / 2
+                        for st in {s.op.stage for s in mine}), reverse=True)
+        assert [lead for lead, _ in gradient_ready(schedule, pp, r, v)] == pytest.approx(leads), (schedule, r)
+
+
+def test_bucketed_dp_exposure_without_and_with_pipeline_chunks():
+    """One chunk: ``max(last bucket, seconds - t_b)`` (the formula before PP overlap). Two hooked
+    chunks (interleaved, pp 4): the first chunk's share hides behind the 4 backwards after it, so
+    only what the last chunk's share exceeds its last backward is exposed; zero-bubble's unhooked
+    chunks (pp rank 1) start only after their last weight pass: the last one's whole share and what
+    the first one's outlasts the 2 backwards after it are exposed. Hand-computed, exact."""
+    from llmtrain.plan.comm import Comm
+    from llmtrain.plan.schedule import gradient_ready
+    from llmtrain.plan.steptime import bucketed_exposed
+
+    def comm(ready):
+        c = Comm("dp", "all-reduce", 2, 100e6, 1, "network", 1.0, "step-overlap", bucket_bytes=1e6)
+        c.ready = ready
+        return c
+
+    assert bucketed_exposed(comm(gradient_ready(None, 1, 0, 1)), 0.4) == pytest.approx(0.6)
+    assert bucketed_exposed(comm(gradient_ready(None, 1, 0, 1)), 2.0) == pytest.approx(0.01)  # the last bucket
+    # interleaved pp 4, 2 chunks, t_b 0.4: b = 0.2 per chunk; chunk 1 (0.5 s) starts 1.0 s before the end
+    # and is done 0.5 s before it; chunk 0 starts 0.2 s before the end: exposed 0.5 - 0.2 = 0.3
+    assert bucketed_exposed(comm(gradient_ready("interleaved-1f1b", 4, 1, 2)), 0.4) == pytest.approx(0.3)
+    # zero-bubble, pp rank 1, no hooks: chunk 1's 0.5 s start 2 backwards (0.4 s) before the end and
+    # end 0.1 s after it; chunk 0's 0.5 s follow: exposed 0.6
+    assert bucketed_exposed(comm(gradient_ready("zero-bubble", 4, 1, 2)), 0.4) == pytest.approx(0.6)
+
+
 # ---- the plan carries the cost model ---------------------------------------------------------------
 def _plan(path: str, overrides: list[str] | None = None, nodes=None, gpus=None):
     return plan_recipe(load_recipe(REPO / path, overrides), None, nodes, gpus)
@@ -117,7 +162,8 @@ def test_invalid_plan_has_null_cost_keys():
 def test_text_shows_memory_time_and_mfu_and_what_to_change():
     text = render_text(plan_to_dict(_plan("recipes/llama3-405b.yaml")))
     assert "Memory peak" in text and "does not fit" in text and "MFU" in text and "tokens/s/GPU" in text
-    assert "to fit: --set train.activation_checkpointing=full" in text  # the engine's selective policy keeps too much
+    # selective recomputation (80 GiB since the row-parallel partial sums are no longer kept) still does not fit
+    assert "to fit: --set" in text and "--set train.activation_checkpointing=full ->" in text
     assert "Communication per step" in text and "nvlink" in text and "network" in text
 
 
@@ -152,10 +198,15 @@ CASES = {
     "hsdp": ["parallel.zero=3", "parallel.dp_replicate=2"],
     "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
     "tp2_sp_selective": ["parallel.tp=2", "train.activation_checkpointing=selective"],
+    # selective keeps wo's reduced output, not its partial sum, and nothing of w2 (engine/parallel/checkpointing.py)
+    "tp2_selective": ["parallel.tp=2", "parallel.sequence_parallel=false", "train.activation_checkpointing=selective"],
+    "zero1_selective": ["parallel.zero=1", "train.activation_checkpointing=selective"],
     "tp2_fsdp2": ["parallel.tp=2", "parallel.zero=3"],
     "zero3_full": ["parallel.zero=3", "train.activation_checkpointing=full"],
     "moe_ep2_zero1": MOE + ["parallel.zero=1", "parallel.ep=2"],
+    "moe_tp2_zero3": MOE + ["parallel.zero=3", "parallel.tp=2"],  # expert-TP (experts F / tp) under FSDP, SP
     "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
+    "cp2_allgather": ["parallel.cp=2", "parallel.cp_method=allgather"],  # kernel blocks: no [s, S] mask held
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
                               "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
     # LoRA (engine/finetune/lora.py): frozen base (parameters only), adapters with gradients and AdamW

@@ -19,7 +19,10 @@ all three kernel sets (~13x margin), and a RoPE position shifted by one on one c
 1.5e-2 (earlier real bugs, with eps 1e-8: >= 5e-3, e.g. 5.4e-3 for EP without the 1/ep).
 MoE cases use bias balancing with a sigmoid router: the bias update sums token counts over all
 data ranks, so it is layout-independent (the auxiliary loss is per rank and micro-batch by
-design and would not be).
+design and would not be). Expert-TP (experts split over tp, engine/parallel/expert.py) is in
+every MoE case with tp 2; ``tp2_moe_aux`` keeps the auxiliary loss (softmax router, the preset's
+default), which is layout-independent there because TP ranks route the same tokens and dp is 1:
+it checks the 1 / tp aux-loss seed and the router gradient summed over TP.
 """
 
 from __future__ import annotations
@@ -54,18 +57,28 @@ CASES = {
     **{f"cp2_{m}": (2, "dense", ["parallel.cp=2", f"parallel.cp_method={m}"]) for m in ("ring", "ulysses", "allgather")},
     "ep2_dp2_moe": (2, "moe", MOE + ["parallel.ep=2", "parallel.zero=3"]),
     "tp2": (2, "dense", ["parallel.tp=2"]),
+    "tp2_moe_aux": (2, "moe_aux", ["model.preset=debug-moe", "parallel.tp=2"]),  # expert-TP + SP, aux loss
+    # expert-TP on the 2-D (ep, tp) mesh with the zero-1 expert optimizer, without SP (copy / sum region)
+    "tp2_ep2_moe_zero1": (4, "moe", MOE + ["parallel.tp=2", "parallel.ep=2", "parallel.zero=1",
+                                            "parallel.sequence_parallel=false"]),
     "dp2_fsdp": (2, "dense", ["parallel.zero=3"]),
+    # zero 3 with 2 micro batches reducing after each one (parallel.fsdp_reduce_each_microbatch)
+    "dp2_fsdp_reduce_each": (2, "dense", ["parallel.zero=3", "parallel.fsdp_reduce_each_microbatch=true"]),
     # PP at 4 stages; zero-bubble schedules with FSDP (trap 3)
     "pp4_1f1b": (4, "deep", DEEP + pp("1f1b", 4)),
     "pp4_interleaved": (4, "deep", DEEP + pp("interleaved-1f1b", 4)),
     "pp2_zero-bubble_fsdp2": (4, "dense", pp("zero-bubble") + ["parallel.zero=3"]),
     "pp2_zbv_fsdp2": (4, "dense", pp("zbv") + ["parallel.zero=3"]),
     "pp2_dualpipev_fsdp2": (4, "dense", pp("dualpipev") + ["parallel.zero=3", "train.micro_batch_size=1"]),
-    # issue 16: zero 0 under PP x dp 2 with small buckets: 1f1b starts buckets in the last micro
-    # batch's backward (the schedule's 1/m applied at finish); interleaved-1f1b (wrong when the
-    # overlap was armed) and zbv keep the post-backward path
+    # issue 16: zero 0/1 under PP x dp 2 with small buckets, overlap armed on every schedule:
+    # 1f1b and interleaved-1f1b start buckets in each stage's last backward (hooks), the
+    # zero-bubble family at each stage's REDUCE_GRAD; the schedule's per-stage 1/m accounted for
+    # (engine/parallel/grad_buckets.py)
     "pp2_dp2_1f1b_bucketed": (4, "dense", pp("1f1b") + ["parallel.dp_bucket_mb=0.1"]),
     "pp2_dp2_interleaved_bucketed": (4, "dense", pp("interleaved-1f1b") + ["parallel.dp_bucket_mb=0.1"]),
+    "pp2_dp2_interleaved_bucketed_zero1": (4, "dense", pp("interleaved-1f1b") + ["parallel.dp_bucket_mb=0.1",
+                                                                                "parallel.zero=1"]),
+    "pp2_dp2_zero-bubble_bucketed": (4, "dense", pp("zero-bubble") + ["parallel.dp_bucket_mb=0.1"]),
     "pp2_dp2_zbv_bucketed": (4, "dense", pp("zbv") + ["parallel.dp_bucket_mb=0.1"]),
     # 8-rank compositions (with activation checkpointing on some)
     "pp2_tp2_dp2": (8, "dense", pp("1f1b") + ["parallel.tp=2", "parallel.zero=3", "train.activation_checkpointing=full",
@@ -78,7 +91,9 @@ CASES = {
     "pp2_dp2_cp2_tp2_ep2_moe": (16, "moe", MOE + pp("1f1b") + ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
                                                                "parallel.zero=3", "train.micro_batch_size=1"]),
 }
-REFS = {"dense": [], "moe": MOE, "deep": DEEP}
+REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"]}
+# checks run inside the same jobs (dist_worker "check" cases): world size -> cases
+CHECKS = {2: [{"name": "pp_bf16_kernels", "check": "tests.pp_precision_check:stage_matmul_dtypes"}]}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +102,7 @@ def results(tmp_path_factory):
     refs = run_cases(tmp, 1, "recipes/debug.yaml", [{"name": k, "set": v} for k, v in REFS.items()], STEPS, COMMON)
     out = {}
     for world in sorted({w for w, _, _ in CASES.values()}):
-        cases = [{"name": k, "set": v} for k, (w, _, v) in CASES.items() if w == world]
+        cases = [{"name": k, "set": v} for k, (w, _, v) in CASES.items() if w == world] + CHECKS.get(world, [])
         out.update(run_cases(tmp, world, "recipes/debug.yaml", cases, STEPS, COMMON, timeout=900))
     return refs, out
 
@@ -108,10 +123,27 @@ def test_5d_layout_matches_single_process(results, case):
     assert norm_diff <= 1e-5, f"{case}: grad norm differs by {norm_diff:.2e} (relative)"
 
 
+def test_pp_stages_compute_in_bf16(results):
+    """precision bf16 with PP (zero 0/1: autocast around the schedule; gpipe, 1f1b, interleaved,
+    zbv with full recomputation): every SDPA runs in bf16 and no matmul runs in fp32 that does not
+    also run in fp32 without PP (tests/pp_precision_check.py; without autocast the stages' q/k/v,
+    MLP and attention kernels appear here in fp32). Exact: dtypes, no tolerance."""
+    found = dict(results[1]["pp_bf16_kernels"])
+    reference = set(found.pop("nopp_zero1")["fp32"])
+    assert found
+    for layout, kernels in found.items():
+        assert "mm:bfloat16" in kernels["kernels"], layout
+        assert not any(k.startswith("_scaled_dot_product") and not k.endswith("bfloat16") for k in kernels["kernels"]), layout
+        assert set(kernels["fp32"]) <= reference, f"{layout}: fp32 kernels {sorted(set(kernels['fp32']) - reference)}"
+
+
 def test_cp4_ring_long_sequence_matches_full_attention(tmp_path):
-    """CP 4 on 4096 tokens: outputs and q/k/v gradients of every method equal full causal
-    attention. fp64, so the tolerance 1e-10 is ~1e6 x machine epsilon: the only difference is
-    summation order (online-softmax merge across 8 zigzag chunks)."""
+    """CP 4 and CP 2 (two 2-rank groups inside the same 4-rank job) on 4096 tokens: outputs and
+    q/k/v gradients of every method equal full causal attention. fp64, so the tolerance 1e-10 is
+    ~1e6 x machine epsilon: the only difference is summation order (log-sum-exp merges of the
+    kernel blocks; measured ~2e-14). bf16 ring: within 2x of plain bf16 SDPA's own error against
+    fp64 (both round the inputs to bf16; the ring also rounds each block's output to bf16 before
+    its fp32 merge, measured 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails."""
     out = tmp_path / "cp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -119,6 +151,8 @@ def test_cp4_ring_long_sequence_matches_full_attention(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(out.read_text())
-    assert set(report) == {"ring", "ulysses", "allgather"}
-    for method, err in report.items():
-        assert err < 1e-10, f"{method}: max error {err:.2e}"
+    fp64 = {f"cp{cp}_{m}" for cp in (2, 4) for m in ("ring", "ulysses", "allgather")}
+    assert set(report) == fp64 | {"bf16_ring", "bf16_sdpa"}
+    for case in fp64:
+        assert report[case] < 1e-10, f"{case}: max error {report[case]:.2e}"
+    assert 0 < report["bf16_ring"] <= 2 * report["bf16_sdpa"], report

@@ -26,3 +26,65 @@ def test_grouped_gemm_matches_loop():
 def test_grouped_gemm_only_on_cuda_bf16():
     assert not use_grouped_mm(torch.zeros(2, 2))
     assert not use_grouped_mm(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+class _LocalRegion:
+    """Stands in for ExpertTPRegion on one process: the collectives become sums done by the test."""
+
+    def enter(self, x):
+        return x
+
+    def exit(self, out):
+        return out
+
+    def replicated(self, w):
+        return w
+
+
+def test_expert_tp_partial_sums_equal_the_whole_moe():
+    """The convention expert-TP relies on (engine/parallel/expert.py): inside the region every
+    output and gradient is a partial sum over the TP ranks. Two halves of every routed and shared
+    expert's F (what tp 2 ranks hold), each with a 1/2 aux-loss seed, must add up to the whole
+    block: output, input gradient and router gradient (summed), expert gradients (concatenated).
+    The aux loss is on (debug-moe preset) so its seed share is checked. fp32; the only difference
+    is summation order over F, so 1e-5 (outputs ~1e-1) is ~100x the rounding seen."""
+    from llmtrain.engine.models.moe import MoE
+    from llmtrain.recipe.schema import ModelConfig
+
+    cfg = ModelConfig(preset="debug-moe")
+    torch.manual_seed(0)
+    full = MoE(cfg)
+    for p in full.parameters():
+        p.data.normal_(std=0.1)
+    f = cfg.expert_ffn
+    halves = []
+    for r in range(2):
+        part = MoE(cfg)
+        sl = slice(r * f // 2, (r + 1) * f // 2)
+        with torch.no_grad():
+            part.router.weight.copy_(full.router.weight)
+            part.experts.w1 = torch.nn.Parameter(full.experts.w1[:, sl].clone())
+            part.experts.w3 = torch.nn.Parameter(full.experts.w3[:, sl].clone())
+            part.experts.w2 = torch.nn.Parameter(full.experts.w2[:, :, sl].clone())
+            part.shared.w1.weight = torch.nn.Parameter(full.shared.w1.weight[sl].clone())
+            part.shared.w3.weight = torch.nn.Parameter(full.shared.w3.weight[sl].clone())
+            part.shared.w2.weight = torch.nn.Parameter(full.shared.w2.weight[:, sl].clone())
+        part.tp_region, part.aux_grad_share = _LocalRegion(), 0.5
+        halves.append(part)
+    x = torch.randn(2, 16, cfg.hidden)
+    g = torch.randn(2, 16, cfg.hidden)
+    xs = [x.clone().requires_grad_(True) for _ in range(3)]
+    want = full(xs[0])
+    (want * g).sum().backward()
+    outs = [half(xi) for half, xi in zip(halves, xs[1:])]
+    for out in outs:
+        (out * g).sum().backward()
+    tol = dict(rtol=0, atol=1e-5)
+    assert torch.allclose(outs[0] + outs[1], want, **tol)
+    assert not torch.allclose(outs[0], want, **tol)  # each half alone is a partial sum
+    assert torch.allclose(xs[1].grad + xs[2].grad, xs[0].grad, **tol)
+    router = halves[0].router.weight.grad + halves[1].router.weight.grad
+    assert torch.allclose(router, full.router.weight.grad, **tol)
+    assert torch.allclose(torch.cat([h.experts.w1.grad for h in halves], 1), full.experts.w1.grad, **tol)
+    assert torch.allclose(torch.cat([h.experts.w2.grad for h in halves], 2), full.experts.w2.grad, **tol)
+    assert torch.allclose(torch.cat([h.shared.w2.weight.grad for h in halves], 1), full.shared.w2.weight.grad, **tol)

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _ComputationType
 
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.optim import is_expert_param, make_adamw, param_groups
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
-from llmtrain.engine.parallel.grad_buckets import OVERLAP_SCHEDULES, BucketedGradReducer
+from llmtrain.engine.parallel.grad_buckets import BucketedGradReducer
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import ModelParts
 from llmtrain.recipe.schema import Recipe
@@ -50,31 +51,66 @@ class CombinedOptimizer:
 class GradSync:
     """The trainer's ``grad_sync``: one reducer per group of ranks (dense, and expert with EP).
 
-    ``expect_backwards(n, pipeline)`` before a step's forward/backward arms the overlap (n =
-    micro batches; under PP only for gpipe / 1f1b, and the schedule's ``1 / n`` is accounted for,
-    see parallel/grad_buckets.py); calling it waits for every reduction and leaves averaged
-    gradients. Without the arming call (other callers) every bucket starts at the call."""
+    ``expect_backwards(n, schedule)`` before a step's forward/backward arms the overlap (n =
+    micro batches; ``schedule``: the torch pipeline schedule under PP, whose ``1 / n`` is
+    accounted for, see parallel/grad_buckets.py); calling it waits for every reduction and
+    leaves averaged gradients. Without the arming call (other callers) every bucket starts at
+    the call.
+
+    Multi-stage schedules (interleaved, zero-bubble, V-shaped) run torch's
+    ``_PipelineScheduleRuntime``; its ``REDUCE_GRAD`` action (one per stage, right after the
+    stage's last backward) is replaced, once per schedule, by torch's own
+    ``perform_reduce_grad`` followed by :meth:`BucketedGradReducer.stage_done`, so that a stage
+    whose weight gradients no hook reports (zero-bubble's weight pass) still starts its buckets
+    before the schedule ends. A schedule type without that API (another torch version) keeps
+    the post-backward path: nothing is armed, every bucket starts at the call."""
 
     def __init__(self, reducers: list):
         self.reducers = reducers
 
-    def expect_backwards(self, n: int, pipeline: str | None = None) -> None:
-        """Arm for ``n`` backward passes; ``pipeline``: the PP schedule's name (None without PP)."""
-        if pipeline is not None and pipeline not in OVERLAP_SCHEDULES:
-            return  # post-backward path (parallel/grad_buckets.py says why)
+    def expect_backwards(self, n: int, schedule=None) -> None:
+        """Arm for ``n`` backward passes; ``schedule``: the PP schedule object (None without PP)."""
+        rescale = 1
+        if schedule is not None:
+            if not (isinstance(schedule, PipelineScheduleSingle) or self._attach(schedule)):
+                return  # post-backward path (the docstring)
+            rescale = n if getattr(schedule, "scale_grads", True) else 1
         for r in self.reducers:
             if hasattr(r, "expect_backwards"):
-                r.expect_backwards(n, n if pipeline is not None else 1)
+                r.expect_backwards(n, rescale)
+
+    def _attach(self, schedule) -> bool:
+        """Route ``schedule``'s per-stage REDUCE_GRAD through the reducers' ``stage_done``; False
+        when the schedule has no such action to hook."""
+        if getattr(schedule, "_llmtrain_grad_sync", None) is self:
+            return True
+        reduce_grad = getattr(_ComputationType, "REDUCE_GRAD", None)
+        if reduce_grad is None or not hasattr(schedule, "register_custom_function"):
+            return False
+        stages = {s.stage_index: s for s in schedule._stages}
+
+        def on_reduce_grad(action, _ctx) -> None:
+            stage = stages[action.stage_index]  # torch's own REDUCE_GRAD first (the 1 / n), then ours
+            stage.perform_reduce_grad(schedule._n_microbatches if schedule.scale_grads else 1)
+            for r in self.reducers:
+                if hasattr(r, "stage_done"):
+                    r.stage_done(action.stage_index)
+
+        schedule.register_custom_function(reduce_grad, on_reduce_grad)
+        schedule._llmtrain_grad_sync = self  # attached once (a marker on the schedule, not an id)
+        return True
 
     def __call__(self, _params=None) -> None:
         for r in self.reducers:
             r()
 
 
-def registration_order(parts: ModelParts, params: list) -> list:
-    """``params`` in the order the model parts register them (the buckets take it reversed)."""
+def registration_order(parts: ModelParts, params: list) -> tuple[list, list[int]]:
+    """``params`` in the order the model parts register them (the buckets take it reversed),
+    and the pipeline stage of each (buckets never span two stages)."""
     wanted = {id(p) for p in params}
-    return [p for part in parts.parts for p in part.parameters() if id(p) in wanted]
+    ordered = [(p, sid) for part, sid in zip(parts.parts, parts.stage_ids) for p in part.parameters() if id(p) in wanted]
+    return [p for p, _ in ordered], [sid for _, sid in ordered]
 
 
 def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: bool,
@@ -96,8 +132,11 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
     if overlap:
         bucket = int(recipe.parallel.dp_bucket_mb * 2**20)
         rdtype = torch.bfloat16 if recipe.parallel.reduce_dtype == "bf16" else None
-        grad_sync = GradSync([BucketedGradReducer(registration_order(parts, ps), g, n, bucket, rdtype)
-                              for g, n, ps in sets])
+        reducers = []
+        for g, n, ps in sets:
+            ordered, stages = registration_order(parts, ps)
+            reducers.append(BucketedGradReducer(ordered, g, n, bucket, rdtype, stages=stages))
+        grad_sync = GradSync(reducers)
     else:  # the post-backward path (benchmarks' "before")
         grad_sync = GradSync([partial(GradientAllReduce(g, n), ps) for g, n, ps in sets])
 

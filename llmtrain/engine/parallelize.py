@@ -2,7 +2,8 @@
 
 0. pipeline split (PP > 1): one model chunk per local stage (:mod:`.parallel.pipeline`);
 then for each chunk:
-1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh;
+1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh, MoE
+   experts included (expert-TP: each expert split over ``tp``);
 2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh, and expert
    parallelism (experts sharded over ``ep``, all-to-all dispatch);
    then LoRA adapters when ``train.lora`` (:mod:`.finetune.lora`: base weights frozen);
@@ -65,7 +66,8 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
     if meshes.dims.cp > 1:
         apply_context_parallel(model, meshes.cp, p.cp_method, t.seq_len)
     if meshes.dims.ep > 1:
-        apply_expert_parallel(model, meshes.ep)
+        # experts already split over tp (expert-TP) keep that split on the inner dim of (ep, tp)
+        apply_expert_parallel(model, meshes.ep_root["ep", "tp"] if meshes.dims.tp > 1 else meshes.ep)
     if t.lora is not None:  # adapters on the (TP-sharded) projections, everything else frozen
         apply_lora(model, t.lora, meshes.tp if meshes.dims.tp > 1 else None)
     apply_activation_checkpointing(model, t.activation_checkpointing)

@@ -162,9 +162,10 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         if dims.cp > 1:  # packed rows (4-tuples) never get here: plan refuses data.packing with cp > 1
             batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
         if grad_sync is not None:  # zero 0/1: reduce buckets during the last backward
-            grad_sync.expect_backwards(len(batches), recipe.parallel.pp_schedule if schedule is not None else None)
+            grad_sync.expect_backwards(len(batches), schedule)  # PP: the schedule's per-stage 1/n
         if schedule is None:
-            loss = accumulation_step(parts, batches, device, fsdp, tp, autocast, loss_fn)
+            delay_sync = fsdp and not recipe.parallel.fsdp_reduce_each_microbatch  # engine/step.py docstring
+            loss = accumulation_step(parts, batches, device, delay_sync, tp, autocast, loss_fn)
         else:
             loss = pipelined_step(parts, schedule, batches, device, tp, autocast)
             loss = loss if loss is not None else torch.zeros((), device=device)

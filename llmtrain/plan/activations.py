@@ -26,11 +26,14 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
   never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
   and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``;
 - SwiGLU with ``ffn_hidden`` f: w1 and w3 outputs, silu output, product: ``4 bsf e / t``;
-- MoE (replicated over TP: the full sequence on every TP rank): router input, the ``k`` token
+- MoE (the full sequence on every TP rank, experts' F / tp: expert-TP): router input, the ``k`` token
   copies gathered per expert, each expert's SwiGLU, the weighted outputs, shared experts and
   the fp32 routing tensors (:func:`moe_terms`);
 - selective recomputation (``engine/parallel/checkpointing.py``) keeps the block input and the
-  outputs of every matmul and of SDPA; full recomputation keeps the block input.
+  outputs of the matmuls and of SDPA, except the row-parallel ones: ``wo``'s output is kept
+  reduced under TP (``bsh e / n``; the partial sum is discarded) and ``w2``'s not at all (the
+  block output feeds only the next block, which keeps it as its input); full recomputation keeps
+  the block input.
 - LoRA (:func:`lora_layer_terms`): autograd saves a tensor only for a gradient it computes. A
   frozen projection saves nothing (its input gradient needs only the weight); a frozen norm weight
   drops the normalized input (kept only for the weight gradient); each adapter saves its input
@@ -146,11 +149,14 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
     q = bs * x.heads * x.head_dim // t
     kv = bs * x.kv_heads * x.head_dim // t
     lse = LSE * x.b * (x.heads // t) * x.s
-    if recompute == "selective":  # outputs of wq, wk, wv, SDPA (out + lse), wo (the full-size partial sum)
-        out = {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h}
-        if x.cp > 1 and x.cp_method == "ring":  # not SDPA: the policy saves the ring's own bmm outputs,
-            del out["attn_out"]  # the fp32 scores and block outputs of every step (unverified on CPU)
-            out["ring_saved_blocks"] = x.cp * LSE * (x.b * (x.heads // t) * x.s * x.s + q)
+    if recompute == "selective":  # outputs of wq, wk, wv, SDPA (out + lse), and wo's: under TP its reduced
+        # output ([b, s/t, h] with SP), not the partial sum (discarded: engine/parallel/checkpointing.py)
+        out = {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h // x.n}
+        if x.cp > 1 and x.cp_method == "ring":  # the policy keeps every kernel block's output + lse: rank
+            del out["attn_out"]  # cp-1 runs cp blocks of all its queries (priced), rank 0 (cp+1)/2 of them
+            out["ring_saved_blocks"] = x.cp * (e * q + lse)  # (engine/parallel/context_ring.py; unverified on CPU)
+        elif x.cp > 1 and x.cp_method == "allgather":  # two kernel blocks (before the chunk, diagonal) on ranks > 0
+            out["attn_out"] = 2 * (e * q + lse)
         return out
     out = _norm(x)
     out["attn_input"] = (3 if x.autocast else 1) * bs * x.h * e
@@ -166,30 +172,35 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     lse = LSE * x.b * (x.heads // t) * x.s
     if x.cp <= 1:
         return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}  # q, k, v, SDPA output (+ its fp32 log-sum-exp)
-    if x.cp_method == "ring":  # RingAttention saves q, k, v, its fp32 output and lse; wo saves the cast output
-        return {"qkv_attn_out": 3 * e * q + LSE * q + (e * q if e != LSE else 0), "attn_lse": lse}
+    if x.cp_method == "ring":  # RingAttention saves q, k, v, its output (the model's, wo's input a view) and lse
+        return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}
     if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy
         return {"qkv_attn_out": 5 * e * q, "attn_lse": lse}
-    # allgather: K and V of the whole sequence, and the [s_local, s] boolean causal mask
-    return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse, "attn_mask": x.s * x.s * x.cp}
+    # allgather: q, the output and K/V of the whole sequence (kernel blocks, no mask tensor)
+    return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse}
 
 
 def cp_transient_bytes(x: ActShape) -> int:
-    """Working memory of one context-parallel attention call: the ring computes each K/V block's
-    scores in fp32 with an explicit mask, ``[b, heads/t, s_local, s_local]`` (scores, masked scores,
-    probabilities and in backward their gradients: ~4 alive at once)."""
+    """Working memory of one context-parallel attention call. Ring (``engine/parallel/context_ring.py``,
+    fused kernel blocks, nothing ``[s_local, s_local]``): its peak is in backward's first hop, with
+    ``Q`` = one local q-sized tensor and acc = fp32 at least: the dq and dK/dV accumulators (3 acc
+    Q), the K/V/dK/dV received (2 e Q + 2 acc Q) and the contiguous copies of the model's transposed
+    k, v sent (2 e Q): ``(5 acc + 4 e) Q``; the forward's (running output, K/V in flight, one block)
+    is smaller. Counted live tensor by tensor on CPU (fp32 and bf16, cp 2 and 4: exact), and
+    benchmarks/cp_memory.py measures it."""
     if x.cp <= 1:
         return 0
     if x.cp_method == "ring":
-        return 4 * LSE * x.b * (x.heads // x.tp) * x.s * x.s
+        acc = max(x.e, LSE)
+        return (5 * acc + 4 * x.e) * x.b * x.s * x.heads * x.head_dim // x.tp
     return 2 * x.e * x.b * x.s * x.heads * x.head_dim // x.tp  # all-to-all / gather buffers
 
 
 def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
     bs, e = x.b * x.s, x.e
     f = bs * x.ffn // x.tp
-    if recompute == "selective":  # outputs of w1, w3, w2
-        return {"mlp_proj_out": e * (2 * f + bs * x.h)}
+    if recompute == "selective":  # outputs of w1, w3 (w2's output, the block's last op, is discarded)
+        return {"mlp_proj_out": e * 2 * f}
     out = _norm(x)
     out["mlp_input"] = (2 if x.autocast else 1) * bs * x.h * e
     out["swiglu"] = 4 * e * f
@@ -198,19 +209,22 @@ def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
 
 def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
     """MoE block (``engine/models/moe.py``): T tokens, k copies each, E experts of width F."""
-    t_tok, k, e, h = x.b * x.s, x.top_k, x.e, x.h  # the full sequence: MoE is replicated over TP
+    # the full sequence on every TP rank (gathered under SP); expert-TP: each expert's (and the
+    # shared experts') F / tp slice (engine/parallel/expert.py)
+    t_tok, k, e, h = x.b * x.s, x.top_k, x.e, x.h
+    f, sf = x.expert_ffn // x.tp, x.shared_ffn // x.tp
     slots = t_tok * k
     if recompute == "selective":  # outputs of router, each expert's gate/up/down, shared w1/w3/w2
-        return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * x.expert_ffn + h)
-                                     + t_tok * (2 * x.shared_ffn + h) * (1 if x.shared_ffn else 0))}
+        return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * f + h)
+                                     + t_tok * (2 * sf + h) * (1 if sf else 0))}
     out = _norm(x)
     out["moe_input"] = (3 if x.autocast else 1) * t_tok * h * e  # router (+ shared experts') input
     out["moe_dispatch"] = (2 if x.autocast else 1) * slots * h * e  # tokens gathered per expert
-    out["moe_experts"] = 4 * slots * x.expert_ffn * e
+    out["moe_experts"] = 4 * slots * f * e
     out["moe_combine"] = 2 * slots * h * e  # expert outputs, weighted outputs
     out["moe_routing"] = t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8
-    if x.shared_ffn:
-        out["moe_shared"] = 4 * t_tok * x.shared_ffn * e
+    if sf:
+        out["moe_shared"] = 4 * t_tok * sf * e
     return out
 
 
@@ -228,7 +242,9 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
     if recompute == "selective":  # + the adapters' own matmul outputs (A x and B A x)
         base = dict(_layer_terms(_without_lora(x), False, "selective", False))
-        out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": bs * x.h, "w1": f, "w3": f, "w2": bs * x.h}
+        # lora_b's output on a row-parallel projection is a partial sum, discarded like the base's
+        # (wo without TP: kept, it is part of the attention output); on w2 always discarded
+        out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": 0 if t > 1 else bs * x.h, "w1": f, "w3": f, "w2": 0}
         base["lora_outputs"] = ax + e * sum(out_sizes[name] for name in targets)
         return base
     out: dict[str, int] = {}

@@ -21,15 +21,16 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   ``parallel.reduce_dtype: bf16``, plus the replicated part of a TP embedding's gradient) over
   dp x cp, once per step, in buckets of ``parallel.dp_bucket_mb`` that start during the last
   micro batch's backward (``engine/parallel/grad_buckets.py``; phase ``step-overlap``: the
-  step-time model exposes only the last bucket and what exceeds that backward), also under
-  gpipe / 1f1b; with the other PP schedules the engine reduces after the schedule (phase
-  ``step``: fully exposed; engine/parallel/grad_buckets.py says why). zero 1: the same, plus each
+  step-time model exposes only the last bucket and what exceeds that backward), under every
+  PP schedule: per chunk (virtual stage), during its last backward, or with the zero-bubble
+  family's weight passes (no hooks) right after it; when each chunk's gradients are final
+  comes from :func:`llmtrain.plan.schedule.gradient_ready`. zero 1: the same, plus each
   owner broadcasting its updated fp32 parameters (``4P`` in all; after the optimizer step, not
   overlapped). FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
-  forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once (the last micro batch; the others
-  accumulate unsharded), and for HSDP an all-reduce of the sharded gradients over
-  dp_replicate. With pp > 1 parameters are gathered once per step. LoRA: gradients (and the
+  forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once, the last micro batch
+  (the others accumulate unsharded; ``parallel.fsdp_reduce_each_microbatch`` without PP: every
+  micro batch), and for HSDP an all-reduce of the sharded gradients over dp_replicate as often. With pp > 1 parameters are gathered once per step. LoRA: gradients (and the
   ZeRO-1 broadcast) cover the adapters only; FSDP still gathers the frozen weights. The adapters'
   own TP collectives (an all-reduce of ``b s rank`` per adapter) are not counted: ``rank`` is
   small next to ``h``. Block 0's input needs no gradient under LoRA: one TP all-reduce
@@ -38,7 +39,11 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
   recomputation re-runs the forward ones (the engine's selective policy saves matmul and
   SDPA outputs, not collective outputs). Plus one all-reduce for the embedding (forward) and
-  one for the output layer's input (backward).
+  one for the output layer's input (backward). MoE layers count like dense ones: with expert-TP
+  (``engine/parallel/expert.py``) the block is one TP region whose input is copied (SP: gathered)
+  and whose partial output is all-reduced (SP: reduce-scattered) after the combine, the dense
+  MLP's traffic; the router's weight-gradient all-reduce over TP (``E x h`` per MoE layer and micro
+  batch, backward) is not counted: ``E`` is small next to the tokens.
 - PP: per micro batch and stage boundary, the activation ``bshe`` forward and its gradient
   backward (``/t`` with sequence parallelism: each TP rank sends its shard).
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
@@ -141,6 +146,7 @@ class Comm:
     note: str = ""
     per_item_s: float = field(default=0.0, repr=False)
     bucket_bytes: float = 0.0  # phase "step-overlap": the bucket size (the last one is exposed)
+    ready: tuple = ()  # phase "step-overlap": per chunk (lead, hooked), plan/schedule.py gradient_ready
 
     def to_dict(self) -> dict:
         return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
@@ -184,7 +190,9 @@ class CommSpec:
     lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
     reduce_bytes: int = 4  # bytes per gradient element in every reduction (parallel.reduce_dtype)
     bucket_bytes: int = 25 << 20  # zero 0/1 gradient bucket (parallel.dp_bucket_mb)
-    grad_overlap: bool = True  # zero 0/1 buckets start during backward (PP: gpipe / 1f1b only)
+    grad_overlap: bool = True  # zero 0/1 buckets start before the step's end (every PP schedule)
+    grad_ready: tuple = ((0.0, True),)  # when each chunk's gradients are final (schedule.gradient_ready)
+    fsdp_reduce_each: bool = False  # parallel.fsdp_reduce_each_microbatch (no PP): FSDP reduces every micro batch
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -232,9 +240,12 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                         f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
         grads = sum(c.grad_params)
         r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
-        out.append(make("dp", "reduce-scatter", shard, r * grads, 1, g, "fsdp-reduce", f"{rname} gradients, last micro batch"))
+        # parallel.fsdp_reduce_each_microbatch (no PP): every micro batch; else the last one (engine/step.py)
+        reduces = m if c.fsdp_reduce_each and d.pp == 1 else 1
+        out.append(make("dp", "reduce-scatter", shard, r * grads, reduces, g, "fsdp-reduce",
+                        f"{rname} gradients, {'per' if reduces > 1 else 'last'} micro batch"))
         if d.dp_replicate > 1:
-            out.append(make("dp", "all-reduce", d.dp_replicate, r * grads / shard, 1, lk("dp_replicate"), "fsdp-reduce",
+            out.append(make("dp", "all-reduce", d.dp_replicate, r * grads / shard, reduces, lk("dp_replicate"), "fsdp-reduce",
                             "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
         g = lk("dp_cp")
@@ -244,11 +255,20 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
 
         def grads_comm(group: int, message: float, what: str) -> Comm:
             n = max(1, ceil(message / c.bucket_bytes))
-            how = (f"{n} bucket(s) of {c.bucket_bytes / 2**20:.3g} MiB during the last backward, the last one exposed"
-                   if overlap else "after the pipeline schedule (not overlapped)")
+            size = f"{n} bucket(s) of {c.bucket_bytes / 2**20:.3g} MiB"
+            if len(c.grad_ready) == 1:
+                how = f"{size} during the last backward, the last one exposed"
+            elif all(hooked for _, hooked in c.grad_ready):
+                how = f"{size} during each chunk's last backward, what outlasts the rank's last one exposed"
+            else:  # zero-bubble family: weight passes report no gradients to the hooks (stage 0's do)
+                tail = "last one" if c.grad_ready[-1][1] else "whole reduction"
+                how = f"{size}, each chunk's after its last weight pass, the last chunk's {tail} exposed"
+            if not overlap:
+                how = "after the pipeline schedule (not overlapped)"
             comm = make("dp", "all-reduce", group, message, 1, g, "step-overlap" if overlap else "step",
                         f"{rname} {what}: {how}")
             comm.bucket_bytes = c.bucket_bytes
+            comm.ready = c.grad_ready
             return comm
 
         out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))

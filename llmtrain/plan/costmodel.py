@@ -36,6 +36,7 @@ from llmtrain.plan.memory import (
     param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.plan.placement import Placement
+from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUS, GPUSpec
@@ -137,7 +138,9 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     other = {
         "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel, mode, t.precision,
                                              inv.largest_block, inv.root, recompute),
-        "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum),
+        "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,
+                                          int(p.dp_bucket_mb * 2**20), pp=dims.pp,
+                                          reduce_each=p.fsdp_reduce_each_microbatch),
     }
     if inv.last:
         other["logits"] = counts[held.index(last)] * act.logits_bytes(x) + act.loss_backward_bytes(x)
@@ -233,7 +236,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv), inv.trainable,
                         lk is not None and inv.first and 0 in inv.layers,
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
-                        grad_overlap=dims.pp == 1 or p.pp_schedule in ("gpipe", "1f1b"))
+                        grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
+                        fsdp_reduce_each=p.fsdp_reduce_each_microbatch)
         comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
@@ -251,7 +255,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         "hardware_flops_per_step": hw_tok * tokens_step, "hardware_flops_per_gpu_per_step": hw_tok * tokens_step / world,
         "recompute_overhead": hw_tok / model_tok - 1.0,
         "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
-                      "hardware FLOPs add recomputation and MoE blocks replicated over TP"
+                      "hardware FLOPs add recomputation and MoE routers replicated over TP"
                       + ("; LoRA: 4 x frozen + 6 x adapter params (executed: no weight gradients of the frozen base)"
                          if lk is not None else ""),
     }

@@ -47,7 +47,8 @@ def flops_per_token(model: ModelConfig, seq_len: int, lora=None) -> float:
 # A transformer block's share of ``flops_per_token``: 6 x its parameters (norm weights included,
 # as above) + 12 h s for the attention scores and values. Summed over the blocks and the head
 # (6 x (output layer + final norm)) this is exactly ``flops_per_token``. ``replicated`` is the
-# part the engine does not split over tensor parallelism (an MoE block's router and experts).
+# part the engine does not split over tensor parallelism: an MoE block's router (its routed and
+# shared experts are expert-TP, split like the dense MLP: engine/parallel/expert.py).
 def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora=None) -> tuple[float, float]:
     """(tp-split, tp-replicated) model FLOPs per token of block ``layer``, forward + backward."""
     if lora is not None:
@@ -56,8 +57,8 @@ def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora=Non
     attn = attention_params(model) + 2 * h  # q, o, k, v (+ biases, q/k norms), two norms
     split = 6.0 * attn + 12.0 * h * seq_len
     if model.is_moe_layer(layer):
-        moe = h * model.moe.num_experts + (model.moe.top_k + model.moe.shared_experts) * 3 * h * model.expert_ffn
-        return split, 6.0 * moe
+        experts = (model.moe.top_k + model.moe.shared_experts) * 3 * h * model.expert_ffn
+        return split + 6.0 * experts, 6.0 * h * model.moe.num_experts
     return split + 6.0 * 3 * h * model.ffn_hidden, 0.0
 
 
@@ -94,7 +95,7 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     split, replicated = block_flops_per_token(model, layer, seq_len)
     h = model.hidden
     if model.is_moe_layer(layer):
-        return split / 3.0, replicated / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn
+        return split / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn, replicated / 3.0
     return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0
 
 

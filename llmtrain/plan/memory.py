@@ -43,7 +43,7 @@ from llmtrain.plan.shards import ParamShape, fsdp_local_numel, zero1_loads
 FP32 = 4
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 STEP_BYTES = 4  # AdamW's fp32 step tensor, one per parameter
-ALLREDUCE_BUCKET = 32 << 20  # GradientAllReduce(bucket_bytes=32 MiB): one flat copy in flight
+ALLREDUCE_BUCKET = 25 << 20  # the default of parallel.dp_bucket_mb (a caller passes the recipe's)
 
 
 def zero_paper_model_state_bytes(params: float, gpus: int, stage: int, k: int = 12) -> float:
@@ -244,22 +244,28 @@ def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, la
     return e * (matmul if recompute == "none" else largest_block)
 
 
-def grad_buffer_bytes(total: int, mode: DPMode, precision: str, largest_block: int, grad_accum: int) -> int:
+def grad_buffer_bytes(total: int, mode: DPMode, precision: str, largest_block: int, grad_accum: int,
+                      bucket_bytes: int = ALLREDUCE_BUCKET, pp: int = 1, reduce_each: bool = False) -> int:
     """Gradient working memory beyond the persistent (sharded) gradients.
 
     - FSDP: a block's unsharded gradient in ``param_dtype`` plus its fp32 reduce-scatter input.
       With gradient accumulation the engine skips the reduce-scatter on the first
-      ``grad_accum - 1`` microbatches (``set_requires_gradient_sync``), and FSDP2 then keeps an
-      **unsharded fp32 gradient of every parameter** of the rank until the last microbatch
-      (``FSDPParam.unsharded_accumulated_grad``).
-    - zero 0/1: the gradient all-reduce copies at most one 32 MiB bucket into a flat buffer.
+      ``grad_accum - 1`` micro batches (``set_requires_gradient_sync(False)``), and FSDP2 then
+      keeps an **unsharded fp32 gradient of every parameter** of the rank until the last one
+      (``FSDPParam.unsharded_accumulated_grad``) — unless ``reduce_each``
+      (``parallel.fsdp_reduce_each_microbatch``, engine/step.py): then nothing. With PP torch's
+      schedule always delays the reduction (``set_requires_gradient_sync(False)`` on every
+      backward, then ``perform_reduce_grad``), whatever the setting.
+    - zero 0/1: the bucketed all-reduce (engine/parallel/grad_buckets.py) holds a flat copy of
+      each bucket in flight (``parallel.dp_bucket_mb``, fp32; capped by the gradient itself);
+      counted as one: the earlier buckets' copies are freed as their reductions complete.
     """
     if mode.kind == "fsdp":
         working = (compute_bytes(precision) + FP32) * largest_block
-        if grad_accum > 1:
+        if pp > 1 or (grad_accum > 1 and not reduce_each):
             working += FP32 * total
         return working
-    return ALLREDUCE_BUCKET if mode.group > 1 else 0
+    return min(bucket_bytes, FP32 * total) if mode.group > 1 else 0
 
 
 def optimizer_step_bytes(stepped_numel: int, mode: DPMode, params_numel: int) -> int:

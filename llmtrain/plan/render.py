@@ -159,7 +159,7 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
                   f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] (compute modeled at "
                   f"{t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak{hw})", highlight=False)
     f = d["flops"]
-    extra = (f"; hardware FLOPs (recomputation, MoE blocks replicated over TP) are {f['recompute_overhead']:+.0%}"
+    extra = (f"; hardware FLOPs (recomputation, MoE routers replicated over TP) are {f['recompute_overhead']:+.0%}"
              if f["recompute_overhead"] > 0.0005 else "")
     console.print(f"[bold]FLOPs[/] {f['model_flops_per_token']:.3g} per token, {f['model_flops_per_step']:.3g} per step "
                   f"({f['model_flops_per_gpu_per_step']:.3g} per GPU){extra}", highlight=False)

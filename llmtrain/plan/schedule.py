@@ -251,3 +251,29 @@ def simulate_v(schedule: str, pp: int, microbatches: int, t_f: float = 1.0, t_b:
             todo_w[r].popleft()
     busy = m * 2 * (t_f + t_b)
     return Timeline(schedule, p, 2, m, slots, max(s.end for s in slots), busy)
+
+
+HOOKED = ("gpipe", "1f1b", "interleaved-1f1b")  # full backward: the engine's bucket hooks see every gradient
+
+
+def gradient_ready(schedule: str | None, pp: int, rank: int, virtual: int) -> tuple[tuple[float, bool], ...]:
+    """When each chunk of pipeline rank ``rank`` has its final gradients, for the DP buckets.
+
+    Returns ``((lead, hooked), ...)`` in the order the chunks finish: ``lead`` = how long before
+    the rank's last op that chunk's last backward-like op (B; W when split) ends, in units of one
+    chunk's full backward of one micro batch; ``hooked`` = whether the engine's bucket hooks see
+    those gradients during that op (engine/parallel/grad_buckets.py: full backward, and
+    zero-bubble's stage 0, whose weight pass is a full backward) -- else the chunk's buckets start
+    at its ``REDUCE_GRAD``, after the op. Closed forms of :func:`simulate` (checked there by
+    tests/test_costmodel.py): interleaved-1f1b walks the chunks' backwards in groups of ``pp``
+    micro batches, so chunk ``k`` (stage ``rank + k pp``) finishes ``k pp`` backwards before the
+    end; zero-bubble defers the weight passes, ``k pp / 2``; V-shaped (zbv, dualpipev): stage
+    ``2 pp - 1 - rank`` finishes ``(pp - rank) / 2`` before stage ``rank``.
+    """
+    if schedule is None or pp == 1 or schedule in ("gpipe", "1f1b"):
+        return ((0.0, True),)
+    if schedule in V_SHAPED:
+        return ((float(pp - rank) / 2, False), (0.0, rank == 0))
+    v = virtual
+    per = pp if schedule == "interleaved-1f1b" else pp / 2
+    return tuple((float(k * per), schedule in HOOKED or rank + k * pp == 0) for k in reversed(range(v)))

@@ -17,8 +17,9 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
 - **Tensor parallelism** (Megatron layout): ``wq/wk/wv`` and ``w1/w3`` split their output rows
   over ``tp``, ``wo`` and ``w2`` their input columns; the embedding and the output layer split
   the vocabulary (its gradient, though, comes back replicated: full ``[vocab, hidden]`` unless
-  FSDP reduce-scatters it); norms are replicated; MoE blocks (router, experts, shared experts) are
-  **replicated** on the TP ranks (the engine does not shard experts over TP).
+  FSDP reduce-scatters it); norms are replicated. MoE blocks are expert-TP
+  (``engine/parallel/expert.py``): routed experts split F (``w1/w3`` [E, F/tp, H], ``w2``
+  [E, H, F/tp]) and shared experts like the dense MLP; only the router is replicated.
 - **Expert parallelism** (``engine/parallel/expert.py``): the stacked expert weights
   ``[E, ...]`` are DTensors sharded on dim 0 over ``ep`` (``E / ep`` experts per rank) and
   data-parallel over ``edp = dp_shard x cp / ep`` (their own FSDP unit on the edp mesh, or
@@ -166,14 +167,15 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         e, f = m.moe.num_experts, m.expert_ffn
         local_e = e // ep
         kind = "expert" if ep > 1 else "matmul"
+        ft = f // tp  # expert-TP
         out += [
             ParamShape(p + "moe.router.weight", (e, h), "matmul"),
-            ParamShape(p + "moe.experts.w1", (local_e, f, h), kind),
-            ParamShape(p + "moe.experts.w3", (local_e, f, h), kind),
-            ParamShape(p + "moe.experts.w2", (local_e, h, f), kind),
+            ParamShape(p + "moe.experts.w1", (local_e, ft, h), kind),
+            ParamShape(p + "moe.experts.w3", (local_e, ft, h), kind),
+            ParamShape(p + "moe.experts.w2", (local_e, h, ft), kind),
         ]
         if m.moe.shared_experts:
-            s = m.moe.shared_experts * f
+            s = m.moe.shared_experts * f // tp
             out += [ParamShape(p + "moe.shared.w1.weight", (s, h), "matmul"),
                     ParamShape(p + "moe.shared.w3.weight", (s, h), "matmul"),
                     ParamShape(p + "moe.shared.w2.weight", (h, s), "matmul")]

@@ -14,7 +14,10 @@ DP exposure follows the engine: the zero 0/1 gradient all-reduce is bucketed
 (``parallel.dp_bucket_mb``) and each bucket starts during the last micro batch's backward
 (engine/parallel/grad_buckets.py; comm phase ``step-overlap``), so only the last bucket and
 whatever exceeds that one backward pass are exposed: ``exposed = last + max(0, rest - t_b)``.
-With PP the engine reduces after the schedule (phase ``step``: fully exposed), and ZeRO-1's
+With PP the same happens per chunk (virtual stage) when its gradients are final, earlier chunks
+hiding behind the later chunks' backward (:func:`bucketed_exposed`); with the zero-bubble
+family's weight passes (no hooks) a chunk's buckets start after it, so on every pp rank but
+the first the last chunk's reduction is exposed whole. ZeRO-1's
 broadcast of the updated parameters runs after the optimizer step (exposed).
 ``dp_overlap=True`` (Megatron-style, used for the published-system comparisons in
 docs/planner.md) also overlaps the PP case and ZeRO-1's broadcast (with the next forward). FSDP2 prefetches the next
@@ -85,6 +88,29 @@ def _fsdp_exposed(c: Comm, block_fraction: float, window: float) -> float:
     return c.count * (per * block_fraction + max(0.0, per * (1 - block_fraction) - window))
 
 
+def bucketed_exposed(c: Comm, t_b: float) -> float:
+    """Exposed seconds of the engine's bucketed zero 0/1 gradient all-reduce on one pipeline rank.
+
+    The rank's chunks finish their gradients at ``c.ready`` (:func:`llmtrain.plan.schedule.
+    gradient_ready`: ``lead`` single-chunk micro-batch backwards of ``b = t_b / chunks`` before
+    the rank's last op); each chunk's share ``d = seconds / chunks`` (layers split evenly) runs
+    on the DP link after the chunk before it (buckets start in order). A hooked chunk's buckets
+    start during its last backward (the first ``b`` before it ends, the last bucket only at its
+    end); an unhooked one's all at its end. Exposed = how far the last reduction ends after the
+    rank's last op. One chunk without PP gives ``max(last bucket, seconds - t_b)``, i.e.
+    ``last + max(0, rest - t_b)`` (no PP, gpipe, 1f1b).
+    """
+    ready = c.ready or ((0.0, True),)
+    b, d = t_b / len(ready), c.seconds / len(ready)
+    last = min(d, c.seconds * (c.bucket_bytes or BUCKET_BYTES) / max(1.0, c.message_bytes))
+    finish = float("-inf")
+    for lead, hooked in ready:
+        end = -lead * b
+        start = max(finish, end - b if hooked else end)
+        finish = max(start + d, end + last) if hooked else start + d
+    return max(0.0, finish)
+
+
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
               chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None) -> StepTime:
@@ -99,6 +125,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 c.exposed_s = c.seconds
             elif c.dim == "ep":
                 c.exposed_s = EP_EXPOSED * c.seconds
+            elif c.phase == "step-overlap" and not dp_overlap:  # the engine's buckets, chunk by chunk
+                c.exposed_s = bucketed_exposed(c, t_b)
             elif c.phase in ("step", "step-overlap"):
                 if dp_overlap or c.phase == "step-overlap":  # all but the last bucket hide behind the last backward
                     bucket = c.bucket_bytes or BUCKET_BYTES  # (dp_overlap: ZeRO-1's broadcast behind the next forward)

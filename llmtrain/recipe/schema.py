@@ -16,7 +16,7 @@ import datetime
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmtrain.recipe.gpus import GPUS
 from llmtrain.recipe.model import MODEL_FIELDS, ModelConfig, MoEConfig, RopeScaling  # noqa: F401 (re-exported)
@@ -24,6 +24,7 @@ from llmtrain.recipe.presets import PRESETS  # noqa: F401 (re-exported)
 from llmtrain.recipe.schema_base import BIG, NAME_PATTERN, Strict  # noqa: F401 (re-exported)
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
+V_SHAPED_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed (r, 2 pp - 1 - r)
 
 
 class ParallelConfig(Strict):
@@ -43,7 +44,7 @@ class ParallelConfig(Strict):
         "1f1b", description="Pipeline schedule: gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv, dualpipev."
     )
     pp_virtual_stages: int = Field(
-        1, ge=1, le=BIG, description="Model chunks per pipeline rank (>= 2 for interleaved-1f1b and zero-bubble; 2 for zbv/dualpipev)."
+        1, ge=1, le=BIG, description="Model chunks per pipeline rank (>= 2 for interleaved-1f1b and zero-bubble; 2 for zbv/dualpipev, the default there when left out)."
     )
     pp_layers_per_stage: list[int] | None = Field(
         None, description="Explicit uneven split: transformer layers of each stage (pp x pp_virtual_stages entries, summing to model.layers)."
@@ -55,6 +56,10 @@ class ParallelConfig(Strict):
         25.0, gt=0, le=65536,
         description="zero 0/1: gradients are reduced in buckets of about this many MiB, each started during the "
                     "backward as soon as its gradients are final (overlapped with the rest of the backward).")
+    fsdp_reduce_each_microbatch: bool = Field(
+        False, description="zero 2/3 with gradient accumulation (no PP): reduce-scatter the gradients after every micro "
+                           "batch (sharded gradients only: saves an unsharded fp32 gradient of the rank, at grad_accum "
+                           "times the reduce-scatter traffic) instead of once after the last one.")
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of every gradient reduction (FSDP reduce-scatter, the DP all-reduce, expert "
                             "gradients): fp32, or bf16 (half the bytes, ~3 significant digits per sum).")
@@ -65,6 +70,16 @@ class ParallelConfig(Strict):
         if value == 0:
             raise ValueError("dp_shard is 0; use a degree >= 1, or -1 for whatever is left of the world size")
         return value
+
+    @model_validator(mode="after")
+    def _v_shaped_default(self) -> ParallelConfig:
+        """A V-shaped schedule (zbv, dualpipev) with pp > 1 and ``pp_virtual_stages`` left out gets 2, its
+        only valid value. Only when left out (``model_fields_set``): an explicit other value stays, and
+        plan/validate.py reports it. Looped schedules (interleaved-1f1b, zero-bubble) accept any v >= 2,
+        so they keep asking for an explicit choice."""
+        if self.pp > 1 and self.pp_schedule in V_SHAPED_SCHEDULES and "pp_virtual_stages" not in self.model_fields_set:
+            self.pp_virtual_stages = 2
+        return self
 
 
 class OptimizerConfig(Strict):

@@ -49,7 +49,7 @@ How the aux loss reaches the gradients (:class:`AuxLossAutoScaler`)
 
 Experts and capacity
     Routed experts are stacked parameters ``w1``/``w3`` [E, F, H] and ``w2`` [E, H, F], so
-    expert parallelism can shard dim 0. The computation sorts token slots by expert
+    expert parallelism can shard dim 0 and expert tensor parallelism the F dim (1 / 2). The computation sorts token slots by expert
     (:func:`dispatch_order`), gathers them (``index_select``), runs one SwiGLU per expert on
     its contiguous chunk (:func:`grouped_swiglu`, a Python loop: simple and exact, slower than
     a grouped GEMM; EP can wrap an all-to-all around this function), weights the results and
@@ -84,6 +84,16 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def local_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The same on this rank's weight shards as plain tensors (the shared experts inside an
+        expert-TP region, :mod:`llmtrain.engine.parallel.expert`: a partial sum over TP)."""
+        w1, w2, w3 = (_local(lin.weight) for lin in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if hasattr(w, "to_local") else w
 
 
 @dataclass
@@ -298,13 +308,24 @@ class MoE(nn.Module):
         # Non-persistent: zeroed after every optimizer step, so a checkpoint never needs it.
         self.register_buffer("tokens_per_expert", torch.zeros(m.num_experts), persistent=False)
         self.last_aux_loss: torch.Tensor | None = None
+        # Expert tensor parallelism (engine/parallel/expert.py) sets both: the block becomes a TP
+        # region whose outputs and gradients are partial sums over the TP ranks; the aux loss,
+        # computed identically on each, is then seeded with a 1 / tp share on each.
+        self.tp_region = None
+        self.aux_grad_share = 1.0
 
     def route(self, x_flat: torch.Tensor) -> Routing:
         """Route ``x_flat`` [T, H]; the bias is used for selection only when balance is 'bias'."""
         bias = self.expert_bias if self.balance == "bias" else None
-        return route_tokens(self.router(x_flat), self.top_k, self.score_fn, bias, self.norm_topk_prob)
+        if self.tp_region is None:
+            logits = self.router(x_flat)
+        else:  # replicated weight inside the region: its gradient is summed over TP
+            logits = F.linear(x_flat, self.tp_region.replicated(self.router.weight))
+        return route_tokens(logits, self.top_k, self.score_fn, bias, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_region is not None:
+            x = self.tp_region.enter(x)  # every TP rank: the same full token set
         x_flat = x.reshape(-1, x.shape[-1])
         routing = self.route(x_flat)
         if self.training and self.balance == "bias":
@@ -317,13 +338,14 @@ class MoE(nn.Module):
         y = y * routing.weights[token_ids, slot_ids].unsqueeze(-1).to(y.dtype)
         out = torch.zeros_like(x_flat).index_add(0, token_ids, y)
         if self.shared is not None:
-            out = out + self.shared(x_flat)
+            out = out + (self.shared(x_flat) if self.tp_region is None else self.shared.local_forward(x_flat))
         if self.aux_loss_coef > 0:
             aux = self.aux_loss_coef * load_balancing_loss(routing.probs, routing.expert_idx, self.num_experts)
             self.last_aux_loss = aux.detach()
             if torch.is_grad_enabled() and aux.requires_grad:
-                out = AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale)
-        return out.view_as(x)
+                out = AuxLossAutoScaler.apply(out, aux, self.aux_loss_scale * self.aux_grad_share)
+        out = out.view_as(x)
+        return out if self.tp_region is None else self.tp_region.exit(out)
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -25,20 +25,37 @@ DP rank holds the same TP shard layout, so the flat buffers line up):
   (half the bytes; each sum rounds to 8 significant bits, ~2^-8 relative), cast back to fp32
   and divided by the group size in fp32.
 
-Pipeline parallelism (gpipe and 1f1b only, :data:`OVERLAP_SCHEDULES`): the schedule runs the
-backward of every micro batch on the stage, so a parameter is accumulated ``n_microbatches``
-times per step and the ``n``-th hook call is its last: the same count works
-(``expect_backwards(n, rescale=n)``). The schedule divides gradients by ``n_microbatches`` after
-its last backward (``scale_grads``), i.e. after the buckets started in backward were copied, so
-those reductions are divided by ``n`` at finish too (a bucket written back early, inside
-backward, gets the schedule's division itself); a bucket that only starts at finish holds
-already-scaled gradients, which are multiplied back by ``n`` first, so every rank contributes
-the same unscaled quantity whichever way its bucket started. Not armed (post-backward path,
-same buckets and dtype): interleaved-1f1b gave wrong gradients when armed (measured: grad norm
-off by ~50 % at pp 2 x dp 2, cause not found: its multi-stage runtime must accumulate some
-weight gradients outside the once-per-micro-batch pattern the count relies on), and the
-zero-bubble schedules (zero-bubble, zbv, dualpipev) assign most weight gradients themselves
-(``pipelining/_backward.stage_backward_weight``: no hook fires), so nothing would overlap.
+Pipeline parallelism (every schedule of ``parallel.pp_schedule``). A stage runs the backward of
+every micro batch, so with a full backward (gpipe, 1f1b, interleaved-1f1b) a parameter is
+accumulated ``n_microbatches`` times per step and the ``n``-th hook call is its last: the same
+count works (``expect_backwards(n, rescale=n)``). Two things differ from the no-PP case:
+
+- **The schedule divides by n** (``scale_grads``), once per stage, right after that stage's last
+  backward (torch's ``REDUCE_GRAD`` action; single-stage schedules after the whole schedule).
+  With several stages per rank (interleaved, zero-bubble, V-shaped) the stages are scaled at
+  different times, so the reducer tracks per stage whether its gradients are scaled yet: every
+  rank contributes the *unscaled* gradient (a bucket copied after its stage was scaled is
+  multiplied back by ``n``), and a write-back divides by ``size x n`` when the stage is already
+  scaled, by ``size`` when it is not (the schedule's ``1 / n`` then follows). Buckets never
+  span two stages (:func:`plan_buckets` cuts at stage boundaries), so that state is per bucket.
+  This was the interleaved-1f1b failure of the fifth session (grad norm off ~50 % at pp 2 x
+  dp 2), two ways: (a) the later local stage (stage ``r + pp``, whose backward ends first) is
+  scaled by its ``REDUCE_GRAD`` while the earlier one still runs backward, and a bucket of it
+  written back early, inside the earlier stage's backward, was divided by ``size`` only, never
+  by ``n``; (b) a bucket straddling both stages mixed scaled and unscaled gradients.
+  tests/test_grad_buckets.py fails with either fix undone (per-stage scaling state ignored: (a);
+  buckets not cut at stages, 3000-byte buckets: (b)).
+- **The zero-bubble family** (zero-bubble, zbv, dualpipev) splits a stage's backward into an
+  input part and a weight part; torch assigns the weight gradients itself
+  (``pipelining/_backward.stage_backward_weight``: ``weight.grad += dw``, no hook fires), except
+  on stage 0, whose weight pass is a full backward. So each stage's buckets also start at its
+  ``REDUCE_GRAD`` action: :class:`llmtrain.engine.dp_optimizer.GradSync` registers a custom
+  function for it on the schedule (``_PipelineScheduleRuntime.register_custom_function``) that
+  runs torch's own ``perform_reduce_grad`` and then calls :meth:`BucketedGradReducer.stage_done`.
+  A stage's reduction then overlaps the rest of the rank's schedule (its other stages' backward
+  and weight passes and the drain), not its own last weight pass: the last stage to finish on a
+  rank without hooks (every pp rank but the one holding stage 0) exposes its whole reduction.
+
 (Torch's dynamic shape inference would run an extra real backward at the first step; the
 engine always gives the stages static shapes.)
 
@@ -60,29 +77,30 @@ from torch import nn
 
 from llmtrain.engine.parallel.data_parallel import local_grad, local_tensor
 
-OVERLAP_SCHEDULES = ("gpipe", "1f1b")  # pipeline schedules whose backward the buckets overlap (docstring)
-
-
 class _Bucket:
-    __slots__ = ("final", "flat", "params", "sizes", "work")
+    __slots__ = ("final", "flat", "params", "sizes", "stage", "work")
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], stage: int):
         self.params = params
+        self.stage = stage  # the pipeline stage holding these parameters (0 without PP)
         self.final = 0  # parameters whose gradient is final this step
         self.flat: torch.Tensor | None = None
         self.work = None
         self.sizes: list[int] = []  # numel of each gradient piece in ``flat`` (0: no gradient)
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int, stages: list[int] | None = None
+                 ) -> list[list[nn.Parameter]]:
     """``params`` (already in the order their gradients become final) cut into buckets of about
-    ``bucket_bytes``: a bucket closes once it reaches the cap or before the dtype changes."""
+    ``bucket_bytes``: a bucket closes once it reaches the cap, or before the dtype or the stage
+    (``stages[i]``: the pipeline stage of ``params[i]``) changes."""
+    stages = stages if stages is not None else [0] * len(params)
     buckets: list[list[nn.Parameter]] = []
     current: list[nn.Parameter] = []
     nbytes = 0
-    for p in params:
+    for i, p in enumerate(params):
         t = local_tensor(p)
-        if current and local_tensor(current[-1]).dtype != t.dtype:
+        if current and (local_tensor(current[-1]).dtype != t.dtype or stages[i] != stages[i - 1]):
             buckets.append(current)
             current, nbytes = [], 0
         current.append(p)
@@ -99,19 +117,28 @@ class BucketedGradReducer:
     """Average the gradients of ``params`` over ``group`` (``size`` ranks), bucket by bucket.
 
     ``params`` must be in registration (forward) order; the buckets take them reversed.
+    ``stages`` (PP): the pipeline stage index of each parameter (default: all 0).
     ``on_launch`` (tests, benchmarks) is called with the bucket index whenever a bucket's
-    collective starts, and ``in_backward`` tells whether that happened inside a hook.
+    collective starts, and ``in_backward`` tells whether that happened before the final
+    :meth:`__call__` (inside a hook or a stage's ``REDUCE_GRAD``).
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, size: int, bucket_bytes: int,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, stages: list[int] | None = None):
         self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
-        trainable = [p for p in params if p.requires_grad]
-        self.buckets = [_Bucket(b) for b in plan_buckets(list(reversed(trainable)), bucket_bytes)]
+        keep = [i for i, p in enumerate(params) if p.requires_grad]
+        trainable = [params[i] for i in keep]
+        stage_list = [stages[i] for i in keep] if stages is not None else [0] * len(keep)
+        order = list(reversed(range(len(trainable))))
+        planned = plan_buckets([trainable[i] for i in order], bucket_bytes, [stage_list[i] for i in order])
+        stage_of = {id(p): s for p, s in zip(trainable, stage_list)}
+        self.buckets = [_Bucket(b, stage_of[id(b[0])]) for b in planned]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._count: dict[int, int] = {}
         self._expected = 0  # backward passes that make a gradient final; 0 = not armed
         self._rescale = 1.0
+        self._scaled: set[int] = set()  # stages the schedule has already divided by ``_rescale``
+        self._finishing = False  # in __call__: every stage is scaled
         self._next = 0  # index of the next bucket to start
         self._drained = 0
         self.on_launch = None
@@ -120,8 +147,8 @@ class BucketedGradReducer:
     # ---- overlap -------------------------------------------------------------------------------
     def expect_backwards(self, n: int, rescale: float = 1.0) -> None:
         """Arm for a step of ``n`` backward passes: start each bucket during the last one.
-        ``rescale``: the factor the caller divides the gradients by after the last backward
-        (the pipeline schedule's ``scale_grads``: ``n``), see the module docstring."""
+        ``rescale``: the factor the schedule divides each stage's gradients by after its last
+        backward (``scale_grads``: ``n``), see the module docstring."""
         self._reset()
         self._expected = n if self.size > 1 else 0
         self._rescale = rescale if self._expected else 1.0
@@ -138,8 +165,22 @@ class BucketedGradReducer:
             if bucket.final == len(bucket.params):
                 self._start_ready(in_backward=True)
 
+    def stage_done(self, stage: int) -> None:
+        """The schedule finished ``stage``'s backward and applied its ``1 / n`` (its
+        ``REDUCE_GRAD``): its gradients are final, hooks or not; start its buckets."""
+        if not self._expected:
+            return
+        self._scaled.add(stage)
+        for bucket in self.buckets:
+            if bucket.stage == stage:
+                bucket.final = len(bucket.params)
+        self._start_ready(in_backward=True)
+
+    def _is_scaled(self, stage: int) -> bool:
+        return self._finishing or stage in self._scaled
+
     def _start_ready(self, in_backward: bool) -> None:
-        while self._next < len(self.buckets) and self.buckets[self._next].final == len(self.buckets[self._next].params):
+        while self._next < len(self.buckets) and self.buckets[self._next].final >= len(self.buckets[self._next].params):
             self._start(self._next, in_backward)
 
     @torch.no_grad()
@@ -154,7 +195,7 @@ class BucketedGradReducer:
             pieces.append((g if g is not None else torch.zeros_like(local_tensor(p))).reshape(-1))
             bucket.sizes.append(0 if g is None else g.numel())
         flat = torch.cat(pieces)
-        if not in_backward and self._rescale != 1.0:  # already scaled by the schedule: undo (docstring)
+        if self._rescale != 1.0 and self._is_scaled(bucket.stage):  # contribute unscaled (docstring)
             flat.mul_(self._rescale)
         if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
             flat = flat.to(self.reduce_dtype)
@@ -165,7 +206,7 @@ class BucketedGradReducer:
             self.on_launch(index, in_backward)
         if in_backward:  # free the flat copies of buckets already reduced (memory: docstring)
             while self._drained < index and self.buckets[self._drained].work.is_completed():
-                self._unflatten(self.buckets[self._drained], self.size)  # PP: the schedule's 1/n follows
+                self._unflatten(self.buckets[self._drained])
                 self._drained += 1
 
     # ---- finish --------------------------------------------------------------------------------
@@ -174,15 +215,19 @@ class BucketedGradReducer:
         """Start what has not started, wait for every bucket, write the averages back."""
         if self.size == 1:
             return
+        self._finishing = True  # the schedule (if any) has scaled every stage by now
         while self._next < len(self.buckets):
             self._start(self._next, in_backward=False)
         for bucket in self.buckets[self._drained:]:
             bucket.work.wait()
-            self._unflatten(bucket, self.size * self._rescale)
+            self._unflatten(bucket)
         self._reset()
 
-    def _unflatten(self, bucket: _Bucket, divisor: float) -> None:
-        """Write ``sum / divisor`` into the bucket's gradients and drop its flat copy."""
+    def _unflatten(self, bucket: _Bucket) -> None:
+        """Write ``sum / divisor`` into the bucket's gradients and drop its flat copy: the
+        divisor is ``size``, times the schedule's ``n`` once the bucket's stage is scaled (an
+        unscaled stage gets the schedule's ``1 / n`` afterwards)."""
+        divisor = self.size * (self._rescale if self._is_scaled(bucket.stage) else 1.0)
         flat = bucket.flat
         dtype = local_tensor(bucket.params[0]).dtype
         flat = flat.to(dtype) if flat.dtype != dtype else flat  # bf16 reduction: back to fp32 first,
@@ -205,3 +250,5 @@ class BucketedGradReducer:
         self._drained = 0  # buckets before this index are reduced and written back
         self._expected = 0
         self._rescale = 1.0
+        self._scaled = set()
+        self._finishing = False

@@ -16,9 +16,10 @@ heads ``[b, s, heads / tp, head_dim]``; they are ``SequenceParallel(sequence_dim
 becomes a replicated DTensor and the input is declared sharded on the head dim, so the weight's
 gradient (a sum over all heads) is reduced over the TP ranks, as torchtitan does for Qwen3.
 
-MoE blocks are not tensor-parallel: experts run replicated on the TP ranks (each computes
-the whole MoE for the gathered sequence, so weight gradients are identical and need no
-reduction). Splitting experts is the job of expert parallelism.
+MoE blocks are expert-tensor-parallel (:func:`~llmtrain.engine.parallel.expert.apply_expert_tensor_parallel`):
+each routed and shared expert is split over tp like the dense MLP and the block is one TP region
+(input gathered / copied, partial outputs summed after the combine), so expert memory and FLOPs
+are divided by tp. The decision and its measurement are in :mod:`llmtrain.engine.parallel.expert`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
+
+from llmtrain.engine.parallel.expert import apply_expert_tensor_parallel
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -74,8 +76,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                 "ffn_norm": SequenceParallel(),
             })
         if getattr(block, "moe", None) is not None:
-            if sp:
-                plan["moe"] = _replicated_region()
+            apply_expert_tensor_parallel(block.moe, tp_mesh, sequence_parallel=sp)
         else:
             plan.update({
                 "feed_forward.w1": ColwiseParallel(),
@@ -85,11 +86,3 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
 
-
-def _replicated_region() -> PrepareModuleInputOutput:
-    """Gather the sequence before a replicated module and split it again after (MoE + SP)."""
-    return PrepareModuleInputOutput(
-        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-        use_local_input=True,  # the experts are plain tensors
-        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-    )

@@ -1,0 +1,186 @@
+"""Attention blocks through the fused SDPA kernels that return the log-sum-exp, and their merge.
+
+Context-parallel attention (``context.py``, ``context_ring.py``) splits one causal attention into
+blocks — a query range against a key range, either fully visible or causal on the diagonal — and
+combines them exactly with the online-softmax rule: with per-block outputs ``o_i`` and
+log-sum-exps ``l_i``, ``l = log sum_i exp(l_i)`` and ``o = sum_i exp(l_i - l) o_i``. Every block
+runs a fused kernel, so nothing of size ``[s_q, s_k]`` ever exists in memory: the working memory of
+a block is its output and lse, ``O(s_q d)``.
+
+Backward uses the standard flash trick: the kernel's backward, given the *merged* output and lse
+of the whole row (not the block's own), recomputes the block's probabilities as
+``exp(q k^T scale - l)`` — exactly the full softmax restricted to the block — and ``delta =
+rowsum(dout * o)`` from the full output, so the gradients it returns for the block's q, k and v
+are the block's exact share of the full attention's gradients. Summing them over blocks gives the
+full gradients.
+
+Kernel per device and dtype (:func:`backend`), all with ``is_causal`` aligned top-left (query i
+sees keys j <= i of the block), which the callers arrange to be the right mask:
+
+- CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ ``_backward``). On torch 2.13 it
+  takes fp64, fp32, bf16 and fp16 (checked here); its lse is fp32, fp64 for fp64 inputs.
+- CUDA, fp16/bf16, head_dim a multiple of 8 up to 256, sm80+: ``_scaled_dot_product_flash_attention``
+  (+ ``_backward``), lse fp32 ``[b, h, s]``.
+- CUDA otherwise in fp32/fp16/bf16 (flash has no fp32 kernel): the memory-efficient kernel
+  ``_scaled_dot_product_efficient_attention`` (+ ``_backward``); its lse is padded to a multiple
+  of 32 queries: sliced for the merge, padded again for its backward.
+- anything else (fp64 on CUDA, odd head dims): a plain-matmul block that materializes the block's
+  scores — O(s_q s_k) for that block only, a debugging path with no kernel to use. Said here
+  rather than refused, so fp64 parity checks run on any device.
+
+The CUDA paths follow the aten schemas of torch 2.13 and pass the forward's auxiliary outputs
+(sequence lengths, philox state; dropout is 0) back to the backward the way torch's own autograd
+formula does. They have not been run on a GPU in the session that wrote them (no device then).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+aten = torch.ops.aten
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of merged outputs, lse and gradient accumulators: fp32 at least, fp64 stays fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def backend(q: torch.Tensor) -> str:
+    """Which kernel runs blocks of ``q``'s device and dtype (module docstring)."""
+    d = q.shape[-1]
+    if q.device.type == "cpu":
+        return "cpu"
+    if q.device.type == "cuda":
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        if half and d % 8 == 0 and d <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0):
+            return "flash"
+        if (half or q.dtype == torch.float32) and d % 8 == 0:
+            return "efficient"
+    return "math"
+
+
+def block_forward(q, k, v, causal: bool, scale: float, kind: str | None = None):
+    """One block: ``(out [b, h, s_q, d] in q's dtype, lse [b, h, s_q] in acc dtype, aux)``;
+    ``aux`` is what this block's backward needs besides the tensors. ``kind`` overrides
+    :func:`backend` (tests run the math path on CPU)."""
+    kind = kind or backend(q)
+    if kind == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse, (kind,)
+    if kind == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (kind, cum_q, cum_k, max_q, max_k, seed, offset)
+    if kind == "efficient":
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+                                                                              scale=scale)
+        return out, lse[..., :q.shape[2]], (kind, lse.shape[-1], seed, offset)
+    scores = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = (torch.exp(scores - lse[..., None]) @ v.to(scores.dtype)).to(q.dtype)
+    return out, lse, (kind,)
+
+
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+    """Gradients of the block's q, k, v (in their dtype), given the merged ``out``/``lse`` of the
+    block's query rows (module docstring)."""
+    kind = aux[0]
+    dout, out = dout.to(q.dtype), out.to(q.dtype)
+    if kind == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
+                                                                         scale=scale)
+    if kind == "flash":
+        _, cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale)
+    if kind == "efficient":
+        _, padded, seed, offset = aux
+        lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        return dq, dk, dv
+    acc = lse.dtype
+    scores = _math_scores(q, k, causal, scale)
+    probs = torch.exp(scores - lse[..., None])
+    dout_a = dout.to(acc)
+    dv = probs.transpose(-1, -2) @ dout_a
+    dscores = probs * (dout_a @ v.to(acc).transpose(-1, -2) - (dout_a * out.to(acc)).sum(-1, keepdim=True))
+    dq = (dscores @ k.to(acc)) * scale
+    dk = (dscores.transpose(-1, -2) @ q.to(acc)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    acc = acc_dtype(q.dtype)
+    scores = (q.to(acc) @ k.to(acc).transpose(-1, -2)) * scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return scores
+
+
+def start_accumulators(blk_out: torch.Tensor, blk_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh acc-dtype copies of the first block's output and lse, which :func:`merge_` then
+    updates in place. Always copies, never mutating a kernel's output: selective recomputation
+    caches the kernels' outputs and refuses (rightly) a cached tensor that was changed."""
+    acc = acc_dtype(blk_out.dtype)
+    return blk_out.to(acc, copy=True), blk_lse.to(acc, copy=True)
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
+    """Fold one block into the running (``out``, ``lse``) of the same query rows, in place.
+
+    ``out``/``lse`` are acc-dtype accumulators (or views of their rows). No row is ever empty
+    (every caller starts from a block that gives each row at least one key), so no -inf guards."""
+    new = torch.logaddexp(lse, blk_lse.to(lse.dtype))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def default_scale(q: torch.Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1])
+
+
+class PrefixCausalAttention(torch.autograd.Function):
+    """Queries at global positions ``[offset, offset + s)`` against keys ``[0, offset + s)`` of the
+    gathered K/V: a causal mask aligned bottom-right. SDPA's ``is_causal`` is aligned top-left, so
+    this runs two kernel blocks — the keys before the queries' own chunk, fully visible, and the
+    diagonal chunk, causal — merged with their lse; keys after ``offset + s`` are never touched
+    (their gradient is zero). Chosen over a dense ``[s, S]`` boolean mask (what the all-gather
+    method used before: O(s S) memory, and SDPA on CPU then runs its masked path) and over
+    padding the queries (wasted work)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, offset: int):
+        s, scale = q.shape[2], default_scale(q)
+        blocks = [(slice(offset, offset + s), True)] + ([(slice(0, offset), False)] if offset else [])
+        out = lse = None
+        aux = []
+        for keys, causal in blocks:
+            blk_out, blk_lse, a = block_forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
+            aux.append(a)
+            if out is None:
+                out, lse = start_accumulators(blk_out, blk_lse)
+            else:
+                merge_(out, lse, blk_out, blk_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.blocks, ctx.aux, ctx.scale = blocks, aux, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq = None
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        for (keys, causal), aux in zip(ctx.blocks, ctx.aux):
+            dqb, dkb, dvb = block_backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, causal, ctx.scale, aux)
+            dq = dqb.to(acc_dtype(q.dtype)) if dq is None else dq.add_(dqb)
+            dk[:, :, keys] = dkb  # the blocks' key ranges are disjoint: no accumulation
+            dv[:, :, keys] = dvb
+        return dq.to(q.dtype), dk, dv, None
