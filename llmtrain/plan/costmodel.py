@@ -31,6 +31,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
     block_flops_per_token, flops_per_token, forward_flops_per_token, head_flops_per_token, recompute_flops_per_token,
 )
+from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
     DPMode, best_dp_index, compute_bytes, dp_mode, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
     param_buffer_bytes, worst_dp_index,
@@ -112,7 +113,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     state = model_state_bytes(inv.params, mode, index)
     x = act_shape(recipe, dims, mode, gpu)
     recompute = t.activation_checkpointing
-    counts = act.inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
+    counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
     detail: dict[str, int] = {}
     last = len(stages) - 1
     kinds = {False: act.layer_terms(x, False, recompute), True: act.layer_terms(x, True, recompute)}

@@ -1,0 +1,42 @@
+"""Micro batches in flight per pipeline schedule: how many micro batches' activations a pipeline
+rank holds at its peak (the activation-memory multiplier of :mod:`llmtrain.plan.costmodel`)."""
+
+from __future__ import annotations
+
+
+def inflight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: int) -> list[int]:
+    """Micro batches whose activations pipeline rank ``pp_rank`` holds at its peak, per local chunk
+    (chunks in :func:`llmtrain.plan.shards.rank_stages` order).
+
+    - pp = 1: one (gradient accumulation runs micro batches one after another);
+    - GPipe (Huang et al. 2019): all ``m`` forwards run before any backward;
+    - 1F1B (Narayanan et al. 2021): stage ``r`` warms up with ``p - r`` forwards;
+    - interleaved 1F1B: ``(v-1) p + 2 (p - 1 - r)`` warm-up forwards plus one (Megatron-LM and
+      torch ``ScheduleInterleaved1F1B``), so rank 0 holds ``L (1 + (p-1)/(p v))`` layers' worth
+      (Korthikanti et al. 2022, sec. 4.2.3); zero-bubble (looped ZB1P, torch
+      ``ScheduleInterleavedZeroBubble``) warms up with ``(v-1) p + (p - 1 - r)``;
+    - ZBV (Qi et al. 2023, sec. 6; torch ``ScheduleZBVZeroBubble``): chunk 0 runs
+      ``2p - r - 1`` forwards and chunk 1 ``p`` before the first backward;
+    - DualPipeV (torch ``ScheduleDualPipeV`` after deepseek-ai/DualPipe): chunk 0 ``2p - r - 1``
+      forwards plus the one overlapped with the first backward, chunk 1 ``r + 1``: ``2p + 1``
+      chunks in all, the "PP + 1" of DeepSeek-V3's Table 2 with PP = 2p stages.
+    """
+    m, p, r = microbatches, pp, pp_rank
+    if p <= 1:
+        return [1]
+    if schedule == "gpipe":
+        return [m]
+    if schedule == "1f1b":
+        return [min(p - r, m)]
+    if schedule in ("interleaved-1f1b", "zero-bubble"):
+        factor = 2 if schedule == "interleaved-1f1b" else 1
+        n = min((virtual - 1) * p + factor * (p - 1 - r) + 1, m * virtual)
+        counts = [0] * virtual
+        for k in range(n):
+            counts[(k // p) % virtual] += 1
+        return counts
+    if schedule == "zbv":
+        return [min(2 * p - r - 1, m), min(p, m)]
+    if schedule == "dualpipev":
+        return [min(2 * p - r, m), min(r + 1, m)]
+    raise ValueError(f"unknown schedule {schedule}")
