@@ -50,8 +50,8 @@ def launch(
         None, "--init-from-hf", help="Start from Hugging Face Llama weights in DIR (config.json + *.safetensors; "
                                      "= --set checkpoint.init_from_hf=DIR)."),
     launcher: Optional[str] = typer.Option(
-        None, "--launcher", help="local | ssh | slurm (default: ssh with --hosts, else local). slurm: one sbatch job "
-                                 "(docs/launch.md, Slurm)."),
+        None, "--launcher", help="local | ssh | slurm (default: ssh with --hosts, slurm inside a Slurm allocation, else "
+                                 "local). slurm: one sbatch job, or one srun step inside an allocation (docs/launch.md, Slurm)."),
     partition: Optional[str] = typer.Option(None, "--partition", help="Slurm partition (default: the cluster's default)."),
     account: Optional[str] = typer.Option(None, "--account", help="Slurm account to charge."),
     time_limit: Optional[str] = typer.Option(None, "--time", help="Slurm time limit, HH:MM:SS (or D-HH:MM:SS)."),
@@ -68,6 +68,17 @@ def launch(
                   "--gpus-per-node": gpus_per_node, "--slurm-arg": slurm_arg}
     if launcher not in (None, "local", "ssh", "slurm"):
         raise LLMTrainError(f"unknown launcher {launcher!r}", "use local, ssh or slurm", path="--launcher")
+    # inside a Slurm allocation (SLURM_JOB_ID set) the default is one srun step on it; explicit wins
+    from llmtrain.launch.slurm_alloc import allocation_from_env
+
+    alloc = allocation_from_env() if launcher in (None, "slurm") and hosts is None else None
+    if alloc is not None:
+        launcher = "slurm"
+        for flag in ("--partition", "--account", "--time", "--slurm-arg"):
+            if slurm_opts[flag]:
+                raise LLMTrainError(f"{flag} does not apply inside Slurm allocation {alloc.job_id} (it is already "
+                                    "allocated)", "drop the flag, or run llmtrain outside the allocation",
+                                    path=flag)
     if launcher != "slurm":
         given = [flag for flag, value in slurm_opts.items() if value]
         if given:
@@ -88,6 +99,11 @@ def launch(
             if value or value == "":
                 raise LLMTrainError(f"{flag} does not apply to --launcher slurm (Slurm picks the nodes)",
                                     "drop the flag; use --nodes / --partition", path=flag)
+        if alloc is not None:
+            from llmtrain.launch.slurm_alloc import launch_in_allocation
+
+            raise typer.Exit(launch_in_allocation(alloc, recipe, set_, runs_root=runs, nodes=nodes,
+                                                  gpus_per_node=gpus_per_node, dry_run=dry_run))
         from llmtrain.launch.slurm import launch_slurm
 
         code = launch_slurm(recipe, set_, runs_root=runs, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition,

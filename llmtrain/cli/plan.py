@@ -39,6 +39,12 @@ def plan(
     from llmtrain.plan.api import make_plan
 
     schedule_png, layout_png = _png_targets(schedule_png, layout_png, force)
+    if hosts is None:  # inside a Slurm allocation: plan for it (a hostfile or --nodes/--gpus-per-node win)
+        from llmtrain.launch.slurm_alloc import plan_placement
+
+        nodes, gpus_per_node, line = plan_placement(nodes, gpus_per_node, recipe, set_)
+        if line:
+            print(line, file=sys.stderr, flush=True)  # stderr: --json stays one JSON object
     result = make_plan(recipe, hosts, nodes, gpus_per_node, set_)
     if search:
         _search(result, top, as_json)

@@ -20,7 +20,14 @@ What happens, in order (:func:`launch_slurm`):
    ``logs/slurm/node-<i>.out``), the job's own lines (srun's messages) as ``[slurm] text``; rank
    0's events drive the progress display. ``squeue -h -j ID`` is polled every 0.5 s; once the job
    is no longer live, ``scontrol show job`` gives its ``ExitCode``, which is the exit code.
-5. SIGINT / SIGTERM / SIGHUP: ``scancel ID``, then wait until squeue no longer lists the job
+5. **The first failure ends the job at once**: when a node's torchrun reports a failed worker
+   (its ``failed (exitcode: N) local_rank: ...`` line, or with ``--max-restarts`` only its final
+   ``ChildFailedError``), the job is cancelled right then (``scancel``), said in one line, instead
+   of waiting until that torchrun has printed its report and exited and srun's
+   ``--kill-on-bad-exit`` ends the others (seconds on a loaded node). The exit code is then the
+   job's when it is a plain code (1-127), else 1 (torchrun's code for a failed worker group; the
+   cancellation's own 143/137 would hide it).
+6. SIGINT / SIGTERM / SIGHUP: ``scancel ID``, then wait until squeue no longer lists the job
    (Slurm's cgroup tracking has then ended every process of it on every node), exit 130 / 143 /
    129. An error in the launcher itself also cancels the job: a launch never leaves a job behind.
 """
@@ -28,6 +35,7 @@ What happens, in order (:func:`launch_slurm`):
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -56,6 +64,15 @@ QUEUE_POLL_S = 0.5
 CANCEL_WAIT_S = 60.0
 PENDING_NOTE_S = 3.0  # a job still pending after this long: say why, once
 EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+# torchrun's first line about a dead worker (torch/distributed/elastic/multiprocessing/api.py), and its final report
+WORKER_FAILED_RE = re.compile(r"\bfailed \(exitcode: (-?\d+)\) local_rank: (\d+)")
+GAVE_UP_RE = re.compile(r"\bChildFailedError\b")
+
+
+def failure_code(code: int) -> int:
+    """The run's exit code after the launcher stopped it for a failed rank: a plain code (1-127)
+    as is, else 1 (a cancellation's 143/137, or 0, would hide the failure)."""
+    return code if 0 < code < 128 else 1
 
 
 def slurm_hostfile(nodes: int, per_node: int) -> Hostfile:
@@ -119,16 +136,21 @@ def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Pa
 
 def write_scripts(run: RunDir, plan: LaunchPlan, opts: SlurmOptions) -> Path:
     """``slurm/job.sbatch``, ``slurm/node.sh``, ``logs/commands.txt`` (masked); the job script's path."""
+    write_node_files(run, plan)
+    script = run.path / "slurm" / JOB_SCRIPT
+    script.write_text(job_script(plan, opts))
+    return script
+
+
+def write_node_files(run: RunDir, plan: LaunchPlan) -> None:
+    """``slurm/node.sh`` and ``logs/commands.txt`` (masked): the same for a batch job and a step."""
     folder = run.path / "slurm"
     folder.mkdir()
     (run.logs / "slurm").mkdir()
     (folder / NODE_SCRIPT).write_text(node_script(plan))
-    script = folder / JOB_SCRIPT
-    script.write_text(job_script(plan, opts))
     lines = [f"# node {n.node_rank} ({n.rank_span}): env {' '.join(shell_assignments(n.env, masked='disk'))}"
              for n in plan.nodes]
     (run.logs / "commands.txt").write_text("\n".join(lines) + "\n")
-    return script
 
 
 class _FileLines:
@@ -151,6 +173,8 @@ class _FileLines:
 class SlurmRun:
     """One submitted job: its streamed logs, its end, its cancellation."""
 
+    job_log = "job.out"  # the job's own output (srun's messages)
+
     def __init__(self, run: RunDir, plan: LaunchPlan, job_id: str, console: Console, environ: Mapping[str, str]):
         self.run_dir, self.plan, self.job_id, self.environ = run, plan, job_id, environ
         self.redact = Redactor(plan.policy)
@@ -160,9 +184,11 @@ class SlurmRun:
                                    launcher_log=f"node-{n.node_rank}.log") for n in plan.nodes]
         self.tailers = [WorkerLogTailer(Path(n.log_dir), n.nproc, n.node_rank) for n in plan.nodes]
         self.outputs = [_FileLines(Path(n.output_log)) for n in plan.nodes]
-        self.job_out = _FileLines(run.logs / "slurm" / "job.out")
+        self.job_out = _FileLines(run.logs / "slurm" / self.job_log)
         self.hosts: list[str] = []
         self.signals: list[int] = []
+        self.failed: tuple[int, str] | None = None  # (node rank, torchrun's line) of the first failure seen
+        self.stopped_for_failure = False
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals.append(signum)
@@ -178,7 +204,7 @@ class SlurmRun:
                 return code
         finally:
             if not finished:  # a launcher error or KeyboardInterrupt: never leave the job behind
-                slurmctl.cancel(self.job_id, self.environ)
+                self._stop_now()
             for router in self.routers:
                 router.close()
             self.display.stop()
@@ -201,6 +227,8 @@ class SlurmRun:
                 if state is None:
                     break
             self._pump(nodes=started)  # node lines wait until their host is known: never "[node-0:0]"
+            if self.failed and not self.stopped_for_failure:
+                self._stop_for_failure()
             time.sleep(POLL_S)
         fields = slurmctl.job_fields(self.job_id, self.environ)
         if not started:
@@ -212,6 +240,8 @@ class SlurmRun:
         if code is None:
             self.display.line(f"[launcher] Slurm no longer knows job {self.job_id}: its exit code is lost")
             code = 1
+        elif self.stopped_for_failure:
+            code = failure_code(code)
         elif code == 0 and job_state != "COMPLETED":
             code = 1  # e.g. NODE_FAIL, TIMEOUT with a clean step
         self._summary(code, job_state)
@@ -241,30 +271,66 @@ class SlurmRun:
                 router.rank_line(rank, stream, self.redact(line))
             for line in output.read(final):
                 router.launcher_line(self.redact(line))
+                if self.failed is None and self._is_failure(line):
+                    self.failed = (self.routers.index(router), line)
             router.flush()
+
+    def _is_failure(self, line: str) -> bool:
+        """A torchrun line saying the run has failed. With ``--max-restarts`` a dead worker is
+        restarted, so only torchrun's final report counts there."""
+        if GAVE_UP_RE.search(line):
+            return True
+        return self.plan.retry.max_restarts == 0 and WORKER_FAILED_RE.search(line) is not None
+
+    def _stop_for_failure(self) -> None:
+        """The first failure ends the run now, not when Slurm's ``--kill-on-bad-exit`` gets to it."""
+        self.stopped_for_failure = True
+        node, line = self.failed
+        host = self.hosts[node] if self.hosts else f"node {node}"
+        match = WORKER_FAILED_RE.search(line)
+        what = f"local rank {match.group(2)} exited with {match.group(1)}" if match else "torchrun gave up"
+        self.display.line(f"[launcher] a rank failed on {host} ({what}): {self._stop_words()} now")
+        problem = self._stop_now()
+        if problem:
+            self.display.line(f"[launcher] {problem}")
+
+    def _stop_words(self) -> str:
+        return f"cancelling Slurm job {self.job_id} (scancel)"
+
+    def _what(self) -> str:
+        return f"Slurm job {self.job_id}"
+
+    def _live(self) -> bool:
+        """Whether Slurm still lists what this run stops (a job that has ended has no process left)."""
+        return slurmctl.queue_state(self.job_id, self.environ) is not None
+
+    def _stop_now(self) -> str:
+        """Stop the run's processes on every node; a problem as one line, else ''."""
+        problem = slurmctl.cancel(self.job_id, self.environ)
+        return f"scancel {self.job_id} failed: {problem}" if problem else ""
 
     def _cancel(self, signum: int) -> int:
         name = signal.Signals(signum).name
-        self.display.line(f"[launcher] {name} received: cancelling Slurm job {self.job_id} (scancel)")
+        self.display.line(f"[launcher] {name} received: {self._stop_words()}")
         if signum == signal.SIGINT:
             self.display.mute()
-        problem = slurmctl.cancel(self.job_id, self.environ)
+        problem = self._stop_now()
         if problem:
-            self.display.line(f"[launcher] scancel {self.job_id} failed: {problem}")
+            self.display.line(f"[launcher] {problem}")
         deadline = time.monotonic() + CANCEL_WAIT_S
-        while slurmctl.queue_state(self.job_id, self.environ) is not None and time.monotonic() < deadline:
+        while self._live() and time.monotonic() < deadline:
             self._pump()
             time.sleep(0.2)
-        gone = slurmctl.queue_state(self.job_id, self.environ) is None
+        gone = not self._live()
         self._pump(final=True)
         code = EXIT_FOR_SIGNAL.get(signum, 128 + signum)
         if signum == signal.SIGINT:
             self.display.line(interrupted_line("SIGINT", code, self.plan.world_size, len(self.plan.nodes), None,
                                                self.stats, self.run_dir.logs, self.display.hidden))
         else:
-            self.display.line(f"== run stopped by {name}: exit code {code}; Slurm job {self.job_id} cancelled")
+            self.display.line(f"== run stopped by {name}: exit code {code}; {self._what()} cancelled")
         if not gone:
-            self.display.line(f"[launcher] job {self.job_id} still listed by squeue after {CANCEL_WAIT_S:g} s")
+            self.display.line(f"[launcher] {self._what()} still listed by squeue after {CANCEL_WAIT_S:g} s")
         return code
 
     def _summary(self, code: int, job_state: str) -> None:
@@ -282,4 +348,4 @@ class SlurmRun:
                 say(line)
 
 
-__all__ = ["launch_slurm", "slurm_hostfile", "write_scripts", "SlurmRun"]
+__all__ = ["launch_slurm", "slurm_hostfile", "write_scripts", "write_node_files", "SlurmRun", "failure_code"]

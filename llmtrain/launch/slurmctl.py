@@ -39,8 +39,8 @@ class Partition:
     state: str
 
 
-def check_clients() -> None:
-    missing = [c for c in CLIENTS if shutil.which(c) is None]
+def check_clients(clients: tuple[str, ...] = CLIENTS) -> None:
+    missing = [c for c in clients if shutil.which(c) is None]
     if missing:
         raise LLMTrainError(f"{' '.join(missing)} not found on PATH: this machine is not a Slurm client",
                             "run on a login node of the cluster (or install slurm-client), or use --launcher ssh",
