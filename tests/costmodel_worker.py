@@ -64,6 +64,16 @@ def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def state_nbytes(t: torch.Tensor) -> int:
+    """Stored bytes of an optimizer state: a quantized moment (torchao OptimState8bit, whose
+    dtype is only an appearance) counts its inner codes, scales and code map."""
+    t = local(t)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(state_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 class LiveTensors(TorchDispatchMode):
     """Weak references to every tensor an op returns while active."""
 
@@ -138,7 +148,7 @@ def optimizer_state_bytes(optimizer) -> int:
         if opt is None:
             continue
         for state in opt.state.values():
-            total += sum(nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+            total += sum(state_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return total
 
 

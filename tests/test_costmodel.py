@@ -227,6 +227,10 @@ CASES = {
     "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",
                            "parallel.pp_virtual_stages=2", "parallel.zero=1", "train.global_batch_size=16"],
     "pp2_tp2_tied": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.tp=2", "train.global_batch_size=8"],
+    # quantized AdamW moments (engine/quant_optim.py): 8bit quantizes by the LOCAL shard's size (FSDP x TP
+    # shards some weights below 4096 elements: those stay fp32), bf16 on ZeRO-1's whole owned tensors
+    "tp2_fsdp2_8bit": ["parallel.tp=2", "parallel.zero=3", "train.optimizer.states=8bit"],
+    "zero1_bf16": ["parallel.zero=1", "train.optimizer.states=bf16"],
 }
 
 

@@ -83,6 +83,12 @@ def resume(
     run_path = find_run(run, runs).resolve()
     # secret values again from the caller (never stored); a missing one stops here, exit 2
     recipe = restore_env(load_recipe(run_path / "recipe.lock.yaml", set_), base_dir=Path.cwd())
+    saved_states = load_recipe(run_path / "recipe.lock.yaml").train.optimizer.states
+    if recipe.train.optimizer.states != saved_states:  # the moments' format is part of the checkpoint
+        raise LLMTrainError(f"train.optimizer.states: the run's checkpoints hold {saved_states} AdamW moments, "
+                            f"--set asks for {recipe.train.optimizer.states}",
+                            f"resume with states {saved_states} (moments are not converted between formats)",
+                            path="--set")
     path, meta, warnings = pick_checkpoint(recipe, run_path, ckpt)
     for w in warnings:
         typer.echo(f"warning: {w}", err=True)

@@ -17,6 +17,9 @@
   only the owner of a parameter holds (and saves) its state, whole (or its TP shard); DCP merges
   what the ranks hold, and on load each rank asks only for the parameters it owns in the new
   layout. So zero 0/1/2/3, TP and PP checkpoints are interchangeable.
+* 8-bit moments (``train.optimizer.states: 8bit``) are saved as plain ``exp_avg.codes`` /
+  ``exp_avg.scale`` tensors in the parameter's layout (:func:`llmtrain.engine.quant_optim.export_moments`):
+  an exact resume in the same layout, resharded values in another; bf16 moments load into bf16.
 * LoRA (``train.lora``): the optimizer part holds only the adapters' state (nothing else
   trains). The model part holds the adapters and the frozen base, **except** when the run starts
   from ``checkpoint.init_from_hf`` (``adapters_only``): then it holds only the adapters (a few MB
@@ -30,11 +33,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from llmtrain.engine.finetune.lora import is_adapter_key
 from llmtrain.engine.parallel.tied import COPY, SOURCE, checkpoint_name, copy_params
+from llmtrain.engine.quant_optim import export_moments, import_moments, moment_mode, moments_template
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -84,28 +87,27 @@ def inner_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     return [optimizer]
 
 
-def _own_params(optimizer) -> list[nn.Parameter]:
-    return [p for o in inner_optimizers(optimizer) for g in o.param_groups for p in g["params"]]
-
-
 def optimizer_state(optimizer, names: dict[int, str], skip: set[int] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
     """This rank's AdamW state by parameter name (only parameters it steps; not those in ``skip``,
     the ids of tied copies, whose state equals the embedding's)."""
     out = {}
     for o in inner_optimizers(optimizer):
+        eight = moment_mode(o) == "8bit"  # quantized moments: exact plain parts (engine/quant_optim.py)
         for p, st in o.state.items():
             if st and id(p) not in skip:
-                out[names[id(p)]] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
+                out[names[id(p)]] = export_moments(p, st) if eight else \
+                    {k: v for k, v in st.items() if isinstance(v, torch.Tensor)}
     return out
 
 
 def optimizer_template(optimizer, names: dict[int, str]) -> dict[str, dict[str, torch.Tensor]]:
     """Empty tensors of the right (sharded) shapes for DCP to load this rank's optimizer state into."""
     out = {}
-    for p in _own_params(optimizer):
-        entry = {k: torch.zeros_like(p.detach(), memory_format=torch.preserve_format) for k in ADAM_KEYS}
-        entry["step"] = torch.zeros((), dtype=torch.float32)
-        out.setdefault(names[id(p)], entry)  # a tied embedding and its copy on one rank: one entry
+    for o in inner_optimizers(optimizer):
+        mode = moment_mode(o)  # fp32 | bf16 | 8bit moments (train.optimizer.states)
+        for g in o.param_groups:
+            for p in g["params"]:  # a tied embedding and its copy on one rank: one entry
+                out.setdefault(names[id(p)], moments_template(p, mode))
     return out
 
 
@@ -116,7 +118,10 @@ def load_optimizer_state(optimizer, names: dict[int, str], state: dict[str, dict
             for p in g["params"]:
                 name = names[id(p)]
                 entry = state[name]  # the second user of a name (a tied copy) gets its own tensors
-                o.state[p] = {k: v.clone() for k, v in entry.items()} if name in used else dict(entry)
+                if moment_mode(o) == "8bit":
+                    o.state[p] = import_moments(o, p, entry)
+                else:
+                    o.state[p] = {k: v.clone() for k, v in entry.items()} if name in used else dict(entry)
                 used.add(name)
 
 

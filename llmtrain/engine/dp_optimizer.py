@@ -10,6 +10,10 @@
   reduce-scatter to the owners): clipping takes the norm of the full, identical gradients on
   every rank (parallel/clip.py), and the owners' broadcast then spreads the updated weights.
 
+``parallel.grad_compression`` (powersgd, topk) replaces each set's reducer by the compressed one
+of :mod:`llmtrain.engine.parallel.compression` (run at the call, after the whole backward and,
+under PP, after the schedule's ``1 / n``: nothing is armed, it has no ``expect_backwards``).
+
 ``build_optimizer(..., overlap=False)`` selects the previous post-backward path
 (:class:`GradientAllReduce`, 32 MiB buckets in forward order, started after backward); it is
 kept for the before/after measurement of benchmarks/parallel_overheads.py.
@@ -25,6 +29,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Comp
 
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.optim import is_expert_param, make_adamw, param_groups
+from llmtrain.engine.parallel.compression import build_reducer
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
 from llmtrain.engine.parallel.grad_buckets import BucketedGradReducer
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
@@ -129,7 +134,12 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
     sets = [(dp_group, dp_size, [p for g in dense for p in g["params"]])]
     if ep:
         sets.append((edp_group, edp_size, [p for g in expert for p in g["params"]]))
-    if overlap:
+    compression = recipe.parallel.grad_compression
+    if compression != "none":  # PowerSGD / top-k at the step's end, no overlap (parallel/compression.py)
+        grad_sync = GradSync([build_reducer(compression, registration_order(parts, ps)[0], g, n, recipe.parallel,
+                                            seed=recipe.train.seed + k)
+                              for k, (g, n, ps) in enumerate(sets)])
+    elif overlap:
         bucket = int(recipe.parallel.dp_bucket_mb * 2**20)
         rdtype = torch.bfloat16 if recipe.parallel.reduce_dtype == "bf16" else None
         reducers = []

@@ -318,7 +318,7 @@ class PeriodicEval:
         start = time.perf_counter()
         from llmtrain.engine.parallelize import uses_fsdp
 
-        bf16 = self.recipe.train.precision == "bf16" and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
+        bf16 = self.recipe.train.precision in ("bf16", "fp8") and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
         result = evaluate(parts, self.windows, self.batch, device, meshes, self.recipe, self.micro,
                           torch.bfloat16 if bf16 else torch.float32)
         if dist.get_rank() == 0:

@@ -48,7 +48,7 @@ def peak_flops(device: torch.device, precision: str) -> float:
         name = torch.cuda.get_device_name(device).lower()
         for key, spec in GPUS.items():
             if key.split("-")[0] in name:
-                return spec.peak_flops_bf16 if precision == "bf16" else spec.peak_flops_bf16 / 2
+                return spec.peak_flops_bf16 if precision in ("bf16", "fp8") else spec.peak_flops_bf16 / 2
         return probe_peak_flops(device, torch.bfloat16, 4096)
     return probe_peak_flops(device)
 

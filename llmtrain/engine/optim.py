@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmtrain.engine.quant_optim import make_state_optimizer, set_group_lr
 from llmtrain.recipe.schema import ScheduleConfig, TrainConfig
 
 
@@ -47,6 +48,8 @@ def make_adamw(train: TrainConfig):
     o = train.optimizer
 
     def make(groups: list[dict]) -> torch.optim.Optimizer:
+        if o.states != "fp32":  # bf16 / 8-bit moments: torchao's AdamW kernels (engine/quant_optim.py)
+            return make_state_optimizer(o.states, groups, o.lr, o.betas, o.eps, o.weight_decay)
         # fused: one multi-tensor kernel per group (about 8x faster than foreach on CPU for a 60M
         # model, benchmarks/engine_throughput.py notes; the default of HF's Trainer on torch >= 2.8)
         return torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
@@ -73,4 +76,4 @@ def lr_multiplier(step: int, steps: int, cfg: ScheduleConfig) -> float:
 
 def set_lr(optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        set_group_lr(group, lr)

@@ -70,6 +70,10 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
         apply_expert_parallel(model, meshes.ep_root["ep", "tp"] if meshes.dims.tp > 1 else meshes.ep)
     if t.lora is not None:  # adapters on the (TP-sharded) projections, everything else frozen
         apply_lora(model, t.lora, meshes.tp if meshes.dims.tp > 1 else None)
+    if t.precision == "fp8":  # CUDA only (validation refuses it elsewhere): Float8 Linears before FSDP
+        from llmtrain.engine.parallel.float8 import apply_float8
+
+        apply_float8(model)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if t.compile:
         apply_compile(model)

@@ -26,7 +26,10 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   family's weight passes (no hooks) right after it; when each chunk's gradients are final
   comes from :func:`llmtrain.plan.schedule.gradient_ready`. zero 1: the same, plus each
   owner broadcasting its updated fp32 parameters (``4P`` in all; after the optimizer step, not
-  overlapped). FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
+  overlapped). ``parallel.grad_compression`` (zero 0/1) replaces the gradient all-reduce:
+  PowerSGD all-reduces (fp32) the uncompressed tensors, then ``P`` (``n x r`` per matrix), then
+  ``Q`` (``m x r``); top-k all-gathers ``8k`` bytes per rank; both after backward (phase
+  ``step``), :func:`compressed_grad_bytes`. FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
   forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once, the last micro batch
   (the others accumulate unsharded; ``parallel.fsdp_reduce_each_microbatch`` without PP: every
@@ -193,6 +196,10 @@ class CommSpec:
     grad_overlap: bool = True  # zero 0/1 buckets start before the step's end (every PP schedule)
     grad_ready: tuple = ((0.0, True),)  # when each chunk's gradients are final (schedule.gradient_ready)
     fsdp_reduce_each: bool = False  # parallel.fsdp_reduce_each_microbatch (no PP): FSDP reduces every micro batch
+    compression: str = "none"  # parallel.grad_compression (zero 0/1)
+    powersgd_rank: int = 4
+    topk_ratio: float = 0.01
+    grad_shapes: tuple = ((), ())  # with compression: (dense, expert) local gradient shapes (TP embedding: replicated)
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -217,6 +224,58 @@ def group_spans(dims: ParallelDims, placement: Placement, fast: bool = False) ->
                 size *= dims.degree(name)
         out[key] = size > 1 and spans_nodes(dims, placement, names, fast)
     return out
+
+
+POWERSGD_MIN_RATE = 2.0  # torch's PowerSGDState.min_compression_rate (engine/parallel/compression.py)
+
+
+def powersgd_rank_of(shape: tuple[int, ...], rank: int) -> int:
+    """The engine's choice (``compression.powersgd_plan``, torch's ``_should_compress``): the rank a
+    gradient of ``shape`` is approximated with, as matrix ``(shape[0], rest)``; 0 = sent whole."""
+    if len(shape) < 2:
+        return 0
+    n = shape[0]
+    cols = 1
+    for x in shape[1:]:
+        cols *= x
+    r = min(rank, n, cols)
+    return r if (n + cols) * r * POWERSGD_MIN_RATE < n * cols else 0
+
+
+def compressed_grad_bytes(kind: str, shapes: tuple, rank: int, ratio: float, group: int) -> list[tuple[str, str, int]]:
+    """(op, what, message bytes) of each collective one compressed gradient averaging issues per
+    step, as engine/parallel/compression.py does: PowerSGD one fp32 all-reduce of the
+    uncompressed tensors, one of every ``P`` (``n x r``), one of every ``Q`` (``m x r``); top-k one
+    all-gather of ``k`` fp32 values + ``k`` int32 indices per rank (message: the gathered size)."""
+    if kind == "topk":
+        numel = sum(_numel(s) for s in shapes)
+        k = min(numel, max(1, ceil(ratio * numel))) if numel else 0
+        return [("all-gather", "top-k values + int32 indices", group * 8 * k)] if k else []
+    plain = ps = qs = 0
+    for s in shapes:
+        r = powersgd_rank_of(s, rank)
+        if r:
+            ps += s[0] * r
+            qs += _numel(s) // s[0] * r
+        else:
+            plain += _numel(s)
+    out = [("all-reduce", "uncompressed (1-D, small)", 4 * plain), ("all-reduce", "PowerSGD P", 4 * ps),
+           ("all-reduce", "PowerSGD Q", 4 * qs)]
+    return [o for o in out if o[2]]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def compressed_grad_comms(c: CommSpec, shapes: tuple, group: int, lk: Link, what: str) -> list[Comm]:
+    """``parallel.grad_compression``: the compressed averaging of ``what``, at the step's end (not
+    overlapped with backward: phase ``step``)."""
+    return [make("dp", op, group, nbytes, 1, lk, "step", f"{c.compression} {what}: {part}, after backward")
+            for op, part, nbytes in compressed_grad_bytes(c.compression, shapes, c.powersgd_rank, c.topk_ratio, group)]
 
 
 def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
@@ -271,9 +330,16 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             comm.ready = c.grad_ready
             return comm
 
-        out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))
-        if expert:
-            out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
+        if c.compression != "none":
+            expert_group = d.dp_replicate * d.edp if d.ep > 1 else 0
+            for shapes, group, what in ((c.grad_shapes[0], dpcp, "gradients"),
+                                        (c.grad_shapes[1], expert_group, "expert gradients over expert-DP")):
+                if shapes and group > 1:
+                    out += compressed_grad_comms(c, shapes, group, g, what)
+        else:
+            out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))
+            if expert:
+                out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
         if c.dp_kind == "zero1":
             out.append(make("dp", "broadcast", dpcp, 4 * (dense + expert), 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))

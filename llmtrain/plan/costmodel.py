@@ -29,7 +29,8 @@ from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.comm import Comm, CommSpec, group_spans, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
-    block_flops_per_token, flops_per_token, forward_flops_per_token, head_flops_per_token, recompute_flops_per_token,
+    block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    recompute_flops_per_token,
 )
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
@@ -89,7 +90,7 @@ class CostModel:
 def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) -> act.ActShape:
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
-    autocast = t.precision == "bf16" and mode.kind != "fsdp"
+    autocast = t.precision in ("bf16", "fp8") and mode.kind != "fsdp"
     return act.ActShape(
         b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
@@ -110,7 +111,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     held = rank_stages(pp_rank, dims.pp, v, p.pp_schedule)
     inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
     index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
-    state = model_state_bytes(inv.params, mode, index)
+    state = model_state_bytes(inv.params, mode, index, t.optimizer.states)
     x = act_shape(recipe, dims, mode, gpu)
     recompute = t.activation_checkpointing
     counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
@@ -164,6 +165,16 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
                       other, detail, state.trainable)
+
+
+def grad_shapes(inv) -> tuple[tuple, tuple]:
+    """(dense, expert) local gradient shapes of the rank's trainable parameters, for the compressed
+    DP averaging (plan/comm.py): the TP embedding's gradient is replicated (``grad_factor`` rows)."""
+    shapes: tuple[list, list] = ([], [])
+    for q in inv.params:
+        if q.trainable:
+            shapes[q.kind == "expert"].append((q.shape[0] * q.grad_factor, *q.shape[1:]))
+    return tuple(shapes[0]), tuple(shapes[1])
 
 
 def probe_ranks(pp: int) -> list[int]:
@@ -238,7 +249,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         lk is not None and inv.first and 0 in inv.layers,
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
                         grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
-                        fsdp_reduce_each=p.fsdp_reduce_each_microbatch)
+                        fsdp_reduce_each=p.fsdp_reduce_each_microbatch,
+                        compression=p.grad_compression, powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
+                        grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()))
         comms = step_comms(spec, gpu, spans)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
@@ -249,7 +262,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
-                   model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap, dims.pp)
+                   model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap, dims.pp, t.precision,
+                   fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0)
     flops = {
         "model_flops_per_token": model_tok, "model_flops_per_step": model_tok * tokens_step,
         "model_flops_per_gpu_per_step": model_tok * tokens_step / world,

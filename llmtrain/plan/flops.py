@@ -62,6 +62,17 @@ def block_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora=Non
     return split + 6.0 * 3 * h * model.ffn_hidden, 0.0
 
 
+def fp8_matmul_fraction(model: ModelConfig, seq_len: int) -> float:
+    """Share of the model FLOPs that ``train.precision: fp8`` runs on FP8 tensor cores: the blocks'
+    nn.Linear projections (attention q/k/v/o, the dense MLP), which engine/parallel/float8.py
+    converts. Attention scores/values (SDPA), the output head (left bf16) and MoE experts
+    (grouped matmuls over parameter tensors, not nn.Linear) stay at the bf16 peak."""
+    h = model.hidden
+    linear = sum(6.0 * attention_params(model) + (0.0 if model.is_moe_layer(i) else 18.0 * h * model.ffn_hidden)
+                 for i in range(model.layers))
+    return linear / flops_per_token(model, seq_len)
+
+
 def head_flops_per_token(model: ModelConfig, lora=None) -> float:
     """Output layer and final norm, forward + backward (the embedding is a lookup: 0); frozen
     under LoRA: forward and input gradient only."""

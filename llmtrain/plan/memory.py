@@ -34,15 +34,33 @@ Two accountings live here:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import heapq
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.shards import ParamShape, fsdp_local_numel, zero1_loads
+from llmtrain.plan.shards import ParamShape, fsdp_local_numel, fsdp_numel, zero1_loads
 
 FP32 = 4
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 STEP_BYTES = 4  # AdamW's fp32 step tensor, one per parameter
+Q8_BLOCK, Q8_MIN_NUMEL, Q8_QMAP = 256, 4096, 256  # torchao AdamW8bit: block, smallest quantized tensor, code map
+
+
+def q8_quantized(local_numel: int) -> bool:
+    """Whether torchao's AdamW8bit quantizes the moments of a shard of ``local_numel`` elements."""
+    return local_numel >= Q8_MIN_NUMEL and local_numel % Q8_BLOCK == 0
+
+
+def moment_bytes(local_numel: int, states: str) -> int:
+    """exp_avg + exp_avg_sq bytes of one parameter shard (``train.optimizer.states``,
+    engine/quant_optim.py): fp32 8 per element, bf16 4, 8bit (when quantized) uint8 codes + one
+    fp32 scale per 256-element block + a 256-entry fp32 code map, per moment."""
+    if states == "bf16":
+        return 4 * local_numel
+    if states == "8bit" and q8_quantized(local_numel):
+        return 2 * (local_numel + FP32 * (local_numel // Q8_BLOCK) + FP32 * Q8_QMAP)
+    return ADAM_BYTES * local_numel
 ALLREDUCE_BUCKET = 25 << 20  # the default of parallel.dp_bucket_mb (a caller passes the recipe's)
 
 
@@ -172,12 +190,44 @@ def _sizes(params: tuple[ParamShape, ...]) -> tuple[int, ...]:
     return tuple(sorted((p.numel for p in params), reverse=True))
 
 
-def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: DPMode, j: int = 0) -> StateBytes:
+def _zero1_owned(sizes: tuple[int, ...], ranks: int, index: int) -> list[int]:
+    """The parameter sizes owner ``index`` gets under the greedy partition of ``zero1_loads``."""
+    load = [(0, r) for r in range(ranks)]
+    heapq.heapify(load)
+    mine = []
+    for n in sizes:
+        current, r = heapq.heappop(load)
+        if r == index:
+            mine.append(n)
+        heapq.heappush(load, (current + n, r))
+    return mine
+
+
+def quantized_optimizer_bytes(params: tuple[ParamShape, ...], mode: DPMode, j: int, states: str) -> int:
+    """Optimizer bytes of dp_cp index ``j`` for bf16 / 8bit moments: per parameter shard (8bit
+    quantizes by the LOCAL shard's size), plus the 4-byte step tensor of each parameter."""
+    sp = _split(params)
+    if mode.kind == "fsdp":
+        d, e = mode.dense_index(j), mode.expert_index(j)
+        shards = [fsdp_numel(p, mode.slice, d) for p in sp.t_dense] + [fsdp_numel(p, mode.edp, e) for p in sp.t_experts]
+    elif mode.kind == "zero1":
+        shards = _zero1_owned(_sizes(sp.t_dense), mode.group, mode.dense_index(j)) + \
+            _zero1_owned(_sizes(sp.t_experts), mode.expert_shards, mode.expert_index(j))
+    else:
+        shards = [p.numel for p in sp.t_dense + sp.t_experts]
+    return sum(moment_bytes(n, states) + STEP_BYTES for n in shards)
+
+
+def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: DPMode, j: int = 0,
+                      states: str = "fp32") -> StateBytes:
     """Exact parameter / gradient / AdamW bytes of the rank with ``dp_cp`` index ``j``.
 
     EP-sharded experts (``kind == "expert"``) are data-parallel over their own group: FSDP over
     edp (a separate FSDP unit), ZeRO-1 a separate optimizer over dp_replicate x edp.
     """
+    if states != "fp32":  # bf16 / 8bit moments (train.optimizer.states): per-shard byte rule
+        sb = model_state_bytes(params, mode, j)
+        return replace(sb, optimizer=quantized_optimizer_bytes(tuple(params), mode, j, states))
     params = tuple(params)
     sp = _split(params)
     full, grads, t_full = sp.full, sp.grads, sp.t_full
@@ -215,7 +265,7 @@ def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
 
 
 def compute_bytes(precision: str) -> int:
-    return 2 if precision == "bf16" else 4
+    return 2 if precision in ("bf16", "fp8") else 4
 
 
 # ---- working buffers ("other") --------------------------------------------------------------------
@@ -239,7 +289,7 @@ def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, la
         if not mode.reshard_after_forward:
             return e * total
         return e * (2 * largest_block + root_numel)
-    if precision != "bf16":
+    if precision not in ("bf16", "fp8"):
         return 0
     return e * (matmul if recompute == "none" else largest_block)
 

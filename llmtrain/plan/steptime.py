@@ -79,6 +79,15 @@ class StepTime:
                 "mfu": self.mfu, "slowest_pp_rank": self.slowest_pp_rank, "breakdown_s": self.breakdown}
 
 
+def matmul_peak(gpu: GPUSpec, precision: str = "bf16", fp8_fraction: float = 0.0) -> float:
+    """Dense peak FLOP/s the step's FLOPs run at: bf16, or with ``precision: fp8`` the harmonic
+    blend of the FP8 peak for the converted matmuls (``fp8_fraction`` of the FLOPs) and the bf16
+    peak for the rest (attention, the output head)."""
+    if precision != "fp8" or gpu.peak_flops_fp8 <= 0 or fp8_fraction <= 0:
+        return gpu.peak_flops_bf16
+    return 1.0 / ((1 - fp8_fraction) / gpu.peak_flops_bf16 + fp8_fraction / gpu.peak_flops_fp8)
+
+
 def efficiency(gpu: GPUSpec) -> float:
     return COMPUTE_EFFICIENCY.get(gpu.name, 0.55)
 
@@ -113,8 +122,9 @@ def bucketed_exposed(c: Comm, t_b: float) -> float:
 
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
-              chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None) -> StepTime:
-    rate = gpu.peak_flops_bf16 * efficiency(gpu)
+              chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None,
+              precision: str = "bf16", fp8_fraction: float = 0.0) -> StepTime:
+    rate = matmul_peak(gpu, precision, fp8_fraction) * efficiency(gpu)
     m = microbatches
     per_rank = []
     n_ranks = pp or len(ranks)

@@ -180,6 +180,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     # -- data and fine-tuning (before the layout is accepted: an error here means no layout) ------
     _check_data(recipe, err)
     _check_lora(recipe, err)
+    _check_precision_features(recipe, err)
 
     # -- batch math ------------------------------------------------------------------------------
     if dp_shard is not None:
@@ -204,6 +205,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if p.reduce_dtype == "bf16" and dp * p.cp == 1:
             warn(Problem("parallel.reduce_dtype", "reduce_dtype bf16 has no effect: no gradient is reduced (dp x cp is 1)",
                          "remove it"))
+        _check_compression(recipe, dp * p.cp, err, warn)
         if p.zero == 3 and p.pp > 1:
             warn(Problem("parallel.zero", "with pp > 1 parameters are not resharded after forward (memory as zero 2): "
                          "zero-bubble schedules need the unsharded weights for their weight-gradient pass",
@@ -218,6 +220,26 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
 
 
 FINETUNE_SOURCES = ("chat", "instruction", "text")
+
+
+def _check_compression(recipe: Recipe, dpcp: int, err, warn) -> None:
+    """``parallel.grad_compression`` (engine/parallel/compression.py) needs the whole local gradient
+    on every rank at the step's end: zero 0/1 only (FSDP reduce-scatters inside its own backward
+    hooks, so there is no full gradient to compress). TP, PP, EP and CP work: every DP rank holds
+    the same local shards, compressed over its DP (expert-DP) group."""
+    p = recipe.parallel
+    if p.grad_compression == "none":
+        return
+    if p.zero >= 2:
+        err(Problem("parallel.grad_compression", f"grad_compression {p.grad_compression} needs zero 0 or 1: FSDP (zero "
+                    f"{p.zero}) reduce-scatters the gradients inside its backward, so no rank holds a whole gradient "
+                    "to compress", "set parallel.zero: 0 or 1, or grad_compression: none"))
+    if p.reduce_dtype == "bf16":
+        err(Problem("parallel.reduce_dtype", f"reduce_dtype bf16 does not apply with grad_compression {p.grad_compression} "
+                    "(its messages are fp32)", "remove reduce_dtype, or set grad_compression: none"))
+    if dpcp == 1:
+        warn(Problem("parallel.grad_compression", f"grad_compression {p.grad_compression} has no effect: no gradient is "
+                     "reduced (dp x cp is 1)", "remove it"))
 
 
 def _check_data(recipe: Recipe, err) -> None:
@@ -292,3 +314,23 @@ def _check_microbatches(recipe: Recipe, batch: BatchMath, err, warn) -> None:
 def _even_split(layers: int, stages: int) -> list[int]:
     base, extra = divmod(layers, stages)
     return [base + (1 if i < extra else 0) for i in range(min(stages, 16))]  # a hint: never build 2**48 entries
+
+
+def _check_precision_features(recipe: Recipe, err) -> None:
+    """FP8 training and async TP need CUDA hardware the CPU engine cannot emulate (issue 17)."""
+    from llmtrain.recipe.gpus import GPUS
+
+    t, p, gpu = recipe.train, recipe.parallel, recipe.cluster.gpu
+    spec = GPUS.get(gpu)
+    if t.precision == "fp8" and (gpu == "cpu" or spec is None or spec.peak_flops_fp8 <= 0):
+        why = "the CPU engine has no FP8 matmuls" if gpu == "cpu" else f"cluster.gpu {gpu} has no FP8 tensor cores"
+        err(Problem("train.precision", f"fp8 needs CUDA GPUs with FP8 tensor cores: {why}",
+                    "use train.precision bf16, or cluster.gpu h100-sxm / h200 / b200"))
+    if p.async_tp:
+        if gpu == "cpu" or not t.compile or p.tp < 2:
+            need = "CUDA GPUs" if gpu == "cpu" else "train.compile: true" if not t.compile else "parallel.tp >= 2"
+            err(Problem("parallel.async_tp", f"async TP (symmetric-memory micro-pipelined TP) needs {need}",
+                        "set parallel.async_tp false"))
+        else:
+            err(Problem("parallel.async_tp", "async TP is not implemented in the engine yet (only the schema field)",
+                        "set parallel.async_tp false"))

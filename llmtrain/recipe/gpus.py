@@ -11,6 +11,8 @@ Every number is per GPU, from the vendor's datasheet (dense, i.e. without 2:4 sp
   4.5 PFLOPS sparse bf16 halved), 180 GB HBM3e, NVLink 5 1.8 TB/s; 400 Gb/s ConnectX-7.
 - cpu: nominal numbers for planning CPU debug runs; the engine measures the real peak with a
   matmul probe at start.
+FP8 dense peaks (same datasheets, without sparsity): H100/H200 SXM 1,979 TFLOPS, B200 4.5
+PFLOPS; A100 has no FP8 tensor cores.
 Bandwidths are the total (both directions) figures the datasheets quote, in bytes/s.
 """
 
@@ -26,13 +28,14 @@ class GPUSpec:
     memory_bytes: float
     nvlink_bytes_per_s: float  # intra-node, per GPU
     internode_bytes_per_s: float  # per GPU (one NIC per GPU)
+    peak_flops_fp8: float = 0.0  # dense FP8 tensor-core FLOP/s; 0 = no FP8 tensor cores (train.precision fp8 refused)
 
 
 GB = 1e9
 GPUS: dict[str, GPUSpec] = {
-    "h100-sxm": GPUSpec("h100-sxm", 989e12, 80 * GB, 900 * GB, 400e9 / 8),
-    "h200": GPUSpec("h200", 989e12, 141 * GB, 900 * GB, 400e9 / 8),
+    "h100-sxm": GPUSpec("h100-sxm", 989e12, 80 * GB, 900 * GB, 400e9 / 8, 1979e12),
+    "h200": GPUSpec("h200", 989e12, 141 * GB, 900 * GB, 400e9 / 8, 1979e12),
     "a100-80g": GPUSpec("a100-80g", 312e12, 80 * GB, 600 * GB, 200e9 / 8),
-    "b200": GPUSpec("b200", 2250e12, 180 * GB, 1800 * GB, 400e9 / 8),
+    "b200": GPUSpec("b200", 2250e12, 180 * GB, 1800 * GB, 400e9 / 8, 4500e12),
     "cpu": GPUSpec("cpu", 1e11, 16 * GB, 10 * GB, 1 * GB),
 }

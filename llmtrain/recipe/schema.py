@@ -63,6 +63,22 @@ class ParallelConfig(Strict):
     reduce_dtype: Literal["fp32", "bf16"] = Field(
         "fp32", description="dtype of every gradient reduction (FSDP reduce-scatter, the DP all-reduce, expert "
                             "gradients): fp32, or bf16 (half the bytes, ~3 significant digits per sum).")
+    grad_compression: Literal["none", "powersgd", "topk"] = Field(
+        "none", description="zero 0/1: compress the data-parallel gradient averaging (engine/parallel/compression.py): "
+                            "powersgd (rank-powersgd_rank factors per matrix, warm start) or topk (each rank sends its "
+                            "topk_ratio largest entries); run at the step's end, not overlapped with backward.")
+    powersgd_rank: int = Field(
+        4, ge=1, le=4096, description="grad_compression powersgd: approximation rank per gradient matrix (sends "
+                                      "(rows + cols) x rank numbers instead of rows x cols).")
+    topk_ratio: float = Field(
+        0.01, gt=0, le=1, description="grad_compression topk: fraction of the gradient's entries each rank sends "
+                                      "(values + int32 indices: 8 bytes per entry).")
+    async_tp: bool = Field(
+        False, description="tp > 1 on CUDA under train.compile: torch's symmetric-memory micro-pipelined TP (async TP). "
+                           "Accepted by the schema; validation refuses it until the engine path lands (docs/engine.md).")
+    compression_error_feedback: bool = Field(
+        True, description="grad_compression: add what compression left out to the next step's gradient (error "
+                          "feedback; without it PowerSGD and top-k converge worse). Reset on resume.")
 
     @field_validator("dp_shard")
     @classmethod
@@ -89,6 +105,10 @@ class OptimizerConfig(Strict):
     betas: list[float] = Field([0.9, 0.95], min_length=2, max_length=2, description="Adam beta1, beta2.")
     weight_decay: float = Field(0.1, ge=0, le=10, description="Decoupled weight decay (matrices only).")
     eps: float = Field(1e-8, gt=0, le=1, description="Adam epsilon.")
+    states: Literal["fp32", "bf16", "8bit"] = Field(
+        "fp32", description="AdamW moment storage (engine/quant_optim.py): fp32 (8 bytes per parameter), bf16 (4; "
+                            "torchao's AdamW kernel, rounded to nearest) or 8bit (torchao AdamW8bit: ~2 bytes, block-wise "
+                            "quantized, tensors of >= 4096 elements that are a multiple of 256; smaller ones stay fp32).")
 
     @field_validator("betas")
     @classmethod
@@ -166,7 +186,9 @@ class TrainConfig(Strict):
     )
     micro_batch_size: int = Field(1, ge=1, le=BIG, description="Sequences per forward/backward pass on one data-parallel rank.")
     steps: int = Field(100, ge=1, le=BIG, description="Optimizer steps to train.")
-    precision: Literal["fp32", "bf16"] = Field("bf16", description="fp32, or bf16 params/compute with fp32 reductions and master weights.")
+    precision: Literal["fp32", "bf16", "fp8"] = Field(
+        "bf16", description="fp32, or bf16 params/compute with fp32 reductions and master weights; fp8 (CUDA with FP8 "
+                            "tensor cores only): bf16 plus torchao Float8 linear layers (tensorwise scaling).")
     activation_checkpointing: Literal["none", "selective", "full"] = Field(
         "none", description="Recompute activations in backward: none, selective (attention/matmul outputs saved), full (per block)."
     )
