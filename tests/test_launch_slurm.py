@@ -19,12 +19,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.background import Background
 from tests.slurmcluster import get_cluster
 from tests.sshhosts import run_processes
 
@@ -183,34 +183,6 @@ def test_real_engine_trains_on_two_slurm_nodes(cluster, tmp_path):
     assert (run / "hostfile").read_text() == f"{n0} slots=1\n{n1} slots=1\n"
     assert (run / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash\n")
     assert cluster.jobs() == [] and run_processes(run.name) == []
-
-
-class Background:
-    """The launcher in the background, its output lines collected as they come."""
-
-    def __init__(self, env: dict[str, str], cwd: Path, *args: str):
-        self.proc = subprocess.Popen([*CLI, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
-
-    def wait_for(self, *wanted: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(any(w in line for line in self.lines) for w in wanted):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"never saw {wanted}:\n" + "".join(self.lines))
-            time.sleep(0.05)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def _sleeping_job(cluster, tmp_path: Path, **env: str) -> tuple[Background, Path]:

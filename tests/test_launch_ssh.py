@@ -18,12 +18,12 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.sshhosts import get_cluster, run_processes, run_processes_with
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,36 +62,11 @@ def run_cli(cluster, cwd: Path, *args: str, timeout: float = 120, **env: str) ->
                           timeout=timeout)
 
 
-class Background:
-    """A launcher in the background whose output lines are collected as they come."""
+class Background(background.Background):
+    """The launcher in the background, in the SSH test cluster's environment."""
 
     def __init__(self, cluster, cwd: Path, *args: str, **env: str):
-        self.proc = subprocess.Popen([*CLI, *args], cwd=cwd, env=cluster.env(**env), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-        self.reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
-        self.reader.start()
-
-    def wait_for(self, *wanted: str, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(any(w in line for line in self.lines) for w in wanted):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                pytest.fail(f"never saw {wanted}:\n" + "".join(self.lines))
-            time.sleep(0.05)
-
-    @property
-    def run_id(self) -> str:
-        return next(m.group(1) for line in self.lines if (m := re.match(r"run dir \S+/(\S+): \d+ ranks", line)))
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        super().__init__(cluster.env(**env), cwd, *args)
 
 
 def wait_gone(run_id: str, timeout: float) -> list[int]:
