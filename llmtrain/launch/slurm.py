@@ -55,7 +55,7 @@ from llmtrain.launch.proctree import signals_to
 from llmtrain.launch.rundir import RunDir, create_run_dir, hostfile_text, new_run_id
 from llmtrain.launch.slurm_script import (JOB_SCRIPT, NODE_SCRIPT, SlurmOptions, check_run_dir, job_environment,
                                           job_script, node_script)
-from llmtrain.launch.stream import (Display, LineRouter, LineSplitter, WorkerLogTailer, error_file_message,
+from llmtrain.launch.stream import (Display, FileTail, LineRouter, WorkerLogTailer, error_file_message,
                                    failure_lines, interrupted_line, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
 
@@ -153,23 +153,6 @@ def write_node_files(run: RunDir, plan: LaunchPlan) -> None:
     (run.logs / "commands.txt").write_text("\n".join(lines) + "\n")
 
 
-class _FileLines:
-    """Whole new lines of a file that another machine appends to (srun's per-node output)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.splitter = path, 0, LineSplitter()
-
-    def read(self, final: bool = False) -> list[str]:
-        try:
-            with open(self.path, "rb") as fp:
-                fp.seek(self.offset)
-                data = fp.read()
-        except OSError:
-            data = b""
-        self.offset += len(data)
-        return (self.splitter.feed(data) if data else []) + (self.splitter.flush() if final else [])
-
-
 class SlurmRun:
     """One submitted job: its streamed logs, its end, its cancellation."""
 
@@ -183,8 +166,8 @@ class SlurmRun:
         self.routers = [LineRouter(run.logs, self.display, self.stats, host=f"node-{n.node_rank}",
                                    launcher_log=f"node-{n.node_rank}.log") for n in plan.nodes]
         self.tailers = [WorkerLogTailer(Path(n.log_dir), n.nproc, n.node_rank) for n in plan.nodes]
-        self.outputs = [_FileLines(Path(n.output_log)) for n in plan.nodes]
-        self.job_out = _FileLines(run.logs / "slurm" / self.job_log)
+        self.outputs = [FileTail(Path(n.output_log)) for n in plan.nodes]
+        self.job_out = FileTail(run.logs / "slurm" / self.job_log)
         self.hosts: list[str] = []
         self.signals: list[int] = []
         self.failed: tuple[int, str] | None = None  # (node rank, torchrun's line) of the first failure seen

@@ -137,13 +137,15 @@ class PipeReader:
         return out
 
 
-class _FileTail:
+class FileTail:
+    """Whole new lines of a file another process (or machine, on shared storage) appends to."""
+
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
         self.splitter = LineSplitter()
 
-    def read(self, final: bool) -> list[str]:
+    def read(self, final: bool = False) -> list[str]:
         try:
             with open(self.path, "rb") as fp:
                 fp.seek(self.offset)
@@ -167,7 +169,7 @@ class WorkerLogTailer:
         self.nproc = nproc_per_node
         self.node_rank = node_rank
         self.rescan_s = rescan_s
-        self._tails: dict[Path, tuple[int, str, _FileTail]] = {}
+        self._tails: dict[Path, tuple[int, str, FileTail]] = {}
         self._last_scan = 0.0
 
     def _scan(self) -> None:
@@ -176,7 +178,7 @@ class WorkerLogTailer:
             match = WORKER_FILE_RE.search(path.as_posix())
             if match and path not in self._tails:
                 rank = self.node_rank * self.nproc + int(match.group(2))
-                self._tails[path] = (rank, match.group(3), _FileTail(path))
+                self._tails[path] = (rank, match.group(3), FileTail(path))
 
     def poll(self, final: bool = False) -> list[tuple[int, str, str]]:
         """New whole lines as ``(rank, "stdout"|"stderr", line)``; ``final`` also flushes partial lines."""
