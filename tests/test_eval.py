@@ -221,7 +221,7 @@ def test_bad_inputs_are_one_line(trained, files, tmp_path):
     (tmp_path / "empty").mkdir()
     assert "without meta.json" in one_error(["eval", run, "--data", str(tmp_path / "empty")])
     assert "is V-shaped" in one_error(["eval", run, "--data", str(files["text"]), "--set", "parallel.pp=2",
-                                       "--set", "parallel.pp_schedule=zbv"])  # (any --batch runs with pp)
+                                       "--set", "parallel.pp_schedule=zbv", "--set", "parallel.pp_virtual_stages=1"])  # (any --batch runs with pp)
     assert "--seq-len 30: parallel.cp=2 (ring)" in one_error(["eval", run, "--data", str(files["text"]), "--seq-len", "30",
                                                               "--set", "parallel.cp=2"])
     assert "only parallel" in one_error(["eval", run, "--data", str(files["text"]), "--set", "train.steps=3"])
