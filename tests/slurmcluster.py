@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.sshhosts import _alive, _run  # the SSH test hosts' process helpers, shared
+
 SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "squeue", "scontrol", "scancel", "sinfo")
 NS_RE = re.compile(r"^lsl(\d+)n\d+$")
 BR_RE = re.compile(r"^lslb(\d+)$")
@@ -149,22 +151,6 @@ def _stop(daemon: Daemon) -> None:
         except subprocess.TimeoutExpired:
             os.kill(pid, signal.SIGKILL)
             daemon.proc.wait(timeout=5)
-
-
-def _run(*cmd: str) -> None:
-    result = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {(result.stderr or result.stdout).strip()}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def clean_stale() -> None:

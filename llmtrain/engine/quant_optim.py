@@ -63,7 +63,9 @@ def make_state_optimizer(states: str, groups: list[dict], lr: float, betas, eps:
     """An AdamW over ``groups`` with ``states`` moments (``bf16`` | ``8bit``)."""
     AdamW8bit, adam = _torchao()
 
-    class AdamW8bitStates(AdamW8bit):
+    class EagerOnCPU:
+        """torchao's compiled step on CUDA; on CPU its kernel runs eagerly (see the module docstring)."""
+
         @torch.no_grad()
         def step(self, closure=None):
             if closure is not None:
@@ -72,7 +74,10 @@ def make_state_optimizer(states: str, groups: list[dict], lr: float, betas, eps:
                 return _eager_step(self)
             return super().step()
 
-    class AdamWBf16States(adam._AdamW):
+    class AdamW8bitStates(EagerOnCPU, AdamW8bit):
+        pass
+
+    class AdamWBf16States(EagerOnCPU, adam._AdamW):
         def _new_buffer(self, p, signed: bool):
             local = p.to_local() if isinstance(p, DTensor) else p
             out = torch.zeros(local.shape, dtype=torch.bfloat16, device=local.device)
@@ -80,14 +85,6 @@ def make_state_optimizer(states: str, groups: list[dict], lr: float, betas, eps:
                 out = DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                          stride=p.stride()).to(p.device)
             return out
-
-        @torch.no_grad()
-        def step(self, closure=None):
-            if closure is not None:
-                raise LLMTrainError("train.optimizer.states: closures are not supported")
-            if _on_cpu(self):
-                return _eager_step(self)
-            return super().step()
 
     cls = AdamW8bitStates if states == "8bit" else AdamWBf16States
     kwargs = {"block_size": BLOCK} if states == "8bit" else {}

@@ -35,7 +35,7 @@ Expert tensor parallelism (:func:`apply_expert_tensor_parallel`, always on when 
     group holds one TP coordinate), each rank sending its rows to the peer with the same TP index.
     Inside the region every gradient is a TP partial sum, reduced once at the region's input. The
     two replicated pieces are made to fit that rule: the router weight's gradient is summed over
-    TP in backward (:class:`_SumGradOverTP`, ``[E, H]`` per block), and the auxiliary loss is
+    TP in backward (:class:`_CopyToTP`, ``[E, H]`` per block), and the auxiliary loss is
     seeded with ``1 / tp`` on each TP rank (``MoE.aux_grad_share``).
 
     Why this and not "TP ranks as extra EP" (E / tp experts per TP rank, whole weights): both
@@ -124,7 +124,8 @@ def _sum(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 class _CopyToTP(torch.autograd.Function):
-    """Megatron's ``f``: identity forward; backward sums the (partial) input gradient over TP."""
+    """Megatron's ``f``: identity forward; backward sums the (partial) gradient over TP. Used at the
+    region's entry (the input) and on the replicated router weight inside the region."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -174,19 +175,6 @@ class _ScatterSequence(torch.autograd.Function):
         return wait_tensor(funcol.all_gather_tensor(grad.contiguous(), 1, ctx.group)), None
 
 
-class _SumGradOverTP(torch.autograd.Function):
-    """A replicated weight used inside the region: identity forward, gradient summed over TP."""
-
-    @staticmethod
-    def forward(ctx, w: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _sum(grad, ctx.group), None
-
-
 class ExpertTPRegion:
     """The MoE block as one TP region (module docstring): :meth:`enter` gives every TP rank the
     full local token set, :meth:`exit` sums the partial outputs (SP: back to sequence shards)."""
@@ -203,7 +191,7 @@ class ExpertTPRegion:
         return _ScatterSequence.apply(out, self.group) if self.sp else _SumOverTP.apply(out, self.group)
 
     def replicated(self, w: torch.Tensor) -> torch.Tensor:
-        return _SumGradOverTP.apply(w, self.group)
+        return _CopyToTP.apply(w, self.group)
 
 
 def apply_expert_tensor_parallel(moe: MoE, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
