@@ -64,6 +64,7 @@ from torch.distributed.tensor import DTensor
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.safeio import printable
+from llmtrain.recipe.schema import bf16_compute
 
 IGNORE = -100
 
@@ -318,7 +319,7 @@ class PeriodicEval:
         start = time.perf_counter()
         from llmtrain.engine.parallelize import uses_fsdp
 
-        bf16 = self.recipe.train.precision in ("bf16", "fp8") and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
+        bf16 = bf16_compute(self.recipe.train.precision) and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
         result = evaluate(parts, self.windows, self.batch, device, meshes, self.recipe, self.micro,
                           torch.bfloat16 if bf16 else torch.float32)
         if dist.get_rank() == 0:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from llmtrain.recipe.schema import bf16_compute
+
 EVENT_PREFIX = "@@llmtrain "
 
 
@@ -48,7 +50,7 @@ def peak_flops(device: torch.device, precision: str) -> float:
         name = torch.cuda.get_device_name(device).lower()
         for key, spec in GPUS.items():
             if key.split("-")[0] in name:
-                return spec.peak_flops_bf16 if precision in ("bf16", "fp8") else spec.peak_flops_bf16 / 2
+                return spec.peak_flops_bf16 if bf16_compute(precision) else spec.peak_flops_bf16 / 2
         return probe_peak_flops(device, torch.bfloat16, 4096)
     return probe_peak_flops(device)
 

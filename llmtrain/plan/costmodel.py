@@ -42,7 +42,7 @@ from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUS, GPUSpec
-from llmtrain.recipe.schema import Recipe
+from llmtrain.recipe.schema import Recipe, bf16_compute
 
 GIB = float(1 << 30)
 RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
@@ -90,7 +90,7 @@ class CostModel:
 def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) -> act.ActShape:
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
-    autocast = t.precision in ("bf16", "fp8") and mode.kind != "fsdp"
+    autocast = bf16_compute(t.precision) and mode.kind != "fsdp"
     return act.ActShape(
         b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,

@@ -40,6 +40,7 @@ from functools import lru_cache
 
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.shards import ParamShape, fsdp_local_numel, fsdp_numel, zero1_loads
+from llmtrain.recipe.schema import bf16_compute
 
 FP32 = 4
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -265,7 +266,7 @@ def best_dp_index(params: list[ParamShape], mode: DPMode) -> int:
 
 
 def compute_bytes(precision: str) -> int:
-    return 2 if precision in ("bf16", "fp8") else 4
+    return 2 if bf16_compute(precision) else 4
 
 
 # ---- working buffers ("other") --------------------------------------------------------------------
@@ -289,7 +290,7 @@ def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, la
         if not mode.reshard_after_forward:
             return e * total
         return e * (2 * largest_block + root_numel)
-    if precision not in ("bf16", "fp8"):
+    if not bf16_compute(precision):
         return 0
     return e * (matmul if recompute == "none" else largest_block)
 

@@ -33,6 +33,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token
 from llmtrain.plan.placement import Placement
 from llmtrain.plan.steptime import efficiency
+from llmtrain.plan.memory import compute_bytes
 from llmtrain.plan.validate import divisors, validate
 from llmtrain.recipe.gpus import GPUS
 from llmtrain.recipe.schema import Recipe
@@ -250,7 +251,7 @@ def _ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int,
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
 
-    e = 2 if t.precision in ("bf16", "fp8") else 4
+    e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
     moe_layers = (m.layers - m.moe.first_dense_layers) / pp
     return 4 * (ep - 1) / ep * e * tokens * m.moe.top_k * m.hidden * moe_layers / link(gpu, False).bandwidth
@@ -279,7 +280,7 @@ def _zero_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dp: int, cp: in
     """Model-state bytes of an average rank for this zero mode (a lower bound for the worst rank)."""
     per = _state_bytes(recipe)
     full = _state_lower_bound(recipe, tp, pp, ep, 1) / per  # parameters per rank
-    e = 2 if recipe.train.precision in ("bf16", "fp8") else 4
+    e = compute_bytes(recipe.train.precision)
     if zero == 0 or dp * cp == 1:
         return per * full
     if zero == 1:  # LoRA: frozen weights are never sharded by ZeRO-1
@@ -296,7 +297,7 @@ def _tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int)
     from llmtrain.plan.comm import link  # noqa: PLC0415
 
     m, t = recipe.model, recipe.train
-    e = 2 if t.precision in ("bf16", "fp8") else 4
+    e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
     volume = 4 * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
     return volume / link(gpu, False).bandwidth

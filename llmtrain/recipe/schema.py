@@ -27,6 +27,12 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dual
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed (r, 2 pp - 1 - r)
 
 
+def bf16_compute(precision: str) -> bool:
+    """Whether ``train.precision`` computes in bf16: bf16, and fp8 (bf16 plus torchao Float8 linear
+    layers, engine/parallel/float8.py) -- everything but fp32."""
+    return precision in ("bf16", "fp8")
+
+
 class ParallelConfig(Strict):
     """The 5D layout. World size = pp x dp_replicate x dp_shard x cp x tp; ep borrows ranks from dp_shard x cp."""
 

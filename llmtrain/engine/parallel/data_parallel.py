@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from llmtrain.recipe.schema import bf16_compute
+
 
 PREFETCH = False  # explicit one-unit-ahead prefetch (zero 3): not adopted, see the module docstring
 
@@ -53,9 +55,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
     """FSDP2 per block and on the root; with EP the experts get their own FSDP unit on the
     expert-data-parallel mesh first (the block's unit then skips their parameters)."""
     reshard = zero == 3 and not pp_enabled
-    bf16_compute = precision in ("bf16", "fp8")
-    reduce = torch.bfloat16 if reduce_dtype == "bf16" else (torch.float32 if bf16_compute else None)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=reduce)
+    bf16 = bf16_compute(precision)
+    reduce = torch.bfloat16 if reduce_dtype == "bf16" else (torch.float32 if bf16 else None)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=reduce)
     layers = getattr(model, "layers", None)
     blocks = []
     if layers is not None:
