@@ -1,7 +1,18 @@
-"""Launch and teardown over SSH: time to all ranks running, and to a clean process table after a rank dies.
+"""Launch and teardown over SSH and Slurm: time to all ranks running, and to a clean machine after a stop.
 
     python benchmarks/launch_teardown.py           # 1, 2, 4 and 8 SSH hosts, 3 repetitions, medians
     python benchmarks/launch_teardown.py --tiny    # 1 host, 1 repetition (CI smoke test)
+    python benchmarks/launch_teardown.py --backend slurm --reps 1   # Slurm beside SSH, 1 and 2 nodes
+
+``--backend slurm`` (section ``launch_teardown_slurm``, its own JSON) runs the same recipe on the
+2-node Slurm test cluster (tests/slurmcluster.py: slurmctld + one slurmd per network namespace)
+with ``llmtrain launch RECIPE --launcher slurm --nodes N``, and in the same session, interleaved,
+over SSH on N sshd hosts, so both backends are measured under the same machine load. Each size
+and backend is launched twice: once stopped by SIGKILL of the last rank, once by SIGINT of the
+launcher (Ctrl-C). Measured per launch, besides the numbers below: *job submitted* (the launcher
+printed ``submitted Slurm job``; over SSH: preflight done), *launcher exited* after the stop,
+and with Slurm *squeue empty* (``squeue`` no longer lists the job: Slurm's own teardown,
+slurmstepd and the job's cgroups included).
 
 The hosts are real sshd daemons, each in its own network namespace with its own address
 (tests/sshhosts.py; where namespaces are not allowed, sshd on loopback ports — the mode is in
@@ -54,6 +65,7 @@ import common  # noqa: E402
 
 sys.path.insert(0, str(common.ROOT))
 from tests.sshhosts import run_processes, run_processes_with, start_cluster  # noqa: E402
+from tests import slurmcluster  # noqa: E402
 
 CLI = [sys.executable, "-c", "from llmtrain.cli.app import main; main()"]
 SEQ, GBS = 32, 8
@@ -80,12 +92,12 @@ def write_recipe(path: Path, cluster) -> Path:
 class Launcher:
     """``llmtrain launch`` in the background; every stdout line kept with its arrival time."""
 
-    def __init__(self, cluster, cwd: Path, recipe: Path, hosts: Path):
+    def __init__(self, cluster, cwd: Path, args: list[str]):
         env = cluster.env()
         env.pop("LLMTRAIN_ENGINE_MODULE", None)  # the real engine, not tests/fake_engine.py
         env.pop("PYTHONPATH", None)
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen([*CLI, "launch", str(recipe), "--hosts", str(hosts)], cwd=cwd, env=env,
+        self.proc = subprocess.Popen([*CLI, "launch", *args], cwd=cwd, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[tuple[float, str]] = []
@@ -138,51 +150,67 @@ def kill_leftovers(run_id: str | None) -> None:
             pass
 
 
-def one_run(cluster, work: Path, n: int) -> dict:
-    cwd = Path(tempfile.mkdtemp(prefix=f"h{n}-", dir=work))
+def one_run(cluster, work: Path, n: int, backend: str = "ssh", stop: str = "kill-rank") -> dict:
+    """One launch on ``n`` nodes (1 rank each), stopped by SIGKILL of the last rank (``kill-rank``)
+    or SIGINT of the launcher (``ctrl-c``) 1 s after all ranks run; the timings of both ends."""
+    cwd = Path(tempfile.mkdtemp(prefix=f"{backend}{n}-", dir=work))
     recipe = write_recipe(cwd / "r.yaml", cluster)
-    hosts = cwd / "hosts"
-    hosts.write_text("".join(f"node{i} slots=1\n" for i in range(n)))
+    if backend == "slurm":
+        args, ready = [str(recipe), "--launcher", "slurm", "--nodes", str(n), "--gpus-per-node", "1"], \
+            r"submitted Slurm job \d+"
+    else:
+        hosts = cwd / "hosts"
+        hosts.write_text("".join(f"node{i} slots=1\n" for i in range(n)))
+        args, ready = [str(recipe), "--hosts", str(hosts)], rf"^preflight: {n} of {n} hosts ready"
     load1 = os.getloadavg()[0]
-    bg = Launcher(cluster, cwd, recipe, hosts)
+    bg = Launcher(cluster, cwd, args)
     run_id = None
     try:
-        t_pre, _ = bg.wait_for(rf"^preflight: {n} of {n} hosts ready", START_TIMEOUT_S)
+        t_pre, _ = bg.wait_for(ready, START_TIMEOUT_S)
         _, m = bg.wait_for(r"^run dir \S+/(\S+): \d+ ranks", START_TIMEOUT_S)
         run_id = m.group(1)
         t_run, m = bg.wait_for(r"^progress: step 1/\d+.*?([\d,.]+) tok/s", START_TIMEOUT_S)
         step1 = SEQ * GBS / float(m.group(1).replace(",", ""))
         time.sleep(1.0)
-        victim = worker_pid(run_id, n - 1)
-        os.kill(victim, signal.SIGKILL)
+        if stop == "ctrl-c":
+            os.kill(bg.proc.pid, signal.SIGINT)
+        else:
+            os.kill(worker_pid(run_id, n - 1), signal.SIGKILL)
         t_kill = time.monotonic()
-        t_gone = t_exit = None
+        t_gone = t_exit = t_queue = None
+        if backend != "slurm":
+            t_queue = t_kill
         while time.monotonic() - t_kill < GONE_TIMEOUT_S:
             if t_exit is None and bg.proc.poll() is not None:
                 t_exit = time.monotonic()
             if t_gone is None and not run_processes(run_id):
                 t_gone = time.monotonic()
-            if t_gone is not None and t_exit is not None:
+            if t_queue is None and not cluster.jobs():
+                t_queue = time.monotonic()
+            if t_gone is not None and t_exit is not None and t_queue is not None:
                 break
             time.sleep(0.02)
         bg.proc.wait(timeout=30)
         bg.reader.join(5)
         if t_gone is None:
             raise RuntimeError(f"{n} hosts: processes of run {run_id} still alive {GONE_TIMEOUT_S:.0f} s after the kill")
-        return {"hosts": n, "preflight_s": t_pre - bg.t0, "all_ranks_running_s": t_run - bg.t0, "step1_s": step1,
-                "teardown_s": t_gone - t_kill, "launcher_exit_s": (t_exit - t_kill) if t_exit else None,
+        return {"backend": backend, "stop": stop, "hosts": n, "preflight_s": t_pre - bg.t0,
+                "all_ranks_running_s": t_run - bg.t0, "step1_s": step1, "teardown_s": t_gone - t_kill,
+                "launcher_exit_s": (t_exit - t_kill) if t_exit else None,
+                "queue_empty_s": (t_queue - t_kill) if backend == "slurm" and t_queue else None,
                 "exit_code": bg.proc.returncode, "run_id": run_id, "load1": load1}
     finally:
         bg.kill()
         kill_leftovers(run_id)
 
 
-def summarize(runs: list[dict], sizes: list[int]) -> list[dict]:
+def summarize(runs: list[dict], sizes: list[int], groups: list[tuple[str, str]] = (("ssh", "kill-rank"),)) -> list[dict]:
     rows = []
-    for n in sizes:
-        mine = [r for r in runs if r["hosts"] == n]
-        row = {"hosts": n, "runs": len(mine)}
-        for key in ("preflight_s", "all_ranks_running_s", "step1_s", "teardown_s", "launcher_exit_s"):
+    for (backend, stop), n in [(g, n) for g in groups for n in sizes]:
+        mine = [r for r in runs if r["hosts"] == n and r.get("backend", "ssh") == backend and r.get("stop", "kill-rank") == stop]
+        row = {"hosts": n, "runs": len(mine)} if len(groups) == 1 else \
+            {"backend": backend, "stop": "rank SIGKILL" if stop == "kill-rank" else "Ctrl-C", "hosts": n, "runs": len(mine)}
+        for key in ("preflight_s", "all_ranks_running_s", "step1_s", "teardown_s", "launcher_exit_s", "queue_empty_s"):
             vals = [r[key] for r in mine if r[key] is not None]
             row[key] = common.median(vals) if vals else None
             row[key[:-2] + "_max_s"] = max(vals) if vals else None
@@ -192,8 +220,14 @@ def summarize(runs: list[dict], sizes: list[int]) -> list[dict]:
 
 
 def main() -> None:
-    args = common.parser(__doc__.split("\n\n")[0]).parse_args()
-    sizes, reps = ([1], 1) if args.tiny else ([1, 2, 4, 8], 3)
+    parser = common.parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("ssh", "slurm"), default="ssh",
+                        help="ssh: 1-8 SSH hosts; slurm: the Slurm test cluster beside SSH, 1 and 2 nodes")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --tiny 1)")
+    args = parser.parse_args()
+    if args.backend == "slurm":
+        return main_slurm(args)
+    sizes, reps = ([1], 1) if args.tiny else ([1, 2, 4, 8], args.reps or 3)
     work = Path(tempfile.mkdtemp(prefix="llmtrain-launch-bench-"))
     cluster = None
     runs: list[dict] = []
@@ -227,6 +261,53 @@ def main() -> None:
     common.publish(args, "launch_teardown", "Launch to all ranks running, and teardown after a killed rank (SSH)",
                    {"mode": cluster.mode if cluster else None, "sizes": sizes, "reps": reps, "seq_len": SEQ,
                     "global_batch_size": GBS, "rows": rows, "runs": runs}, table, notes)
+
+
+def main_slurm(args) -> None:
+    """Slurm and SSH interleaved on 1 and 2 nodes, each stopped by a killed rank and by Ctrl-C."""
+    sizes, reps = ([2], 1) if args.tiny else ([1, 2], args.reps or 3)
+    groups = [(b, s) for b in ("slurm", "ssh") for s in ("kill-rank", "ctrl-c")]
+    work = Path(tempfile.mkdtemp(prefix="llmtrain-launch-bench-"))
+    clusters: dict = {}
+    runs: list[dict] = []
+    try:
+        clusters["slurm"] = slurmcluster.start_cluster(work / "slurm")
+        clusters["ssh"] = start_cluster(work / "ssh", max(sizes))
+        for rep in range(reps):
+            for n in sizes:
+                for backend, stop in groups:
+                    r = one_run(clusters[backend], work, n, backend, stop)
+                    r["rep"] = rep
+                    runs.append(r)
+                    print(json.dumps(r), flush=True)
+    finally:
+        for cluster in clusters.values():
+            cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    rows = summarize(runs, sizes, groups)
+    table = common.md_table(rows, [("backend", "backend"), ("hosts", "nodes (1 rank each)"), ("stop", "stopped by"),
+                                   ("preflight_s", "submitted / preflight done s"),
+                                   ("all_ranks_running_s", "all ranks running s"), ("step1_s", "of which step 1 s"),
+                                   ("teardown_s", "stop → no process left s"), ("launcher_exit_s", "launcher exited s"),
+                                   ("launcher_exit_max_s", "(max) s"), ("queue_empty_s", "squeue empty s"),
+                                   ("load1", "machine load avg"), ("runs", "runs")])
+    notes = ("Medians over the runs; per repetition the sizes and then the four (backend, stop) pairs are interleaved, "
+             "so Slurm and SSH share the machine's load. Same recipe as the SSH section (debug model, tp 1, FSDP over "
+             "all ranks, seq 32, global batch 8), real engine. *Submitted / preflight done* = from spawning `llmtrain "
+             "launch RECIPE --launcher slurm --nodes N` until it printed `submitted Slurm job ID` (recipe validation, "
+             "the partition check, `sbatch --test-only`, the run directory, `sbatch --parsable`); over SSH until "
+             "`preflight: N of N hosts ready`. *All ranks running* = until rank 0's first step event was printed "
+             "(step 1 ends with an all-reduce over every rank); with Slurm it includes scheduling, srun and reading the "
+             "logs from the shared run directory (polled every 0.1 s). *Stop* = 1 s after that, SIGKILL of the rank on "
+             "the last node, or SIGINT of the launcher (Ctrl-C); *no process left* = a /proc scan finds no process "
+             "with the run's `LLMTRAIN_RUN_ID` on any node; *squeue empty* = `squeue` lists no job (Slurm's own "
+             "teardown: slurmstepd, cgroups, epilog). Test cluster: slurmctld + 2 slurmd in network namespaces on one "
+             "2-core VM (tests/slurmcluster.py), `KillWait=5`, `proctrack/cgroup`. The issue's bound: the job ends "
+             "and llmtrain exits within 10 s of a killed rank or a Ctrl-C. Compare rows within this table only "
+             "(one session, one load); *machine load avg* is the 1-minute load when each launch started.")
+    common.publish(args, "launch_teardown_slurm", "Launch and teardown: Slurm beside SSH (same recipe, same session)",
+                   {"sizes": sizes, "reps": reps, "seq_len": SEQ, "global_batch_size": GBS, "rows": rows, "runs": runs},
+                   table, notes)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from unittest import mock
 
 
 def invoke_stubbed(args: list[str], target: str) -> tuple[int, str, list]:
-    """``llmtrain ARGS`` in this process with ``target`` (e.g. ``llmtrain.launch.local.launch_local``)
+    """``llmtrain ARGS`` in this process with ``target`` (e.g. ``llmtrain.launch.backends.local.launch_local``)
     replaced by a stub that records its call ``(args, kwargs)`` and returns 0.
     Returns ``(exit code, output, calls)``; an unexpected exception is re-raised."""
     from typer.testing import CliRunner

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from llmtrain.errors import Problem
 from llmtrain.plan.api import Plan, make_plan, plan_recipe
-from llmtrain.plan.placement import Node, Placement
+from llmtrain.cluster.placement import Node, Placement
 from llmtrain.plan.render import render_plan
 from llmtrain.plan.report import plan_to_dict
 from llmtrain.plan.validate import validate

@@ -104,6 +104,40 @@ class SlurmCluster:
             time.sleep(0.1)
         raise RuntimeError(f"slurm nodes not idle after {timeout:g} s: {states}; see {self.root}/log")
 
+    def node_pids(self, index: int) -> list[int]:
+        """Every process in node ``index``'s network namespace: its slurmd, slurmstepds, torchrun, ranks."""
+        out = subprocess.run(["ip", "netns", "pids", self.netns[index]], capture_output=True, text=True).stdout
+        return [int(pid) for pid in out.split()]
+
+    def crash_node(self, index: int, slurmd: bool = True) -> list[int]:
+        """kill -9 every process of node ``index`` (a crashed machine); ``slurmd=False``: all but its
+        slurmd (the job's slurmstepd, torchrun and ranks die; the node can run the next step).
+        Returns the pids killed."""
+        daemon = next(d for d in self.daemons if d.name == f"slurmd-{self.nodes[index]}")
+        killed = []
+        for pid in self.node_pids(index):
+            if pid == daemon.proc.pid and not slurmd:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        if slurmd:
+            daemon.proc.wait(timeout=10)
+        return killed
+
+    def restart_node(self, index: int, wait: bool = True) -> None:
+        """Start node ``index``'s slurmd again (after :meth:`crash_node`; nothing if it runs) and,
+        with ``wait``, wait until every node is idle."""
+        name = self.nodes[index]
+        self.daemons = [d for d in self.daemons if d.name != f"slurmd-{name}" or d.proc.poll() is None]
+        if not any(d.name == f"slurmd-{name}" for d in self.daemons):
+            _start_slurmd(self, name, self.netns[index])
+        self.client("scontrol", "update", f"NodeName={name}", "State=RESUME")  # if slurmctld marked it down meanwhile
+        if wait:
+            self.wait_idle(60)
+
     def stop(self) -> None:
         for daemon in reversed(self.daemons):  # slurmd first, slurmctld, munged last
             _stop(daemon)
@@ -242,6 +276,13 @@ def _daemon(cluster: SlurmCluster, name: str, cmd: list[str], marker: str) -> No
     cluster.daemons.append(Daemon(name, proc, marker))
 
 
+def _start_slurmd(cluster: SlurmCluster, name: str, ns: str) -> None:
+    hosts = cluster.root / "etc" / "hosts"
+    script = f"hostname {name} && mount --bind {hosts} /etc/hosts && exec slurmd -D -N {name} -f {cluster.conf}"
+    _daemon(cluster, f"slurmd-{name}", ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount",
+                                        "--propagation", "private", "sh", "-c", script], str(cluster.conf))
+
+
 def missing_binaries() -> list[str]:
     return [b for b in (*SLURM_BINARIES, "ip", "nsenter", "unshare") if shutil.which(b) is None
             and not os.path.exists(f"/usr/sbin/{b}")]
@@ -282,10 +323,7 @@ def start_cluster(root: Path) -> SlurmCluster:
             time.sleep(0.02)
         _daemon(cluster, "slurmctld", ["slurmctld", "-D", "-c", "-i", "-f", str(cluster.conf)], str(cluster.conf))
         for name, ns in zip(cluster.nodes, cluster.netns):
-            script = (f"hostname {name} && mount --bind {hosts} /etc/hosts && "
-                      f"exec slurmd -D -N {name} -f {cluster.conf}")
-            _daemon(cluster, f"slurmd-{name}", ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--uts", "--mount",
-                                                "--propagation", "private", "sh", "-c", script], str(cluster.conf))
+            _start_slurmd(cluster, name, ns)
         cluster.wait_idle()
     except BaseException:
         cluster.stop()

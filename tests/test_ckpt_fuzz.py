@@ -298,7 +298,7 @@ def run_all(run: Path, out: Path) -> list[tuple[str, int, str, list]]:
     launches: list = []
     runner = CliRunner()
     results = []
-    with mock.patch("llmtrain.launch.local.relaunch_local", lambda *a, **k: launches.append(k) or 0):
+    with mock.patch("llmtrain.launch.backends.local.relaunch_local", lambda *a, **k: launches.append(k) or 0):
         for name, args in (("list", ["ckpt", "list", str(run)]), ("inspect", ["ckpt", "inspect", str(run)]),
                            ("export", ["ckpt", "export", str(run), "--hf", str(out)]),
                            ("resume", ["resume", "--run", str(run), "--set", "train.steps=3"])):
@@ -341,8 +341,8 @@ def check_results(results, run: Path, hostile: set, markers: Path, stats: Counte
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return cc.make_run(tmp_path_factory.mktemp("fuzz"))
+def base(crafted_run) -> Path:
+    return crafted_run  # the session's real tiny run (tests/conftest.py), read-only: cases clone it
 
 
 def test_fuzz_checkpoint_directories(base, tmp_path_factory, capsys):

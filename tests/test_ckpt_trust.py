@@ -45,8 +45,8 @@ from tests.helpers_cli import errors_of, invoke_stubbed
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return cc.make_run(tmp_path_factory.mktemp("trust"))
+def base(crafted_run) -> Path:
+    return crafted_run  # the session's real tiny run (tests/conftest.py), read-only: cases clone it
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def step(run: Path, n: int) -> Path:
 def invoke(args: list[str]) -> tuple[int, str, list]:
     """``llmtrain ARGS`` in this process (``resume`` stops before torchrun: the launch is a stub
     that records what it was asked to start). Returns ``(exit code, output, launches)``."""
-    code, output, calls = invoke_stubbed(args, "llmtrain.launch.local.relaunch_local")
+    code, output, calls = invoke_stubbed(args, "llmtrain.launch.backends.local.relaunch_local")
     return code, output, [k for _, k in calls]
 
 

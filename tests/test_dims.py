@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.plan.params import count_params
-from llmtrain.plan.placement import Node, Placement
+from llmtrain.cluster.placement import Node, Placement
 from llmtrain.plan.report import layout_dict
 from llmtrain.recipe.load import load_recipe_text
 

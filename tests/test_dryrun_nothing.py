@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.launch.hostfile import parse_hostfile
+from llmtrain.cluster.hostfile import parse_hostfile
 from llmtrain.launch.sshconfig import resolve_targets
 from tests.sshhosts import get_cluster
 

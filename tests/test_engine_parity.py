@@ -52,6 +52,14 @@ CASES = {
     "zero1_bucketed": ["parallel.zero=1", "parallel.dp_bucket_mb=0.1"],
     "dp4_bucketed": ["parallel.tp=1", "parallel.zero=0", "parallel.dp_bucket_mb=0.25"],
 }
+# issue 17: gradient compression under TP and PP. top-k at ratio 1.0 sends every entry, so it is
+# the plain mean (two DP ranks: index_add_ into zeros is 0 + a + b, the all-reduce's a + b) and must
+# meet the same tolerances; the resume under compression is tests/compression_check.py:resume_4.
+TOPK_FULL = ["parallel.zero=0", "parallel.grad_compression=topk", "parallel.topk_ratio=1.0"]
+CASES.update({
+    "tp2_sp_topk_full": TOPK_FULL + ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2_topk_full": TOPK_FULL + ["parallel.tp=1", "parallel.pp=2"],
+})
 # MoE without expert parallelism (EP is the 5D issue). Bias balancing with a sigmoid router:
 # the per-expert token counts are summed over DP ranks before the bias update, so every layout
 # must equal one process. (The auxiliary loss, by contrast, is computed per rank and
@@ -82,7 +90,8 @@ def results(tmp_path_factory):
                      STEPS, COMMON)
     cases = {**CASES, **MOE_CASES, **BF16_CASES}
     layouts = run_cases(tmp, 4, "recipes/debug.yaml", [{"name": k, "set": v} for k, v in cases.items()]
-                        + [{"name": "chunked_loss_tp2", "check": "tests.chunked_loss_check:tp2"}], STEPS, COMMON)
+                        + [{"name": "chunked_loss_tp2", "check": "tests.chunked_loss_check:tp2"},
+                           {"name": "compression_resume", "check": "tests.compression_check:resume_4"}], STEPS, COMMON)
     return refs, layouts
 
 
@@ -156,3 +165,20 @@ def test_chunked_loss_tp2_equals_cross_entropy(results):
         elif key.startswith(("mean", "sum")):
             assert value <= 2e-6, (key, value)
 
+
+
+def test_compressed_resume_under_tp_and_pp_is_bitwise(results):
+    """top-k 5 % (error feedback) at tp 2 x dp 2 and pp 2 x dp 2 (tests/compression_check.py:resume_4):
+    resumed from step 2, step 3's loss and the final weights are bitwise those of the uninterrupted
+    3-step run (tolerance 0: the error-feedback buffers and the call counter are restored per rank;
+    reset, e = 0 changes step 3's gradient). Under TP the residual of the vocabulary-parallel
+    embedding is its full, replicated gradient, larger than the parameter's shard (the case that
+    failed to load before compression_state.fit_to_saved). Every step called the top-k reducer
+    (3 + 1 calls on rank 0) and sent a compressed message, under half the plain all-reduce's bytes."""
+    _, layouts = results
+    for name, got in layouts["compression_resume"].items():
+        assert got["resumed_losses"] == got["losses"][2:], (name, got)
+        assert got["weights_equal"], name
+        assert len(got["sent"]) == 4 and len(set(got["sent"])) == 1, (name, got["sent"])
+        assert 0 < got["sent"][0] < got["plain"] / 2, (name, got["sent"], got["plain"])
+        assert got["losses"][-1] < got["losses"][0], (name, got["losses"])

@@ -146,7 +146,7 @@ def test_each_rank_reads_only_its_slices(world):
 
 def invoke(args: list[str]):
     """``llmtrain ARGS`` in this process; a launch only records that it was called."""
-    code, output, calls = invoke_stubbed(args, "llmtrain.launch.local.launch_local")
+    code, output, calls = invoke_stubbed(args, "llmtrain.launch.backends.local.launch_local")
     return code, output, [a for a, _ in calls]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.hostfile import Hostfile, load_hostfile, parse_hostfile
+from llmtrain.cluster.hostfile import Hostfile, load_hostfile, parse_hostfile
 from llmtrain.plan.api import make_plan
 from tests.helpers_plan import CLI, HOSTFILES, REPO, find
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.filters import parse_filter, select_hosts
-from llmtrain.launch.hostfile import load_hostfile, parse_hostfile
+from llmtrain.cluster.filters import parse_filter, select_hosts
+from llmtrain.cluster.hostfile import load_hostfile, parse_hostfile
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "from llmtrain.cli.app import main; main()"]

@@ -21,7 +21,7 @@ import pytest
 
 from llmtrain import __version__
 from llmtrain.launch.commands import build_spec
-from llmtrain.launch.hostfile import parse_hostfile
+from llmtrain.cluster.hostfile import parse_hostfile
 from llmtrain.launch.preflight import HostReport, _cross_check, _judge, local_versions, probe_command
 from llmtrain.launch.sshconfig import SSHTarget
 from llmtrain.recipe.load import load_recipe_text

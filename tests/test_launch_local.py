@@ -22,7 +22,7 @@ import pytest
 from rich.console import Console
 
 from llmtrain.launch.events import RunStats, format_event, parse_event
-from llmtrain.launch.local import ProcessTree, marked_pids
+from llmtrain.launch.backends.local import ProcessTree, marked_pids
 from llmtrain.launch.rundir import latest_run
 from llmtrain.launch.stream import Display, LineSplitter, WorkerLogTailer, parse_failures, split_tee_prefix
 from llmtrain.recipe.load import load_recipe
@@ -229,7 +229,7 @@ def test_same_named_runs_side_by_side_do_not_stop_each_other(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         src = latest_run(tmp_path / side / "runs", "debug")
         runs.append(src.rename(src.parent / "run"))  # both run ids are now "run"
-    code = ("import sys; from llmtrain.launch.local import relaunch_local; from llmtrain.recipe.load import load_recipe; "
+    code = ("import sys; from llmtrain.launch.backends.local import relaunch_local; from llmtrain.recipe.load import load_recipe; "
             "sys.exit(relaunch_local(sys.argv[1], load_recipe(sys.argv[1] + '/recipe.lock.yaml')))")
     slow = subprocess.Popen([sys.executable, "-c", code, str(runs[1])], cwd=tmp_path, text=True,
                             env=cli_env(FAKE_ENGINE_SLEEP="2.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -340,7 +340,7 @@ def test_display_without_terminal_prints_plain_progress_lines():
 
 def test_api_validates_recipe_objects_and_builds_torchrun_command(tmp_path, monkeypatch):
     from llmtrain.errors import LLMTrainError
-    from llmtrain.launch.local import launch_env, launch_local, resolve_recipe, torchrun_command
+    from llmtrain.launch.backends.local import launch_env, launch_local, resolve_recipe, torchrun_command
     from llmtrain.launch.rundir import RunDir
 
     recipe = load_recipe(RECIPE)
@@ -366,7 +366,7 @@ def test_api_validates_recipe_objects_and_builds_torchrun_command(tmp_path, monk
 
 
 def test_launch_and_report_layers_never_import_torch():
-    code = ("import sys, llmtrain.launch.local, llmtrain.launch.rundir, llmtrain.cli.launch, llmtrain.cli.report, "
+    code = ("import sys, llmtrain.launch.backends.local, llmtrain.launch.rundir, llmtrain.cli.launch, llmtrain.cli.report, "
             "llmtrain.analysis.report; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr

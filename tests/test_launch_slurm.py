@@ -33,6 +33,7 @@ RECIPE = REPO / "recipes" / "debug.yaml"
 CLI = [sys.executable, "-c", "from llmtrain.cli.app import main; main()"]
 STOP_S = 10.0  # the issue's bound: a killed rank or a cancelled launch ends the job within 10 s
 SECRET = "tok-5e3c7a9b1d"
+TRAINED: dict[str, Path] = {}  # the real training run's directory: the uninterrupted reference of test_launch_slurm_faults
 
 
 @pytest.fixture(scope="session")
@@ -73,7 +74,7 @@ def job_names(cluster) -> list[str]:
 
 def test_pure_parts_quote_references_read_exit_codes_and_one_line_messages():
     from llmtrain.launch.launchplan import shell_words
-    from llmtrain.launch.slurmctl import exit_code, one_line
+    from llmtrain.launch.backends.slurmctl import exit_code, one_line
 
     assert shell_words(["--rdzv-endpoint", "$MASTER_ADDR:29500", "a b", "$HOME"]) == \
         """--rdzv-endpoint "$MASTER_ADDR":29500 'a b' '$HOME'"""  # only the plan's own reference expands
@@ -81,7 +82,7 @@ def test_pure_parts_quote_references_read_exit_codes_and_one_line_messages():
     assert one_line("sbatch: error: Batch job submission failed: Invalid account\n") == \
         "Batch job submission failed: Invalid account"
     from llmtrain.errors import LLMTrainError
-    from llmtrain.launch.slurm_script import SlurmOptions
+    from llmtrain.launch.backends.slurm_script import SlurmOptions
 
     SlurmOptions(2, 8, "gpu", "proj-1", "1-00:00:00", extra=("--qos=high", "--exclusive")).check()
     SlurmOptions(2, 8, time="UNLIMITED").check()
@@ -148,9 +149,11 @@ def test_bad_input_without_a_cluster_is_one_line_and_creates_nothing(tmp_path, a
     (["--partition", "nosuch"], ["--partition: partition 'nosuch' does not exist on this cluster",
                                  "use one of: debug, gated"]),
     (["--nodes", "3"], ["--nodes: 3 nodes do not fit partition 'debug': it has 2 node(s)", "use --nodes 2 or less"]),
-    (["--partition", "gated", "--account", "nosuch"], ["sbatch refused the job: Batch job submission failed: Invalid "
-                                                       "account", "check --account", "nothing was submitted"]),
-], ids=["unknown-partition", "too-many-nodes", "rejected-account"])
+    (["--partition", "gated", "--account", "nosuch"], ["--account: sbatch refused the job: Invalid account",
+                                                       "pass an account you may use", "nothing was submitted"]),
+    (["--set", "cluster.gpu=h100-sxm"], ["--gpus-per-node: sbatch refused the job: Invalid generic resource",
+                                         "pick a GPU --partition", "nothing was submitted"]),
+], ids=["unknown-partition", "too-many-nodes", "rejected-account", "gpus-the-nodes-lack"])
 def test_slurm_refusals_are_one_line_with_the_fix_and_submit_nothing(cluster, tmp_path, args, words):
     recipe = write_recipe(tmp_path / "r.yaml")
     if "--nodes" in args:  # 3 nodes x 1 rank: a valid layout, which only the partition cannot hold
@@ -163,7 +166,7 @@ def test_slurm_refusals_are_one_line_with_the_fix_and_submit_nothing(cluster, tm
     for word in words:
         assert word in line, line
     assert job_names(cluster) == before and cluster.jobs() == []
-    assert ("runs" in line) == (tmp_path / "runs").exists()  # checked before the run dir exists, except sbatch's own refusal
+    assert not (tmp_path / "runs").exists()  # all checked before the run dir exists (sbatch --test-only for the account)
 
 
 def test_real_engine_trains_on_two_slurm_nodes(cluster, tmp_path):
@@ -183,6 +186,7 @@ def test_real_engine_trains_on_two_slurm_nodes(cluster, tmp_path):
     assert (run / "hostfile").read_text() == f"{n0} slots=1\n{n1} slots=1\n"
     assert (run / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash\n")
     assert cluster.jobs() == [] and run_processes(run.name) == []
+    TRAINED["run"] = run
 
 
 def _sleeping_job(cluster, tmp_path: Path, **env: str) -> tuple[Background, Path]:

@@ -105,7 +105,7 @@ def test_inside_an_allocation_a_failure_or_ctrl_c_stops_the_step_not_the_allocat
 def test_allocation_from_the_environment_and_its_refusals(tmp_path):
     """Pure: what SLURM_* give, the ranks-per-node rule, and the one-line errors (no cluster)."""
     from llmtrain.errors import LLMTrainError
-    from llmtrain.launch.slurm_alloc import allocation_from_env
+    from llmtrain.launch.backends.slurm_alloc import allocation_from_env
 
     assert allocation_from_env({}) is None
     alloc = allocation_from_env({"SLURM_JOBID": "7", "SLURM_NODELIST": "n[0-3]", "SLURM_NNODES": "4",

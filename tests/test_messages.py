@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from llmtrain.launch.hostfile import parse_hostfile
+from llmtrain.cluster.hostfile import parse_hostfile
 from llmtrain.launch.sshconfig import identity_problems, resolve_targets
 from tests.sshhosts import get_cluster, run_processes
 from tests.test_launch_local import _start_and_wait_sleeping
@@ -122,7 +122,7 @@ def test_hosts_check_reports_a_bad_key_before_connecting(cluster, tmp_path):
 
 
 def test_a_proxycommand_that_fails_is_one_sentence_with_its_exit_code():
-    from llmtrain.launch import ssh
+    from llmtrain.launch.backends import ssh
     from llmtrain.launch.sshconfig import SSHTarget
 
     for command, fragment in (("sh -c 'exit 3'", "exited with code 3"), ("no-such-proxy-xyz %h", "exited with code 127 "

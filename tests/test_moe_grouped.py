@@ -8,7 +8,14 @@ already a multiple of the alignment.
 
 import torch
 
-from llmtrain.engine.models.moe import GROUP_ALIGN, grouped_swiglu, grouped_swiglu_gemm, use_grouped_mm
+from llmtrain.engine.models.moe import (
+    GROUP_ALIGN,
+    grouped_mm_dtype,
+    grouped_swiglu,
+    grouped_swiglu_autocast,
+    grouped_swiglu_gemm,
+    use_grouped_mm,
+)
 
 
 def test_grouped_gemm_matches_loop():
@@ -26,6 +33,30 @@ def test_grouped_gemm_matches_loop():
 def test_grouped_gemm_only_on_cuda_bf16():
     assert not use_grouped_mm(torch.zeros(2, 2))
     assert not use_grouped_mm(torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_grouped_gemm_under_bf16_autocast():
+    """The trainer's one-rank bf16 path (fp32 token stream under bf16 autocast) takes the grouped
+    GEMM in bf16 (issue 19): the dispatch dtype, and the cast path's forward vs the loop under the
+    same autocast on CPU. Both round inputs and outputs to bf16 and accumulate in fp32; relative
+    L2 <= 1e-2 is ~4x bf16's 2^-9 rounding through three matmuls and SwiGLU, while wrong padding
+    or a missing cast is O(1). On CPU use_grouped_mm stays False (no CPU backward); CUDA's
+    dispatch, forward and backward, is benchmarks/gpu_check_steps/correctness.py moe_grouped_gemm."""
+    torch.manual_seed(0)
+    counts = [5, 0, GROUP_ALIGN, 3]
+    x = torch.randn(sum(counts), 32)
+    w1, w3, w2 = torch.randn(4, 48, 32) * 0.1, torch.randn(4, 48, 32) * 0.1, torch.randn(4, 32, 48) * 0.1
+    assert grouped_mm_dtype(x) is None  # fp32, no autocast: the loop
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert grouped_mm_dtype(x) is None  # the kernel is bf16 only
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_mm_dtype(x) == torch.bfloat16
+        assert not use_grouped_mm(x)
+        loop = grouped_swiglu(x, counts, w1, w2, w3)
+        gemm = grouped_swiglu_autocast(x, counts, w1, w2, w3)
+    assert gemm.dtype == torch.bfloat16  # (the loop's cat with an empty fp32 chunk promotes; values equal)
+    rel = float((gemm.float() - loop.float()).norm() / loop.float().norm())
+    assert rel <= 1e-2, rel
 
 
 class _LocalRegion:

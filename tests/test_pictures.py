@@ -15,7 +15,7 @@ import pytest
 
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.pictures import IDLE, layout_png, schedule_png, schedule_text
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import rank_orders, simulate
 from tests.helpers_plan import CLI, REPO
 

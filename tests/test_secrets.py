@@ -17,7 +17,7 @@ import pytest
 from llmtrain.errors import LLMTrainError
 from llmtrain.launch.envpolicy import (EnvVar, Redactor, lock_recipe, policy_env, read_env_file, restore_env,
                                        shell_assignments)
-from llmtrain.launch.hostfile import Hostfile
+from llmtrain.cluster.hostfile import Hostfile
 from llmtrain.launch.rundir import create_run_dir
 from llmtrain.launch.secrets import MASK, Masker, mask_seen, mask_text, remember
 from llmtrain.recipe.load import load_recipe, load_recipe_text
@@ -159,7 +159,7 @@ def test_a_mask_is_never_sent_as_a_value():
 
 def test_resume_hosts_spec_carries_the_callers_values_never_the_mask(tmp_path, monkeypatch):
     from llmtrain.launch.commands import describe
-    from llmtrain.launch.sshlaunch import prepare
+    from llmtrain.launch.backends.sshlaunch import prepare
 
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ssh/config of this machine
     monkeypatch.chdir(tmp_path)

@@ -142,7 +142,7 @@ def test_plan_accepts_tied_pp_and_counts_the_copy(tmp_path):
     embedding as well. (Exact bytes per rank: tests/test_costmodel.py's tied cases.)"""
     from llmtrain.plan.shards import rank_params, rank_stages, stage_layers
     from llmtrain.plan.validate import validate
-    from llmtrain.plan.placement import Placement
+    from llmtrain.cluster.placement import Placement
     from llmtrain.recipe.load import load_recipe
 
     path = tmp_path / "r.yaml"

@@ -4,6 +4,7 @@ Examples::
 
     llmtrain launch recipes/debug.yaml                       # 4 ranks on localhost, runs/debug/<run id>/
     llmtrain launch recipes/debug.yaml --set train.steps=10 --runs /tmp/runs
+    llmtrain launch recipes/debug.yaml --dry-run             # print the torchrun command; start nothing
     llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes --dry-run     # print each node's command
     llmtrain launch recipes/llama3-8b.yaml --hosts hostfiles/two-nodes               # preflight, then run
     llmtrain launch recipes/llama3-8b.yaml --hosts hosts --include 'worker-1@worker-2:0,1'
@@ -61,20 +62,23 @@ def launch(
         None, "--gpus-per-node", min=1, max=1024, help="Ranks (GPUs) per Slurm node (default: cluster.gpus_per_node)."),
     slurm_arg: list[str] = typer.Option([], "--slurm-arg", help="One more sbatch option, e.g. --slurm-arg=--qos=high "
                                                                 "(repeatable; one #SBATCH line each)."),
+    requeue: bool = typer.Option(
+        False, "--requeue", help="Let Slurm requeue the job (preemption, node failure); it then resumes from the latest "
+                                 "checkpoint by itself (sbatch --requeue; with --launcher slurm)."),
 ) -> None:
     """Validate a recipe, then train it with torchrun: on this machine, on every host of --hosts over SSH,
     or as one Slurm job (--launcher slurm)."""
     slurm_opts = {"--partition": partition, "--account": account, "--time": time_limit, "--nodes": nodes,
-                  "--gpus-per-node": gpus_per_node, "--slurm-arg": slurm_arg}
+                  "--gpus-per-node": gpus_per_node, "--slurm-arg": slurm_arg, "--requeue": requeue}
     if launcher not in (None, "local", "ssh", "slurm"):
         raise LLMTrainError(f"unknown launcher {launcher!r}", "use local, ssh or slurm", path="--launcher")
     # inside a Slurm allocation (SLURM_JOB_ID set) the default is one srun step on it; explicit wins
-    from llmtrain.launch.slurm_alloc import allocation_from_env
+    from llmtrain.launch.backends.slurm_alloc import allocation_from_env
 
     alloc = allocation_from_env() if launcher in (None, "slurm") and hosts is None else None
     if alloc is not None:
         launcher = "slurm"
-        for flag in ("--partition", "--account", "--time", "--slurm-arg"):
+        for flag in ("--partition", "--account", "--time", "--slurm-arg", "--requeue"):
             if slurm_opts[flag]:
                 raise LLMTrainError(f"{flag} does not apply inside Slurm allocation {alloc.job_id} (it is already "
                                     "allocated)", "drop the flag, or run llmtrain outside the allocation",
@@ -100,25 +104,26 @@ def launch(
                 raise LLMTrainError(f"{flag} does not apply to --launcher slurm (Slurm picks the nodes)",
                                     "drop the flag; use --nodes / --partition", path=flag)
         if alloc is not None:
-            from llmtrain.launch.slurm_alloc import launch_in_allocation
+            from llmtrain.launch.backends.slurm_alloc import launch_in_allocation
 
             raise typer.Exit(launch_in_allocation(alloc, recipe, set_, runs_root=runs, nodes=nodes,
                                                   gpus_per_node=gpus_per_node, dry_run=dry_run))
-        from llmtrain.launch.slurm import launch_slurm
+        from llmtrain.launch.backends.slurm import launch_slurm
 
         code = launch_slurm(recipe, set_, runs_root=runs, nodes=nodes, gpus_per_node=gpus_per_node, partition=partition,
-                            account=account, time_limit=time_limit, slurm_args=tuple(slurm_arg), dry_run=dry_run)
+                            account=account, time_limit=time_limit, slurm_args=tuple(slurm_arg), dry_run=dry_run,
+                            requeue=requeue)
         raise typer.Exit(code)
     if hosts is None:
-        for flag, value in (("--include", include), ("--exclude", exclude), ("--dry-run", dry_run),
+        for flag, value in (("--include", include), ("--exclude", exclude),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
             if value or value == "":  # --include '' too
                 raise LLMTrainError(f"{flag} needs --hosts", "pass a hostfile, or drop the flag", path=flag)
-        from llmtrain.launch.local import launch_local
+        from llmtrain.launch.backends.local import launch_local
 
-        code = launch_local(recipe, set_, runs_root=runs)
+        code = launch_local(recipe, set_, runs_root=runs, dry_run=dry_run)
         raise typer.Exit(code)
-    from llmtrain.launch.sshlaunch import launch_ssh
+    from llmtrain.launch.backends.sshlaunch import launch_ssh
 
     code = launch_ssh(recipe, hosts, set_, runs_root=runs, include=include, exclude=exclude, dry_run=dry_run,
                       skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys)
@@ -151,20 +156,21 @@ def check_data(recipe: Path, set_: list[str], local: bool) -> list[str]:
 
 def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> list[str]:
     """The ``--set`` items for ``--init-from-hf DIR``, after checking DIR against the recipe's model
-    before anything starts: the directory and its files (untrusted: regular, inside, capped),
-    config.json against the recipe, and every safetensors header (names, shapes, dtypes,
-    truncation) against the model's tensor map, all from headers alone
-    (:func:`llmtrain.engine.hf.files.check_hf_model`). Importing torch here (for the model's
-    shapes, built on the meta device) is paid only with this flag.
+    before anything starts: the directory and its files (untrusted: regular, inside, capped) and
+    config.json against the recipe are read torch-free with the recipe
+    (:mod:`llmtrain.recipe.hf_dir`, :mod:`llmtrain.recipe.hf_config`); every safetensors header
+    (names, shapes, dtypes, truncation) against the model's tensor map needs the model's shapes,
+    built on the meta device by the engine (:func:`llmtrain.engine.hf.files.check_hf_model`),
+    so torch is imported here, lazily, only with this flag.
 
     The architecture comes from config.json: a recipe whose ``model`` names no preset gets
-    config.json's model (:func:`~llmtrain.engine.hf.config_json.model_from_hf_config`) with the
+    config.json's model (:func:`~llmtrain.recipe.hf_config.model_from_hf_config`) with the
     fields it does give on top, as one more ``--set model=...``; the fields the recipe (or a
     preset) states must agree with config.json, and every disagreement is listed in one error."""
     import json
 
-    from llmtrain.engine.hf.config_json import model_from_hf_config
-    from llmtrain.engine.hf.files import check_hf_dir, check_hf_model
+    from llmtrain.recipe.hf_config import model_from_hf_config
+    from llmtrain.recipe.hf_dir import check_hf_dir
     from llmtrain.recipe.load import MAX_RECIPE_BYTES, apply_override, load_recipe, parse_yaml_mapping
     from llmtrain.safeio import printable, read_text
 
@@ -183,5 +189,7 @@ def check_init_from_hf(recipe: Path, set_: list[str], directory: Path) -> list[s
             model["moe"] = moe
         extra.append(f"model={json.dumps(model)}")
     model_cfg = load_recipe(recipe, [*set_, *extra]).model
+    from llmtrain.engine.hf.files import check_hf_model  # the model's shapes: meta device, torch
+
     check_hf_model(directory, model_cfg, "--init-from-hf")
     return [*extra, f"checkpoint.init_from_hf={json.dumps(str(directory))}"]  # JSON is YAML

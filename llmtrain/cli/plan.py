@@ -40,7 +40,7 @@ def plan(
 
     schedule_png, layout_png = _png_targets(schedule_png, layout_png, force)
     if hosts is None:  # inside a Slurm allocation: plan for it (a hostfile or --nodes/--gpus-per-node win)
-        from llmtrain.launch.slurm_alloc import plan_placement
+        from llmtrain.launch.backends.slurm_alloc import plan_placement
 
         nodes, gpus_per_node, line = plan_placement(nodes, gpus_per_node, recipe, set_)
         if line:

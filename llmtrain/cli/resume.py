@@ -6,6 +6,7 @@ Examples::
     llmtrain resume --run runs/debug/20260101-120000-ab12 --ckpt step-20
     llmtrain resume --ckpt latest --set parallel.tp=1 # same run, a different layout (resharded)
     llmtrain resume --run RUN --hosts hostfile        # continue on a cluster over SSH (shared storage)
+    llmtrain resume --run RUN --launcher slurm        # continue as one Slurm batch job (shared storage)
 
 The run's locked recipe (``recipe.lock.yaml``, plus ``--set`` overrides) is validated like
 ``llmtrain launch``, the checkpoint is verified (:func:`pick_checkpoint`: metadata shape, files
@@ -74,12 +75,18 @@ def resume(
                                          "must be at the same path on them: shared storage)."),
     skip_preflight: bool = typer.Option(False, "--skip-preflight", help="With --hosts: do not run `hosts check` first."),
     accept_new_host_keys: bool = typer.Option(False, "--accept-new-host-keys", help="With --hosts: trust unknown host keys."),
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="slurm: continue as one Slurm batch job (sbatch, "
+                                           "Slurm's default partition; the run directory on shared storage)."),
 ) -> None:
     """Relaunch a run from a checkpoint (optionally with a new layout) and continue exactly where it stopped."""
     from llmtrain.launch.envpolicy import restore_env
-    from llmtrain.launch.local import relaunch_local
+    from llmtrain.launch.backends.local import relaunch_local
     from llmtrain.recipe.load import load_recipe
 
+    if launcher not in (None, "slurm") or (launcher == "slurm" and hosts is not None):
+        raise LLMTrainError(f"--launcher {launcher} does not apply to resume" if launcher != "slurm" else
+                            "--hosts does not apply to --launcher slurm (Slurm picks the nodes)",
+                            "use --launcher slurm, --hosts HOSTFILE, or neither (this machine)", path="--launcher")
     run_path = find_run(run, runs).resolve()
     # secret values again from the caller (never stored); a missing one stops here, exit 2
     recipe = restore_env(load_recipe(run_path / "recipe.lock.yaml", set_), base_dir=Path.cwd())
@@ -97,8 +104,12 @@ def resume(
                             "nothing to do; raise train.steps with --set to train further", path="--ckpt")
     typer.echo(f"resuming {run_path} from {path} (step {meta['step']} of {recipe.train.steps})")
     env = {"LLMTRAIN_RESUME": str(path.resolve())}
-    if hosts is not None:
-        from llmtrain.launch.sshlaunch import launch_ssh
+    if launcher == "slurm":  # the launch path of `launch --launcher slurm`, in the run's own directory
+        from llmtrain.launch.backends.slurm import launch_slurm
+
+        code = launch_slurm(recipe, resume_run=run_path, extra_env=env)
+    elif hosts is not None:
+        from llmtrain.launch.backends.sshlaunch import launch_ssh
 
         code = launch_ssh(recipe, hosts, skip_preflight=skip_preflight, accept_new_host_keys=accept_new_host_keys,
                           resume_run=run_path, extra_env=env)

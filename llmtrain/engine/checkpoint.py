@@ -40,6 +40,7 @@ from llmtrain.engine import checkpoint_state as cs
 from llmtrain.engine import checkpoint_store as store
 from llmtrain.engine.checkpoint_meta import RESUME_FIELDS, CheckpointMeta, load_meta
 from llmtrain.engine.finetune.base import adapters_only, check_base, fingerprint
+from llmtrain.engine.parallel import compression_state
 from llmtrain.engine.safe_reader import SafeReader, dcp_guard, load_rng
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.lock import secret_free_dict
@@ -179,7 +180,9 @@ class Checkpointer:
         files = CheckpointMeta.model_validate(meta).files
         state = cs.template_state(parts, optimizer, self.adapters_only)
         with dcp_guard(path):  # every rank reads .metadata through the allow-list, shards by name
-            dcp.load(state, storage_reader=SafeReader(path, files), process_group=self.group)
+            reader = SafeReader(path, files)
+            self._compression_template(state, optimizer, meta, reader.index.state_dict_metadata)
+            dcp.load(state, storage_reader=reader, process_group=self.group)
         cs.apply_state(parts, optimizer, state, self.adapters_only)
         sampler.load_state_dict(meta["sampler"])
         same_layout = meta.get("world_size") == self.world and meta.get("dims") == dims_dict(self.dims)
@@ -198,6 +201,20 @@ class Checkpointer:
                   + layout_diff(meta, self.dims, self.world, self.grad_accum, self.recipe.parallel.zero), flush=True)
         return int(meta["step"])
 
+
+    def _compression_template(self, state: dict, optimizer, meta: dict, saved_keys) -> None:
+        """Ask for this rank's gradient-compression state when it can be used here; else say in one
+        line that it starts afresh (parallel/compression_state.py: why not refused)."""
+        template = compression_state.state(optimizer, self.rank)
+        if template is None:
+            return
+        reason = compression_state.reset_reason(meta, self.recipe, dims_dict(self.dims), self.world, saved_keys)
+        if reason is None:
+            compression_state.fit_to_saved(template, optimizer, saved_keys)  # TP: replicated gradients
+            state[compression_state.KEY] = template
+        elif self.rank == 0:
+            print(f"checkpoint: {self.recipe.parallel.grad_compression} state (error feedback, warm start) "
+                  f"started afresh: {reason}", flush=True)
 
     def _check_lora(self, path, meta: dict) -> None:
         """An adapters-only checkpoint needs the base it was trained on (one-line refusal otherwise)."""

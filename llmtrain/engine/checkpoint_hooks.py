@@ -3,7 +3,8 @@
 * ``LLMTRAIN_TEST_KILL_AT_STEP=K``: after step K (and its checkpoint save/poll) the rank
   ``LLMTRAIN_TEST_KILL_RANK`` (default: the last rank) SIGKILLs itself — a hard crash, no
   cleanup, torchrun then stops the others. Only in the first attempt: a worker group that
-  torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0) is left alone.
+  torchrun restarted (``TORCHELASTIC_RESTART_COUNT`` > 0), or a retried job/step
+  (``LLMTRAIN_AUTO_RESUME=1``), is left alone.
 * ``LLMTRAIN_TEST_KILL_IN_SAVE=K``: the same rank SIGKILLs itself right after it started the
   (asynchronous) save of step K, before the save can be committed.
 * ``LLMTRAIN_TEST_NAN_SAMPLES=i,j,...``: a rank whose step trains on one of these global sample
@@ -36,7 +37,7 @@ class TestHooks:
     @classmethod
     def from_env(cls, rank: int, dp_rank: int, dims) -> "TestHooks":
         env = os.environ
-        first_attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
+        first_attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0 and env.get("LLMTRAIN_AUTO_RESUME") != "1"
         kill_at = int(env["LLMTRAIN_TEST_KILL_AT_STEP"]) if env.get("LLMTRAIN_TEST_KILL_AT_STEP") and first_attempt else None
         kill_save = int(env["LLMTRAIN_TEST_KILL_IN_SAVE"]) if env.get("LLMTRAIN_TEST_KILL_IN_SAVE") and first_attempt else None
         kill_rank = int(env.get("LLMTRAIN_TEST_KILL_RANK", dims.world_size - 1))

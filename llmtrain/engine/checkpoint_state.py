@@ -28,14 +28,19 @@
   fingerprint so that a changed base is refused (:mod:`llmtrain.engine.finetune.base`). Without
   ``init_from_hf`` the base came from the seed's initialization, and the checkpoint is the only
   record of it, so it is saved.
+* Gradient compression (``parallel.grad_compression``): a third part, ``grad_compression``, holds
+  each rank's error-feedback residuals and PowerSGD's warm-start Q by global rank; it is loaded
+  only in the same layout and setting (:mod:`llmtrain.engine.parallel.compression_state`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from llmtrain.engine.finetune.lora import is_adapter_key
+from llmtrain.engine.parallel import compression_state
 from llmtrain.engine.parallel.tied import COPY, SOURCE, checkpoint_name, copy_params
 from llmtrain.engine.quant_optim import export_moments, import_moments, moment_mode, moments_template
 
@@ -130,8 +135,11 @@ def full_state(parts, optimizer, adapters_only: bool = False) -> dict:
     ``adapters_only``: LoRA with an HF base, leave the frozen base out (module docstring)."""
     names = param_names(parts)
     skip = {id(p) for p in copy_params(parts)}
-    return {"model": model_state(parts, adapters_only),
-            "optimizer": {"state": optimizer_state(optimizer, names, skip)}}
+    out = {"model": model_state(parts, adapters_only), "optimizer": {"state": optimizer_state(optimizer, names, skip)}}
+    compressed = compression_state.state(optimizer, dist.get_rank())
+    if compressed is not None:
+        out[compression_state.KEY] = compressed
+    return out
 
 
 def template_state(parts, optimizer, adapters_only: bool = False) -> dict:
@@ -144,3 +152,5 @@ def apply_state(parts, optimizer, state: dict, adapters_only: bool = False) -> N
     names = param_names(parts)
     load_model_state(parts, state["model"], adapters_only)
     load_optimizer_state(optimizer, names, state["optimizer"]["state"])
+    if compression_state.KEY in state:  # only asked for in the same layout and setting (checkpoint.py)
+        compression_state.load(optimizer, dist.get_rank(), state[compression_state.KEY])

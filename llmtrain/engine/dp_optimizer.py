@@ -30,10 +30,12 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Comp
 from llmtrain.engine.mesh import Meshes
 from llmtrain.engine.optim import is_expert_param, make_adamw, param_groups
 from llmtrain.engine.parallel.compression import build_reducer
+from llmtrain.engine.parallel.compression_state import attach
 from llmtrain.engine.parallel.data_parallel import GradientAllReduce
 from llmtrain.engine.parallel.grad_buckets import BucketedGradReducer
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import ModelParts
+from llmtrain.plan.comm import powersgd_start
 from llmtrain.recipe.schema import Recipe
 
 
@@ -137,7 +139,7 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
     compression = recipe.parallel.grad_compression
     if compression != "none":  # PowerSGD / top-k at the step's end, no overlap (parallel/compression.py)
         grad_sync = GradSync([build_reducer(compression, registration_order(parts, ps)[0], g, n, recipe.parallel,
-                                            seed=recipe.train.seed + k)
+                                            seed=recipe.train.seed + k, start_step=powersgd_start(recipe))
                               for k, (g, n, ps) in enumerate(sets)])
     elif overlap:
         bucket = int(recipe.parallel.dp_bucket_mb * 2**20)
@@ -156,5 +158,9 @@ def build_optimizer(parts: ModelParts, recipe: Recipe, meshes: Meshes, fsdp: boo
         optimizers = [ZeRO1Optimizer(dense, make, dp_group, dist.get_rank(dp_group), dp_size)] if dense else []
         if expert:
             optimizers.append(ZeRO1Optimizer(expert, make, edp_group, dist.get_rank(edp_group), edp_size))
-        return CombinedOptimizer(optimizers), grad_sync
-    return make(dense + expert), grad_sync
+        optimizer = CombinedOptimizer(optimizers)
+    else:
+        optimizer = make(dense + expert)
+    if compression != "none":  # their state is checkpointed with the optimizer's (parallel/compression_state.py)
+        attach(optimizer, grad_sync.reducers)
+    return optimizer, grad_sync

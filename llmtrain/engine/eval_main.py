@@ -83,7 +83,7 @@ def world_size(recipe) -> int:
 
 def check_layout(recipe) -> None:
     """The layout's problems, as ``plan`` finds them, before any process starts."""
-    from llmtrain.plan.placement import Placement
+    from llmtrain.cluster.placement import Placement
     from llmtrain.plan.validate import validate
 
     world = world_size(recipe)

@@ -73,8 +73,12 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
     if t.precision == "fp8":  # CUDA only (validation refuses it elsewhere): Float8 Linears before FSDP
         from llmtrain.engine.parallel.float8 import apply_float8
 
-        apply_float8(model)
+        apply_float8(model, fp8_all_gather=p.fp8_all_gather)
     apply_activation_checkpointing(model, t.activation_checkpointing)
+    if p.async_tp:  # CUDA only (validation refuses it elsewhere): before the blocks are compiled
+        from llmtrain.engine.parallel.async_tp import enable_async_tp
+
+        enable_async_tp(meshes.tp if meshes.dims.tp > 1 else None, t.compile)
     if t.compile:
         apply_compile(model)
     if uses_fsdp(recipe, meshes):

@@ -35,7 +35,7 @@ from llmtrain.engine.step import StepLoss, accumulation_step, pipelined_step
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.plan.validate import validate
 from llmtrain.recipe.schema import Recipe, bf16_compute
 
@@ -150,10 +150,15 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     test_hooks = TestHooks.from_env(rank, dp_rank_of(dims, rank), dims)
     guard = LossGuard(t.guard)
     world_group = dist.group.WORLD
+    fp8_scales = None
+    if recipe.parallel.fp8_all_gather and fsdp:
+        from llmtrain.engine.parallel.float8 import precompute_fp8_scales as fp8_scales
     t_start = time.perf_counter()
     step = start_step
     while step < total_steps:
         t0 = time.perf_counter()
+        if fp8_scales is not None:  # fp8_all_gather: every FP8 weight's scale in one all-reduce (float8.py)
+            fp8_scales(parts.parts)
         lr = t.optimizer.lr * lr_multiplier(step, total_steps, t.schedule)
         set_lr(optimizer, lr)
         test_hooks.log_samples(step, sampler)

@@ -2,7 +2,7 @@
 
 torchrun's ``--max-restarts`` restarts the workers of a node whose rank failed; it cannot help
 when the node itself is gone (the SSH session dropped, or its heartbeat stopped: exit 255). Then
-:func:`llmtrain.launch.sshlaunch.launch_ssh` retries the whole job, up to the same K times:
+:func:`llmtrain.launch.backends.sshlaunch.launch_ssh` retries the whole job, up to the same K times:
 
 * every node of the failed attempt was already stopped by the run's teardown;
 * with ``launch.exclude_lost_hosts: true`` the lost host is dropped from the hostfile and the
@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from llmtrain.launch.commands import LaunchSpec
-from llmtrain.launch.envpolicy import EnvVar
-from llmtrain.launch.hostfile import Hostfile
+from llmtrain.cluster.hostfile import Hostfile
+from llmtrain.launch.launchplan import with_env
 
 EXIT_LOST = 255
 AUTO_RESUME_ENV = "LLMTRAIN_AUTO_RESUME"
@@ -42,9 +41,4 @@ def without_host(hostfile: Hostfile, host: str) -> Hostfile:
     return dataclasses.replace(hostfile, hosts=tuple(h for h in hostfile.hosts if h.host != host))
 
 
-def with_env(spec: LaunchSpec, values: dict[str, str]) -> LaunchSpec:
-    """The spec with ``values`` added to (or replacing in) every node's environment."""
-    extra = tuple(EnvVar(k, v, "launcher") for k, v in values.items())
-    nodes = tuple(dataclasses.replace(n, env=(*[e for e in n.env if e.name not in values], *extra))
-                  for n in spec.nodes)
-    return dataclasses.replace(spec, nodes=nodes)
+__all__ = ["lost_host", "without_host", "with_env", "EXIT_LOST", "AUTO_RESUME_ENV"]

@@ -16,7 +16,9 @@ clock       skew against the launching machine (warn > 1 s, fail > 5 s)
 
 The probe is one small Python program sent with ``python -c`` (it does not import torch: the
 versions come from ``torch/version.py`` and package metadata, so a check takes well under a
-second). ``llmtrain launch`` runs the same checks first unless ``--skip-preflight``.
+second). ``llmtrain launch`` runs the same checks first unless ``--skip-preflight``. Under Slurm
+the same probe runs as one ``srun`` task per node instead (:mod:`llmtrain.launch.backends.slurm_preflight`)
+and is judged by the same rules.
 """
 
 from __future__ import annotations
@@ -166,7 +168,7 @@ def probe_command(spec: LaunchSpec, node: NodeSpec) -> str:
 
 
 def check_host(spec: LaunchSpec, node: NodeSpec, opts: Any, local: dict[str, str | None]) -> HostReport:
-    from llmtrain.launch import ssh
+    from llmtrain.launch.backends import ssh
 
     report = HostReport(node)
     try:
@@ -301,17 +303,18 @@ def run_preflight(spec: LaunchSpec, opts: Any, local: dict[str, str | None] | No
 STYLE = {"ok": "green", "warn": "yellow", "fail": "red", "skip": "dim"}
 
 
-def render(reports: list[HostReport], console: Any) -> None:
-    """One table: a row per host, a column per check, and each failure's sentence with its fix."""
+def render(reports: list[HostReport], console: Any, checks: tuple[str, ...] = CHECKS) -> None:
+    """One table: a row per host, a column per check (``checks``: the Slurm check has ``slurm``
+    where SSH has ``ssh``), and each failure's sentence with its fix."""
     from rich.table import Table
     from rich.text import Text
 
     table = Table(title="llmtrain hosts check", title_justify="left")
-    for col in ("host", *CHECKS, "problems and fixes"):
+    for col in ("host", *checks, "problems and fixes"):
         table.add_column(col, overflow="fold", no_wrap=col != "problems and fixes")
     for r in reports:
         cells = [Text(r.node.host)]
-        for name in CHECKS:
+        for name in checks:
             check = r.checks.get(name)
             cells.append(Text("-", style="dim") if check is None else Text(check.cell(), style=STYLE[check.status]))
         fixes = [f"{c.name}: {c.value}" + (f" -> fix: {c.hint}" if c.hint else "")

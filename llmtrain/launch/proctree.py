@@ -1,6 +1,6 @@
 """Finding and stopping every process of a run, without names or patterns (Linux ``/proc``).
 
-Used by the local launcher (:mod:`llmtrain.launch.local`) and by the per-node helper of the
+Used by the local launcher (:mod:`llmtrain.launch.backends.local`) and by the per-node helper of the
 SSH launcher (:mod:`llmtrain.launch.remote`). Pure standard library, cheap to import: the
 remote ``kill`` command must start fast because it runs inside the 5 s teardown budget.
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.hostfile import Hostfile
+from llmtrain.cluster.hostfile import Hostfile
 from llmtrain.recipe.lock import lock_text
 from llmtrain.recipe.schema import Recipe
 

@@ -18,7 +18,7 @@ paramiko cannot parse is reported by number, without its text.
 ``dry_run=True``): a ``Match`` line with an ``exec`` condition is replaced, before paramiko sees
 the text, by a block that matches no host, so its command never runs (paramiko would run it
 inside ``lookup()``), and a note says which line was not evaluated. ProxyCommands only ever run
-when connecting (:mod:`llmtrain.launch.ssh`); a dry run says which host would use one.
+when connecting (:mod:`llmtrain.launch.backends.ssh`); a dry run says which host would use one.
 
 **Identity files** (:func:`identity_problems`, checked before any connection) are local
 configuration: a missing file, a directory, an unreadable file, a public key or anything that
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llmtrain.errors import LLMTrainError, Problem
-from llmtrain.launch.hostfile import HostEntry, Hostfile
+from llmtrain.cluster.hostfile import HostEntry, Hostfile
 from llmtrain.safeio import KIB, MIB, open_regular, printable, read_regular, read_text
 
 DEFAULT_SSH_CONFIG = "~/.ssh/config"

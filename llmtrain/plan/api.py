@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.hostfile import Hostfile, load_hostfile
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.hostfile import Hostfile, load_hostfile
+from llmtrain.cluster.placement import Placement
 from llmtrain.plan.validate import Validation, validate
 from llmtrain.recipe.load import load_recipe
 from llmtrain.recipe.schema import Recipe

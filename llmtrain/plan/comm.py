@@ -29,7 +29,9 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   overlapped). ``parallel.grad_compression`` (zero 0/1) replaces the gradient all-reduce:
   PowerSGD all-reduces (fp32) the uncompressed tensors, then ``P`` (``n x r`` per matrix), then
   ``Q`` (``m x r``); top-k all-gathers ``8k`` bytes per rank; both after backward (phase
-  ``step``), :func:`compressed_grad_bytes`. FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
+  ``step``), :func:`compressed_grad_bytes`: the steady state. PowerSGD's warm-up
+  (``parallel.powersgd_start_step``) all-reduces the whole fp32 gradient in its first steps; the
+  planner prices the steady state and says so in the collective's note. FSDP's reduce-scatter (and HSDP's all-reduce) also use ``r`` bytes. FSDP (zero 2/3): all-gather of the ``param_dtype`` weights
   (``eP``) per forward (zero 2 and zero 3) and again per backward (zero 3, resharded after
   forward; not the root unit — embedding, final norm, output — which FSDP2 keeps gathered), reduce-scatter of fp32 gradients (``4P``) once, the last micro batch
   (the others accumulate unsharded; ``parallel.fsdp_reduce_each_microbatch`` without PP: every
@@ -63,7 +65,7 @@ from dataclasses import dataclass, field
 from math import ceil, log2
 
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
 
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth for large messages (nccl-tests on DGX)
@@ -199,7 +201,10 @@ class CommSpec:
     compression: str = "none"  # parallel.grad_compression (zero 0/1)
     powersgd_rank: int = 4
     topk_ratio: float = 0.01
+    powersgd_start_step: int = 0  # PowerSGD warm-up: plain all-reduce steps (the note says it)
     grad_shapes: tuple = ((), ())  # with compression: (dense, expert) local gradient shapes (TP embedding: replicated)
+    async_tp: bool = False  # parallel.async_tp (with SP): per-layer TP collectives fused with their matmuls
+    fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -207,6 +212,35 @@ class CommSpec:
         if self.trainable < 0:
             return self.params, self.expert_params
         return min(self.trainable, self.params), max(0, self.trainable - self.params)
+
+
+def fp8_gather_numel(m, layers, tp: int) -> int:
+    """Weight elements ``parallel.fp8_all_gather`` gathers as float8 on a rank holding ``layers``:
+    the Linears engine/parallel/float8.py converts (every block's q/k/v/o, the dense MLP's
+    w1/w2/w3; not the output head, the embedding, norms, biases or MoE experts), split over tp.
+    Like plan/flops.py ``fp8_matmul_fraction`` it does not apply the engine's multiple-of-16
+    filter (production shapes pass it). Not checked against the engine: fp8 needs CUDA; the GPU
+    check's world-1 run gathers nothing over a link."""
+    h, hd = m.hidden, m.head_dim
+    attn = 2 * h * m.heads * hd + 2 * h * m.kv_heads * hd
+    return sum(attn + (0 if m.is_moe_layer(i) else 3 * h * m.ffn_hidden) for i in layers) // tp
+
+
+def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -> float:
+    """The exposed share of the collectives async TP fuses with matmuls (phase ``tp-overlap``).
+
+    torch's micro-pipelined TP (engine/parallel/async_tp.py) splits each SP all-gather before a
+    column-parallel matmul (wq/wk/wv, w1/w3, and in backward the row-parallel inputs' gradients)
+    and each reduce-scatter after a row-parallel one into ``group`` chunks moved while the matmul
+    works on the chunks already there. Model: one chunk of every such collective stays exposed
+    (the pipeline's fill / drain: ``1 / group``); the other ``1 - 1 / group`` hides behind the
+    rank's compute of the same micro batches (``compute_s``, the same seconds the collectives
+    run in; the matmuls are nearly all of it), and what exceeds that is exposed too. Only a time
+    effect: bytes and counts are those of plain SP. One factor for all of them (each gets its
+    share of the compute in proportion to its seconds)."""
+    if overlapped_s <= 0:
+        return 1.0
+    return 1.0 / group + max(0.0, 1.0 - 1.0 / group - compute_s / overlapped_s)
 
 
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",), "dp_replicate": ("dp_replicate",),
@@ -242,6 +276,16 @@ def powersgd_rank_of(shape: tuple[int, ...], rank: int) -> int:
     return r if (n + cols) * r * POWERSGD_MIN_RATE < n * cols else 0
 
 
+def powersgd_start(recipe) -> int:
+    """``parallel.powersgd_start_step`` as the engine runs it: the recipe's value, or torch's advice
+    (``PowerSGDState`` docstring: start with 10 % of the training steps, no fewer than the
+    learning-rate warm-up) when it is left out."""
+    p, t = recipe.parallel, recipe.train
+    if p.powersgd_start_step is not None:
+        return p.powersgd_start_step
+    return max(t.schedule.warmup_steps, ceil(t.steps / 10))
+
+
 def compressed_grad_bytes(kind: str, shapes: tuple, rank: int, ratio: float, group: int) -> list[tuple[str, str, int]]:
     """(op, what, message bytes) of each collective one compressed gradient averaging issues per
     step, as engine/parallel/compression.py does: PowerSGD one fp32 all-reduce of the
@@ -273,9 +317,16 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def compressed_grad_comms(c: CommSpec, shapes: tuple, group: int, lk: Link, what: str) -> list[Comm]:
     """``parallel.grad_compression``: the compressed averaging of ``what``, at the step's end (not
-    overlapped with backward: phase ``step``)."""
-    return [make("dp", op, group, nbytes, 1, lk, "step", f"{c.compression} {what}: {part}, after backward")
-            for op, part, nbytes in compressed_grad_bytes(c.compression, shapes, c.powersgd_rank, c.topk_ratio, group)]
+    overlapped with backward: phase ``step``). The steady state: with a PowerSGD warm-up the first
+    collective's note says that the first steps send the whole gradient instead."""
+    warm = ""
+    if c.compression == "powersgd" and c.powersgd_start_step:
+        full = 4 * sum(_numel(s) for s in shapes)
+        warm = (f"; steady state: the first {c.powersgd_start_step} steps (powersgd_start_step) all-reduce "
+                f"the whole fp32 gradient, {full} bytes")
+    parts = compressed_grad_bytes(c.compression, shapes, c.powersgd_rank, c.topk_ratio, group)
+    return [make("dp", op, group, nbytes, 1, lk, "step", f"{c.compression} {what}: {part}, after backward"
+                 + (warm if i == 0 else "")) for i, (op, part, nbytes) in enumerate(parts)]
 
 
 def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
@@ -295,8 +346,9 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # zero 3 gathers again for backward, except FSDP2's root unit (embedding, norm, output),
         # which is not resharded after forward
         passes = 1 if d.pp > 1 else (2 * m - m * min(c.root, total) / max(1, total) if c.zero == 3 else m)
-        out.append(make("dp", "all-gather", shard, c.e * total, passes, g, "fsdp-gather",
-                        f"{c.e}-byte weights, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
+        fp8 = min(c.fp8_gather_numel, total)  # parallel.fp8_all_gather: those weights travel as 1-byte float8
+        out.append(make("dp", "all-gather", shard, c.e * total - (c.e - 1) * fp8, passes, g, "fsdp-gather",
+                        f"{c.e}-byte weights{' (the Float8 Linears: 1-byte)' if fp8 else ''}, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
         grads = sum(c.grad_params)
         r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
         # parallel.fsdp_reduce_each_microbatch (no PP): every micro batch; else the last one (engine/step.py)
@@ -357,7 +409,15 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
         # embedding output gradient's all-gather)
         count = m * (per_layer * c.layers + int(c.embedding) + int(c.output) - int(c.lora_first and c.layers > 0))
-        if c.sp:
+        if c.sp and c.async_tp:  # the per-layer ones are fused with their matmuls (async_tp_exposed_factor)
+            fused = m * per_layer * c.layers
+            for op in ("all-gather", "reduce-scatter"):
+                out.append(make("tp", op, d.tp, act, fused, g, "tp-overlap",
+                                "sequence parallel, async TP: chunked under the column/row-parallel matmuls"))
+                if count > fused:
+                    out.append(make("tp", op, d.tp, act, count - fused, g, "microbatch",
+                                    "sequence parallel (embedding / output: not fused)"))
+        elif c.sp:
             out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
             out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))
         else:

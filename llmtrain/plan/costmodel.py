@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtrain.plan import activations as act
+from llmtrain.plan import commtime, ops
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.comm import Comm, CommSpec, group_spans, step_comms
+from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
@@ -37,11 +38,11 @@ from llmtrain.plan.memory import (
     DPMode, best_dp_index, compute_bytes, dp_mode, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
     param_buffer_bytes, worst_dp_index,
 )
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
-from llmtrain.recipe.gpus import GPUS, GPUSpec
+from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
 from llmtrain.recipe.schema import Recipe, bf16_compute
 
 GIB = float(1 << 30)
@@ -81,6 +82,7 @@ class CostModel:
     time: StepTime
     worst_rank: int
     hints: list[dict] = field(default_factory=list)
+    time_model: str = "v1"  # cluster.time_model: v1 (FLOPs x one efficiency) or v2 (plan/ops.py, plan/commtime.py)
 
     @property
     def fits(self) -> bool:
@@ -104,7 +106,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                 gpu: GPUSpec | None = None, stages: list[list[int]] | None = None) -> RankMemory:
     """Memory of pipeline rank ``pp_rank`` at ``dp_cp`` index ``dp_index`` (None: the most loaded one)."""
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    gpu = gpu or GPUS[recipe.cluster.gpu]
+    gpu = gpu or cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)
     mode = dp_mode(p.zero, dims)
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stages or stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
@@ -196,7 +198,7 @@ def peak_bytes(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_ranks: l
 def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
              fast: bool = False, hints: bool = True) -> CostModel:
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    gpu = GPUS[recipe.cluster.gpu]
+    gpu = cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)  # cluster.gpu_power_w scales the peaks
     mode = dp_mode(p.zero, dims)
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
@@ -226,6 +228,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # mask to full blocks, so they execute all of them.
     causal_kernel = dims.cp == 1 or p.cp_method == "ulysses"
     skipped_attention = 6.0 * m.hidden * seq if causal_kernel else 0.0
+    v2 = recipe.cluster.time_model == "v2" and lk is None  # LoRA: v1's compute (plan/ops.py)
+    shape = ops.shape_of(recipe, dims, gpu, causal_kernel) if v2 else None
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
@@ -251,12 +255,21 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
                         fsdp_reduce_each=p.fsdp_reduce_each_microbatch,
                         compression=p.grad_compression, powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
-                        grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()))
+                        powersgd_start_step=powersgd_start(recipe),
+                        grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()),
+                        async_tp=p.async_tp and p.sequence_parallel and dims.tp > 1,
+                        fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0)
         comms = step_comms(spec, gpu, spans)
+        if recipe.cluster.time_model == "v2":
+            commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
+        if v2:
+            f_s, b_s = ops.rank_seconds(shape, gpu, len(inv.layers) - inv.moe_layers, inv.moe_layers, inv.last)
+            copies = sum(2 * c.message_bytes * c.count for c in comms if c.phase.startswith("fsdp"))
+            works[-1].fwd_s, works[-1].bwd_s = f_s, b_s + ops.membound_seconds(copies, gpu) / batch.microbatches
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
@@ -274,7 +287,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                       + ("; LoRA: 4 x frozen + 6 x adapter params (executed: no weight gradients of the frozen base)"
                          if lk is not None else ""),
     }
-    cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st, _global_rank(dims, worst))
+    cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st, _global_rank(dims, worst),
+                   time_model=recipe.cluster.time_model)
     if hints and not cm.fits:
         from llmtrain.plan.hints import memory_hints  # noqa: PLC0415  (imports validate; avoids a cycle)
 
@@ -338,7 +352,9 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
         "flops": cm.flops,
         "comm": [c.to_dict() for c in cm.comms],
         "bubble_fraction": cm.bubble,
-        "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12},
+        "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "time_model": cm.time_model,
+                 "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12,
+                 "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12},  # differs under cluster.gpu_power_w (recipe/gpus.py)
     }
 
 

@@ -17,7 +17,7 @@ import io
 from pathlib import Path
 
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import Timeline
 
 IDLE = " · "

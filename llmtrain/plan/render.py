@@ -155,9 +155,16 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
                        for k, v in bd.items() if v > 0 or k == "compute")
     hw = (f"; hardware FLOPs {t['hw_tflops_per_gpu']:.3g} TFLOP/s/GPU"
           if t["hw_tflops_per_gpu"] > t["tflops_per_gpu"] * 1.001 else "")
+    cap = t.get("mfu_peak_tflops", t["peak_tflops"])
+    capped = (f", power-capped; MFU against the {cap:.3g} TFLOP/s datasheet peak"
+              if cap > t["peak_tflops"] * 1.0001 else "")
+    how = (f"compute priced per operation, time model v2, {t['peak_tflops']:.3g} TFLOP/s peak"
+           if t.get("time_model") == "v2" else
+           f"compute modeled at {t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak")
     console.print(f"[bold]Time[/] {t['step_s']:.3g} s/step = {parts} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-                  f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] (compute modeled at "
-                  f"{t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak{hw})", highlight=False)
+                  f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] ({how}{hw}{capped})", highlight=False)
+    for rec in d.get("recommendations") or []:  # plan/hier.py
+        console.print(f"  [bold]recommendation[/]: {escape(rec['message'])}", highlight=False)
     f = d["flops"]
     extra = (f"; hardware FLOPs (recomputation, MoE routers replicated over TP) are {f['recompute_overhead']:+.0%}"
              if f["recompute_overhead"] > 0.0005 else "")

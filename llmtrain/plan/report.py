@@ -29,7 +29,7 @@ from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import cost_to_dict, estimate
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.plan.params import count_params, trainable_params
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 
 SCHEMA_VERSION = 1
 DETAIL_RANKS = 64  # print every rank's coordinates up to this world size
@@ -98,9 +98,12 @@ def cost_dict(plan: Plan) -> dict[str, Any]:
     null when the layout is invalid). See docs/planner.md for the model and docs/plan-json.md."""
     v = plan.validation
     if v.dims is None or v.batch is None:
-        return {"memory": None, "flops": None, "comm": None, "bubble_fraction": None, "time": None}
+        return {"memory": None, "flops": None, "comm": None, "bubble_fraction": None, "time": None, "recommendations": []}
     cost = estimate(plan.recipe, v.dims, v.batch, plan.placement)
-    return cost_to_dict(cost, v.dims)
+    from llmtrain.plan.hier import hsdp_hint  # noqa: PLC0415
+
+    hint = hsdp_hint(plan.recipe, plan.placement, cost, v.dims)  # plan/hier.py: in-node HSDP for FSDP across nodes
+    return {**cost_to_dict(cost, v.dims), "recommendations": [hint] if hint else []}
 
 
 def launch_dict(plan: Plan) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.plan.comm import Comm
+from llmtrain.plan.comm import Comm, async_tp_exposed_factor
 from llmtrain.recipe.gpus import GPUSpec
 
 COMPUTE_EFFICIENCY = {"h100-sxm": 0.62, "h200": 0.64, "a100-80g": 0.64, "b200": 0.55, "cpu": 0.5}
@@ -61,6 +61,10 @@ class RankWork:
     comms: list[Comm] = field(default_factory=list)
     block_fraction: float = 1.0  # largest block / all parameters of the rank (FSDP prefetch granularity)
     stepped_params: int = 0  # parameters whose AdamW update this rank computes
+    # cluster.time_model v2 (plan/ops.py): forward / backward seconds per micro batch priced per
+    # operation; None = v1, the FLOPs above at peak x COMPUTE_EFFICIENCY
+    fwd_s: float | None = None
+    bwd_s: float | None = None
 
 
 @dataclass
@@ -129,9 +133,15 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
     per_rank = []
     n_ranks = pp or len(ranks)
     for w in ranks:
-        t_f, t_b = w.fwd_flops / rate, w.bwd_flops / rate
+        t_f = w.fwd_s if w.fwd_s is not None else w.fwd_flops / rate
+        t_b = w.bwd_s if w.bwd_s is not None else w.bwd_flops / rate
+        fused = [c for c in w.comms if c.phase == "tp-overlap"]  # parallel.async_tp (comm.py)
+        fused_factor = async_tp_exposed_factor(sum(c.seconds for c in fused), m * (t_f + t_b),
+                                               fused[0].group) if fused else 1.0
         for c in w.comms:  # the share of each collective on the critical path
-            if c.dim in ("tp", "cp"):
+            if c.phase == "tp-overlap":
+                c.exposed_s = fused_factor * c.seconds
+            elif c.dim in ("tp", "cp"):
                 c.exposed_s = c.seconds
             elif c.dim == "ep":
                 c.exposed_s = EP_EXPOSED * c.seconds
@@ -151,7 +161,7 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
             elif c.dim == "pp":  # the sends along the fill and drain path
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
-        optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, 2e12)
+        optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, gpu.hbm_bytes_per_s or 2e12)
         per_rank.append(dict(compute=t_f + t_b, tp=by["tp"] / m, cp=by["cp"] / m, ep=by["ep"] / m, dp=by["dp"],
                              pp=by["pp"], optimizer=optimizer))
     slowest = max(range(len(per_rank)), key=lambda i: sum(per_rank[i][k] for k in ("compute", "tp", "cp", "ep")))
@@ -167,4 +177,4 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                  "bubble": bubble_s, "dp_comm": dp_s, "pp_comm": pp_s, "optimizer": opt_s}
     tflops = model_flops_step / world / step / 1e12
     return StepTime(step, breakdown, tokens_per_step / step / world, tflops, hw_flops_step / world / step / 1e12,
-                    tflops * 1e12 / gpu.peak_flops_bf16, slowest)
+                    tflops * 1e12 / gpu.mfu_peak, slowest)  # the datasheet peak, also under cluster.gpu_power_w

@@ -14,8 +14,9 @@ from math import gcd
 from llmtrain.errors import Problem
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.comm import powersgd_start
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.placement import Placement
+from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.schema import Recipe
 
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
@@ -180,7 +181,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     # -- data and fine-tuning (before the layout is accepted: an error here means no layout) ------
     _check_data(recipe, err)
     _check_lora(recipe, err)
-    _check_precision_features(recipe, err)
+    _check_precision_features(recipe, err, warn)
 
     # -- batch math ------------------------------------------------------------------------------
     if dp_shard is not None:
@@ -228,6 +229,13 @@ def _check_compression(recipe: Recipe, dpcp: int, err, warn) -> None:
     hooks, so there is no full gradient to compress). TP, PP, EP and CP work: every DP rank holds
     the same local shards, compressed over its DP (expert-DP) group."""
     p = recipe.parallel
+    if p.powersgd_start_step and p.grad_compression != "powersgd":
+        warn(Problem("parallel.powersgd_start_step", f"powersgd_start_step {p.powersgd_start_step} has no effect "
+                     f"with grad_compression {p.grad_compression} (PowerSGD's warm-up)", "remove it"))
+    elif p.grad_compression == "powersgd" and powersgd_start(recipe) >= recipe.train.steps:
+        warn(Problem("parallel.powersgd_start_step", f"powersgd_start_step {powersgd_start(recipe)} >= train.steps "
+                     f"{recipe.train.steps}: every step all-reduces the whole gradient, nothing is compressed",
+                     "lower it (torch advises ~10 % of the steps)"))
     if p.grad_compression == "none":
         return
     if p.zero >= 2:
@@ -316,8 +324,9 @@ def _even_split(layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(min(stages, 16))]  # a hint: never build 2**48 entries
 
 
-def _check_precision_features(recipe: Recipe, err) -> None:
-    """FP8 training and async TP need CUDA hardware the CPU engine cannot emulate (issue 17)."""
+def _check_precision_features(recipe: Recipe, err, warn) -> None:
+    """FP8 training (and its FP8 all-gather) and async TP need CUDA hardware; the CPU engine has neither FP8
+    matmuls nor symmetric memory (issue 17). Every missing condition is named at once."""
     from llmtrain.recipe.gpus import GPUS
 
     t, p, gpu = recipe.train, recipe.parallel, recipe.cluster.gpu
@@ -326,11 +335,30 @@ def _check_precision_features(recipe: Recipe, err) -> None:
         why = "the CPU engine has no FP8 matmuls" if gpu == "cpu" else f"cluster.gpu {gpu} has no FP8 tensor cores"
         err(Problem("train.precision", f"fp8 needs CUDA GPUs with FP8 tensor cores: {why}",
                     "use train.precision bf16, or cluster.gpu h100-sxm / h200 / b200"))
-    if p.async_tp:
-        if gpu == "cpu" or not t.compile or p.tp < 2:
-            need = "CUDA GPUs" if gpu == "cpu" else "train.compile: true" if not t.compile else "parallel.tp >= 2"
-            err(Problem("parallel.async_tp", f"async TP (symmetric-memory micro-pipelined TP) needs {need}",
+    if t.precision == "fp8" and p.tp > 1:  # engine/parallel/float8.py: measured with torchao's CPU emulation
+        # a warning, not an error: the plan models what TorchTitan runs (published fp8 + TP runs,
+        # benchmarks/published_runs.py; plan --search), only this engine cannot start it yet
+        warn(Problem("train.precision", f"fp8 with parallel.tp {p.tp}: the engine does not run this yet (it refuses at "
+                     "start): it shards the Linears for TP before the Float8 conversion, and torchao's float8 TP needs "
+                     "its own Float8ColwiseParallel / Float8RowwiseParallel plans (plain ones fail with a mixed "
+                     "Tensor/DTensor matmul); the plan shows what TorchTitan's fp8 + TP would do",
+                     "to train with this engine: parallel.tp 1 with fp8 (FSDP / HSDP / PP), or train.precision bf16"))
+    if p.async_tp:  # engine/parallel/async_tp.py: inductor's micro-pipeline pass over SP's collectives
+        need = [why for bad, why in ((gpu == "cpu", ("CUDA GPUs (its fused all-gather/reduce-scatter matmuls are CUDA "
+                                                      "symmetric-memory kernels)")),
+                                     (not t.compile, "train.compile: true (the overlap is a torch.compile pass)"),
+                                     (p.tp < 2, "parallel.tp >= 2"),
+                                     (p.tp >= 2 and not p.sequence_parallel,
+                                      ("parallel.sequence_parallel: true (it overlaps SP's all-gather / reduce-scatter; "
+                                       "plain TP's all-reduce has no async form)"))) if bad]
+        if need:
+            err(Problem("parallel.async_tp", f"async TP (symmetric-memory micro-pipelined TP) needs {'; '.join(need)}",
                         "set parallel.async_tp false"))
-        else:
-            err(Problem("parallel.async_tp", "async TP is not implemented in the engine yet (only the schema field)",
-                        "set parallel.async_tp false"))
+    if p.fp8_all_gather:
+        need = [why for bad, why in ((t.precision != "fp8", (f"train.precision fp8 (it is {t.precision}): only "
+                                                             "Float8-converted weights are gathered in FP8")),
+                                     (p.zero < 2, (f"parallel.zero 2 or 3 (it is {p.zero}): only FSDP2 all-gathers "
+                                                   "parameters"))) if bad]
+        if need:
+            err(Problem("parallel.fp8_all_gather", f"fp8_all_gather needs {'; '.join(need)}",
+                        "set parallel.fp8_all_gather false"))

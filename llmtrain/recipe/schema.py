@@ -80,11 +80,24 @@ class ParallelConfig(Strict):
         0.01, gt=0, le=1, description="grad_compression topk: fraction of the gradient's entries each rank sends "
                                       "(values + int32 indices: 8 bytes per entry).")
     async_tp: bool = Field(
-        False, description="tp > 1 on CUDA under train.compile: torch's symmetric-memory micro-pipelined TP (async TP). "
-                           "Accepted by the schema; validation refuses it until the engine path lands (docs/engine.md).")
+        False, description="tp > 1 with sequence_parallel on CUDA under train.compile: torch's symmetric-memory "
+                           "micro-pipelined TP (async TP, engine/parallel/async_tp.py): the compiler splits the "
+                           "all-gather before each column-parallel matmul and the reduce-scatter after each "
+                           "row-parallel one into chunks overlapped with the matmul. Refused on CPU.")
+    fp8_all_gather: bool = Field(
+        False, description="train.precision fp8 with zero 2/3: FSDP2 all-gathers the FP8-converted weights in float8 "
+                           "(1 byte per element instead of bf16's 2; torchao enable_fsdp_float8_all_gather, scales "
+                           "in one all-reduce per step; engine/parallel/float8.py).")
     compression_error_feedback: bool = Field(
         True, description="grad_compression: add what compression left out to the next step's gradient (error "
-                          "feedback; without it PowerSGD and top-k converge worse). Reset on resume.")
+                          "feedback; without it PowerSGD and top-k converge worse). Saved in checkpoints; a resume "
+                          "in another layout or compression setting starts it afresh (one printed line).")
+    powersgd_start_step: int | None = Field(
+        None, ge=0, le=BIG, description="grad_compression powersgd: the first this many steps all-reduce the whole "
+                                        "gradient (torch's start_powerSGD_iter); PowerSGD, its error feedback and warm "
+                                        "start begin after them. Default: torch's advice, max(train.schedule."
+                                        "warmup_steps, ceil(10 % of train.steps)) (docs/benchmarks.md \"Gradient "
+                                        "compression\"); 0 compresses from the first step.")
 
     @field_validator("dp_shard")
     @classmethod
@@ -268,9 +281,30 @@ class ClusterConfig(Strict):
 
     nodes: int = Field(1, ge=1, le=BIG, description="Nodes.")
     gpus_per_node: int = Field(8, ge=1, le=1024, description="GPUs (ranks) per node.")
-    gpu: Literal["h100-sxm", "h200", "a100-80g", "b200", "cpu"] = Field(
-        "h100-sxm", description=f"GPU kind from the catalog: {', '.join(GPUS)}."
+    gpu: Literal["h100-sxm", "h200", "a100-80g", "gb200", "b200", "h100-pcie", "a100-40g", "mi300x", "cpu"] = Field(
+        "h100-sxm", description=f"GPU kind from the catalog (recipe/gpus.py, docs/planner.md): {', '.join(GPUS)}."
     )
+    gpu_power_w: float | None = Field(
+        None, gt=0, le=10000,
+        description="Board power cap in watts for power-capped parts (nvidia-smi -pl): the planner scales the compute "
+                    "peaks linearly, peak x cap / TDP (bandwidths unchanged; MFU stays against the datasheet peak); "
+                    "from 50 % of the TDP up to the TDP (default: uncapped).")
+    time_model: Literal["v1", "v2"] = Field(
+        "v1", description="Planner step-time model: v1 prices FLOPs at peak x one efficiency per GPU and collectives "
+                          "on one link; v2 prices each GEMM by shape (roofline, wave quantization, measured matmul "
+                          "ceiling), flash attention, memory-bound ops at HBM bandwidth, and collectives with NCCL's "
+                          "alpha-beta model over NVLink and all NICs of a node (docs/planner.md, Time model v2). "
+                          "Bytes and FLOPs are the same under both.")
+
+    @field_validator("gpu_power_w")
+    @classmethod
+    def _power_in_range(cls, value: float | None, info) -> float | None:
+        from llmtrain.recipe.gpus import power_problem  # noqa: PLC0415
+
+        why = power_problem(info.data.get("gpu", "h100-sxm"), value)
+        if why:
+            raise ValueError(why)
+        return value
 
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,255}$"
@@ -288,7 +322,8 @@ class WatchdogConfig(Strict):
         1800, ge=0, le=BIG, description="Longest wait for the first step event (imports, rendezvous, model build; 0 = off)."
     )
     heartbeat_timeout_s: float = Field(
-        30, ge=0, le=BIG, description="Declare a node lost when its SSH channel is silent (its helper beats every 2 s) this long (0 = off)."
+        30, ge=0, le=BIG, description="Declare a node lost when its heartbeat is this old (0 = off): SSH, the node helper's channel (beats every 2 s); "
+        "Slurm, its logs/slurm/alive-N file (touched every 1 s; on NFS keep it above the attribute cache time)."
     )
 
 

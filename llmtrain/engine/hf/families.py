@@ -38,39 +38,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.schema import ModelConfig
 
 if TYPE_CHECKING:  # torch is imported by the functions that read or write tensors, so that
     import torch   # `llmtrain launch --init-from-hf` can check a directory without importing it
 
 
-@dataclass(frozen=True)
-class Family:
-    """What one HF model_type can express (see :data:`FAMILIES`)."""
-
-    name: str
-    architecture: str
-    moe: bool = False                 # MoE MLPs (every family is either dense or MoE)
-    qkv_bias: bool = False            # q/k/v biases, always (Qwen2) or never
-    qk_norm: bool = False             # per-head q/k RMSNorm, always (Qwen3) or never
-    sliding: str = "none"             # config.json form: none | plain (Mistral) | qwen (use_sliding_window)
-    moe_prefix: str = ""              # HF module of an MoE layer's MLP
-    expert_names: tuple[str, str, str] = ("", "", "")  # HF per-expert names of our w1, w3, w2
-    dense_layers: bool = False        # MoE models may have dense layers (mlp_only_layers, sparse step)
-    fixed_norm_topk: bool = False     # top-k weights always renormalized (Mixtral)
-
-
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", "LlamaForCausalLM"),
-    Family("mistral", "MistralForCausalLM", sliding="plain"),
-    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding="qwen"),
-    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, sliding="qwen"),
-    Family("mixtral", "MixtralForCausalLM", moe=True, sliding="plain", moe_prefix="block_sparse_moe",
-           expert_names=("w1", "w3", "w2"), fixed_norm_topk=True),
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm=True, sliding="qwen", moe_prefix="mlp",
-           expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
-)}
+from llmtrain.recipe.hf_families import (  # noqa: F401 - the family facts live with the recipe (torch-free)
+    FAMILIES, SUPPORTED, Family, family_of, family_problems, require_dense, require_hf_compatible,
+)
 
 # our per-layer suffix -> HF per-layer suffix (under model.layers.N.), attention and dense MLP
 LAYER_NAMES = {
@@ -91,69 +68,6 @@ ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "a
            "attention.q_norm.weight", "attention.k_norm.weight")
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
-SUPPORTED = ", ".join(FAMILIES)
-
-
-def family_of(cfg: ModelConfig) -> Family:
-    return FAMILIES[cfg.hf_family]
-
-
-# -- what a family can express ----------------------------------------------------------------
-
-def family_problems(cfg: ModelConfig) -> list[Problem]:
-    """Every feature of ``cfg`` its Hugging Face family (``model.family``) cannot express."""
-    f = family_of(cfg)
-    out: list[Problem] = []
-
-    def bad(path: str, message: str, hint: str) -> None:
-        out.append(Problem(path, f"{message} (model.family {f.name})", hint))
-
-    if cfg.is_moe and not f.moe:
-        bad("model.family", f"{f.name} has no experts but model.moe.num_experts is {cfg.moe.num_experts}",
-            "use model.family mixtral or qwen3_moe, or a dense model (model.moe.num_experts: 1)")
-    if f.moe and not cfg.is_moe:
-        bad("model.family", f"{f.name} is a mixture-of-experts family but the model is dense",
-            "use model.family llama/mistral/qwen2/qwen3, or set model.moe.num_experts")
-    if cfg.qkv_bias != f.qkv_bias:
-        bad("model.qkv_bias", f"qkv_bias is {cfg.qkv_bias}; {f.name} {'always has' if f.qkv_bias else 'has no'} "
-            "q/k/v biases", "use model.family qwen2 for q/k/v biases" if cfg.qkv_bias else
-            f"set model.qkv_bias: {str(f.qkv_bias).lower()}")
-    if cfg.qk_norm != f.qk_norm:
-        bad("model.qk_norm", f"qk_norm is {cfg.qk_norm}; {f.name} {'always has' if f.qk_norm else 'has no'} "
-            "q/k norms", "use model.family qwen3 or qwen3_moe for q/k norms" if cfg.qk_norm else
-            f"set model.qk_norm: {str(f.qk_norm).lower()}")
-    if cfg.sliding_window is not None and f.sliding == "none":
-        bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
-            "drop model.sliding_window or use model.family mistral")
-    if cfg.is_moe:
-        m = cfg.moe
-        if m.shared_experts:
-            bad("model.moe.shared_experts", f"{m.shared_experts} shared experts; no supported Hugging Face family "
-                "has them", "use model.moe.shared_experts: 0")
-        if m.router != "softmax":
-            bad("model.moe.router", f"router {m.router!r}; supported Hugging Face families route with softmax",
-                "use model.moe.router: softmax")
-        if m.balance != "aux_loss":
-            bad("model.moe.balance", f"balance {m.balance!r} (learned expert_bias); Hugging Face routers have no "
-                "bias", "use model.moe.balance: aux_loss")
-        if f.fixed_norm_topk and not m.norm_topk_prob:
-            bad("model.moe.norm_topk_prob", "norm_topk_prob is false; Mixtral always renormalizes the top-k "
-                "weights", "use model.moe.norm_topk_prob: true or model.family qwen3_moe")
-        dense = [i for i in range(cfg.layers) if not cfg.is_moe_layer(i)]
-        if dense and not f.dense_layers:
-            bad("model.moe.dense_layers", f"layers {dense[:8]} are dense (first_dense_layers/sparse_step/"
-                f"dense_layers); every {f.name} layer is MoE", "use model.family qwen3_moe (mlp_only_layers)")
-    return out
-
-
-def require_hf_compatible(cfg: ModelConfig) -> None:
-    """Raise one problem per feature of ``cfg`` its family cannot express (see :func:`family_problems`)."""
-    problems = family_problems(cfg)
-    if problems:
-        raise LLMTrainError(problems)
-
-
-require_dense = require_hf_compatible  # the pre-family name, kept for existing callers
 
 
 # -- the tensor map: the one description of "which HF tensors make which of ours" ---------------
@@ -300,7 +214,7 @@ def __getattr__(name: str):
     """config.json functions live in :mod:`.config_json` (which imports this module); they are
     re-exported here lazily so that ``from llmtrain.engine.hf.families import hf_config`` keeps working."""
     if name in CONFIG_NAMES:
-        from llmtrain.engine.hf import config_json
+        from llmtrain.recipe import hf_config
 
-        return getattr(config_json, name)
+        return getattr(hf_config, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

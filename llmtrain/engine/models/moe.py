@@ -51,8 +51,9 @@ Experts and capacity
     Routed experts are stacked parameters ``w1``/``w3`` [E, F, H] and ``w2`` [E, H, F], so
     expert parallelism can shard dim 0 and expert tensor parallelism the F dim (1 / 2). The computation sorts token slots by expert
     (:func:`dispatch_order`), gathers them (``index_select``), runs one SwiGLU per expert on
-    its contiguous chunk (:func:`grouped_swiglu`, a Python loop: simple and exact, slower than
-    a grouped GEMM; EP can wrap an all-to-all around this function), weights the results and
+    its contiguous chunk (:func:`grouped_swiglu`: on CUDA in bf16, also fp32 under bf16 autocast,
+    three ``torch._grouped_mm`` calls; elsewhere a Python loop, simple and exact; EP can wrap an
+    all-to-all around this function), weights the results and
     scatters them back with ``index_add``. All steps are differentiable. With
     ``capacity_factor``, each expert keeps at most ``ceil(factor * T * k / E)`` slots, the
     earliest by flat token index (batch row, then position) of this forward call; dropped
@@ -174,11 +175,38 @@ def dispatch_order(
 GROUP_ALIGN = 16  # rows per expert group are padded to this for the CUDA grouped GEMM
 
 
+def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype the grouped GEMM runs ``x``'s experts in, or None (the per-expert loop): bf16
+    inputs as they are (FSDP2's bf16 MixedPrecisionPolicy), and fp32 inputs under a bf16 autocast
+    of their device type (the trainer's one-rank / zero 0-1 bf16 path: the token stream stays fp32
+    and autocast leaves ``_grouped_mm`` uncast, seen on CPU with torch 2.13, so the loop ran).
+    bf16 here computes what the loop does under autocast: bf16 inputs, fp32 accumulation, bf16 out."""
+    if not hasattr(torch, "_grouped_mm") or os.environ.get("LLMTRAIN_GROUPED_MM", "1") != "1":
+        return None
+    if x.dtype == torch.bfloat16:
+        return torch.bfloat16
+    kind = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16:
+        return torch.bfloat16
+    return None
+
+
 def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Grouped GEMM where torch offers it: CUDA, bf16, ``torch._grouped_mm`` present (Hopper+).
-    On CPU torch 2.13's ``_grouped_mm`` runs forward but its backward fails, so CPU loops."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and os.environ.get("LLMTRAIN_GROUPED_MM", "1") == "1")
+    """Grouped GEMM where torch offers it: CUDA, ``torch._grouped_mm`` present (Hopper+), bf16
+    inputs or fp32 ones under bf16 autocast (:func:`grouped_mm_dtype`). On CPU torch 2.13's
+    ``_grouped_mm`` runs forward but its backward fails, so CPU loops."""
+    return x.is_cuda and grouped_mm_dtype(x) is not None
+
+
+def grouped_swiglu_autocast(
+    x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """:func:`grouped_swiglu_gemm` in bf16 for fp32 inputs under bf16 autocast: inputs and weights
+    cast explicitly (differentiable: fp32 weights get fp32 gradients, as under autocast) inside an
+    autocast-disabled region, so a torch that one day lists ``_grouped_mm`` cannot cast it again."""
+    bf16 = torch.bfloat16
+    with torch.autocast(x_grouped.device.type, enabled=False):
+        return grouped_swiglu_gemm(x_grouped.to(bf16), counts, w1.to(bf16), w2.to(bf16), w3.to(bf16))
 
 
 def grouped_swiglu_gemm(
@@ -203,6 +231,8 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """Run expert ``e``'s SwiGLU on the ``counts[e]`` consecutive rows of ``x_grouped`` [N, H]."""
     if use_grouped_mm(x_grouped):
+        if any(t.dtype != torch.bfloat16 for t in (x_grouped, w1, w2, w3)):  # under bf16 autocast: fp32 weights
+            return grouped_swiglu_autocast(x_grouped, counts, w1, w2, w3)
         return grouped_swiglu_gemm(x_grouped, counts, w1, w2, w3)
     outputs = []
     for e, chunk in enumerate(torch.split(x_grouped, counts)):
@@ -336,7 +366,9 @@ class MoE(nn.Module):
         token_ids, slot_ids, counts = dispatch_order(routing.expert_idx, self.num_experts, capacity)
         y = self.experts(x_flat.index_select(0, token_ids), counts)
         y = y * routing.weights[token_ids, slot_ids].unsqueeze(-1).to(y.dtype)
-        out = torch.zeros_like(x_flat).index_add(0, token_ids, y)
+        # y.to: under autocast (bf16 with one rank or zero 0/1: no FSDP MixedPrecisionPolicy) the experts'
+        # matmuls return bf16 while the token stream stays fp32; index_add needs one dtype
+        out = torch.zeros_like(x_flat).index_add(0, token_ids, y.to(x_flat.dtype))
         if self.shared is not None:
             out = out + (self.shared(x_flat) if self.tp_region is None else self.shared.local_forward(x_flat))
         if self.aux_loss_coef > 0:

@@ -3,7 +3,7 @@
 Under ``salloc`` or in a user's own batch script the nodes are already allocated, so a launch
 must not submit a nested job: it runs **one job step** with ``srun --jobid=ID`` on the
 allocated nodes (:func:`launch_in_allocation`), with the same node script, logs and streaming
-as the batch path (:class:`~llmtrain.launch.slurm.SlurmRun`); only the end and the stop differ
+as the batch path (:class:`~llmtrain.launch.backends.slurm.SlurmRun`); only the end and the stop differ
 (:class:`StepRun`).
 
 Decisions:
@@ -23,12 +23,12 @@ Decisions:
   allocation). The sbatch-only options (``--partition --account --time --slurm-arg``) are an
   error inside an allocation: the allocation already fixed them.
 * **The step's environment is exactly the policy**, as the batch job's
-  (:func:`~llmtrain.launch.slurm_script.job_environment`) plus ``MASTER_ADDR``; the
+  (:func:`~llmtrain.launch.backends.slurm_script.job_environment`) plus ``MASTER_ADDR``; the
   allocation's own ``SLURM_*`` do not travel (``--jobid`` names the job), so an enclosing
   ``SLURM_NTASKS`` etc. cannot change the step.
 * **The end is srun's exit** (``--kill-on-bad-exit=1``): its code is the step's, except that
   srun returns 143 when kill-on-bad-exit SIGTERMed the siblings of the failing task; once a
-  failure was seen in the stream the run's code is then 1 (:func:`~llmtrain.launch.slurm.failure_code`).
+  failure was seen in the stream the run's code is then 1 (:func:`~llmtrain.launch.backends.slurm.failure_code`).
 * **Stopping** (Ctrl-C, SIGTERM, SIGHUP, a launcher error, the first failed rank):
   ``scancel JOBID.STEPID`` of this run's step (found by its name ``llmtrain-<run id>`` in
   ``squeue -s``), falling back to two SIGINTs to srun within one second (srun's own "abort the
@@ -39,6 +39,7 @@ Decisions:
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,7 @@ def srun_argv(alloc: Allocation, hosts: list[str], run_dir: str, run_id: str) ->
 
 def step_id(alloc: Allocation, name: str, environ: Mapping[str, str]) -> str | None:
     """``JOBID.STEPID`` of the step called ``name`` in ``squeue -s``, None when not listed."""
-    from llmtrain.launch.slurmctl import _client
+    from llmtrain.launch.backends.slurmctl import _client
 
     try:
         result = _client(["squeue", "-h", "-s", "-j", alloc.job_id, "-o", "%i %j"], environ, timeout=10)
@@ -148,14 +149,14 @@ def launch_in_allocation(alloc: Allocation, recipe, overrides: list[str] | None 
     from rich.console import Console
     from rich.text import Text
 
-    from llmtrain.launch import slurmctl
+    from llmtrain.launch.backends import slurmctl
     from llmtrain.launch.envpolicy import Redactor, lock_recipe, policy_env, restore_env
-    from llmtrain.launch.launchplan import build_plan, describe, shell_words
-    from llmtrain.launch.local import engine_module, resolve_recipe
+    from llmtrain.launch.launchplan import describe, shell_words
+    from llmtrain.launch.launchplan import engine_module, resolve_recipe
     from llmtrain.launch.rundir import create_run_dir, new_run_id
-    from llmtrain.launch.slurm import slurm_hostfile, write_node_files
-    from llmtrain.launch.slurm_script import NODE_SCRIPT, check_run_dir, job_environment, node_script
-    from llmtrain.launch.slurm_step import StepRun
+    from llmtrain.launch.backends.slurm import shrunk_plans, slurm_hostfile, slurm_plan, write_node_files
+    from llmtrain.launch.backends.slurm_script import NODE_SCRIPT, check_run_dir, job_environment, node_script
+    from llmtrain.launch.backends.slurm_step import StepRun
     from llmtrain.plan.api import plan_recipe
 
     environ = os.environ if environ is None else environ
@@ -178,7 +179,7 @@ def launch_in_allocation(alloc: Allocation, recipe, overrides: list[str] | None 
         run_id = new_run_id()
         run_dir = str((Path(runs_root) / name / run_id).absolute())
         labels = [(f"node {i} of allocation {alloc.job_id}", per_node) for i in range(n_nodes)]
-        plan = build_plan("slurm", recipe, labels, run_id, run_dir, module, "$MASTER_ADDR", environ)
+        plan = slurm_plan(recipe, labels, run_id, run_dir, module, environ)
         redact = Redactor(plan.policy)
         say(f"# {run_dir}/slurm/{NODE_SCRIPT}")
         for line in node_script(plan).splitlines():
@@ -198,18 +199,28 @@ def launch_in_allocation(alloc: Allocation, recipe, overrides: list[str] | None 
                             path="SLURM_JOB_NODELIST")
     hosts = hosts[:n_nodes]
     policy = policy_env(recipe.launch, environ, base_dir=os.getcwd())
-    from llmtrain.launch.hostfile import HostEntry, Hostfile
+    from llmtrain.cluster.hostfile import HostEntry, Hostfile
 
     placed = Hostfile(tuple(HostEntry(host=h, slots=per_node) for h in hosts), source=f"<slurm {alloc.job_id}>")
     run = create_run_dir(lock_recipe(recipe, policy, os.getcwd()), placed, runs_root)
     run_dir = str(run.path.absolute())
-    plan = build_plan("slurm", recipe, [(h, per_node) for h in hosts], run.run_id, run_dir, module, "$MASTER_ADDR",
-                      environ)
-    write_node_files(run, plan)
+    plan = slurm_plan(recipe, [(h, per_node) for h in hosts], run.run_id, run_dir, module, environ)
+    shrunk, invalid = shrunk_plans(recipe, plan, per_node, module, environ)
+    write_node_files(run, plan, shrunk)
     env = {**job_environment(plan, environ), "MASTER_ADDR": hosts[0]}
     argv = srun_argv(alloc, hosts, run_dir, run.run_id)
     (run.path / "slurm" / "step.sh").write_text("#!/bin/sh\n# the srun step of this run inside allocation "
                                                 f"{alloc.job_id} (MASTER_ADDR={hosts[0]})\n{shell_words(argv)}\n")
+    if plan.retry.max_restarts > 0:  # the retry loop over steps (slurm_retry), run here: bash RUN/slurm/steps.sh
+        from llmtrain.launch.backends.slurm_retry import steps_loop
+
+        loop = steps_loop(run_dir, len(hosts), plan.retry.max_restarts, plan.retry.exclude_lost_hosts,
+                          ["srun", f"--jobid={alloc.job_id}", f"--job-name=llmtrain-{run.run_id}", "--kill-on-bad-exit=1"],
+                          "printf '%s\\n' " + " ".join(shlex.quote(h) for h in hosts), invalid,
+                          recipe.launch.watchdog.heartbeat_timeout_s, alloc.job_id)
+        (run.path / "slurm" / "steps.sh").write_text("#!/bin/bash\n# the srun steps of this run inside allocation "
+                                                     f"{alloc.job_id}, restarted up to K times\n" + "\n".join(loop) + "\n")
+        argv = ["/bin/bash", f"{run_dir}/slurm/steps.sh"]
     srun_log = open(run.logs / "slurm" / StepRun.job_log, "ab")
     try:
         proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=srun_log, stderr=subprocess.STDOUT,
@@ -221,7 +232,7 @@ def launch_in_allocation(alloc: Allocation, recipe, overrides: list[str] | None 
         srun_log.close()
     say(f"run dir {run_dir}: {plan.world_size} ranks on {', '.join(hosts)}; srun step llmtrain-{run.run_id} "
         f"of job {alloc.job_id}")
-    return StepRun(run, plan, alloc, proc, hosts, console, environ).run()
+    return StepRun(run, plan, alloc, proc, hosts, console, environ, recipe.launch.watchdog.heartbeat_timeout_s).run()
 
 
 __all__ = ["Allocation", "allocation_from_env", "plan_placement", "launch_in_allocation", "srun_argv", "step_id"]

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass, replace
 
 from llmtrain.errors import LLMTrainError, Problem
-from llmtrain.launch.hostfile import HOST_RE, Hostfile
+from llmtrain.cluster.hostfile import HOST_RE, Hostfile
 from llmtrain.safeio import printable
 
 SLOTS_RE = re.compile(r"^\d{1,4}(,\d{1,4})*$")

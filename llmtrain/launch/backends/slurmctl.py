@@ -9,9 +9,12 @@ whose one line is Slurm's own message plus the fix.
 Checked before submitting (so that nothing is submitted that Slurm would refuse or that could
 never start): the clients exist, the partition exists (``scontrol show partition -o``; without
 ``--partition``, Slurm's default partition), and ``--nodes`` fits it (``TotalNodes`` and
-``MaxNodes``). An account is checked by sbatch itself: without slurmdbd no client can list the
-accounts, so sbatch's refusal is what the user sees (``sbatch: error: Batch job submission
-failed: Invalid account ...``, reduced to one line).
+``MaxNodes``). Then the whole request is asked of slurmctld without submitting anything
+(:func:`will_run`, ``sbatch --test-only`` with the job's options): it refuses what only the
+controller knows (an account it rejects, a GPU request the nodes have no GRES for, a ``--qos``)
+with the message sbatch would give, and it creates no job record, so a refusal leaves neither a
+job nor a run directory behind. (Without slurmdbd no client can list the accounts: asking the
+controller is the one check that works on every site.) Measured on the test cluster: ~50 ms.
 """
 
 from __future__ import annotations
@@ -121,6 +124,24 @@ def submit(script: str, env: Mapping[str, str]) -> str:
     return job_id
 
 
+def will_run(options: list[str], env: Mapping[str, str]) -> None:
+    """``sbatch --test-only OPTIONS --wrap=true``: would slurmctld accept this job? Nothing is
+    submitted (no job id is used, squeue and ``scontrol show job`` stay as they were); a refusal
+    is one line naming the option to fix."""
+    result = _client(["sbatch", "--test-only", *options, "--wrap=true"], env)
+    if result.returncode != 0:
+        message = re.sub(r"(^|; )allocation failure: ", r"\1", one_line(result.stderr or result.stdout))
+        low = message.lower()
+        flag = "--account" if "account" in low else "--gpus-per-node" if "gres" in low else \
+            "--partition" if "partition" in low else "--nodes" if "node count" in low else "--slurm-arg"
+        hint = {"--account": "pass an account you may use (sshare -U or sacctmgr show assoc where user=$USER), "
+                             "or another --partition",
+                "--gpus-per-node": "this partition's nodes have no such GPUs (sinfo -o '%P %G'): pick a GPU "
+                                   "--partition, or a CPU recipe (cluster.gpu: cpu)"}.get(
+            flag, "fix the option Slurm names (sbatch --test-only accepts it once it is right)")
+        raise LLMTrainError(f"sbatch refused the job: {message}", f"{hint}; nothing was submitted", path=flag)
+
+
 def queue_state(job_id: str, env: Mapping[str, str] | None = None) -> str | None:
     """The job's state in ``squeue -h -j ID`` (``PENDING``, ``RUNNING``, ``COMPLETING``, ...), None once
     squeue no longer lists it as live. A controller that does not answer counts as "still there"."""
@@ -157,6 +178,16 @@ def exit_code(fields: Mapping[str, str]) -> int | None:
     if not code.isdigit():
         return None
     return 128 + int(sig) if sig.isdigit() and int(sig) > 0 and int(code) == 0 else int(code)
+
+
+def step_ids(job_id: str, name: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """``JOBID.STEPID`` of every live step of ``job_id`` called ``name`` (``squeue -s``); [] if none."""
+    try:
+        result = _client(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], env, timeout=10)
+    except LLMTrainError:
+        return []
+    return [parts[0] for parts in (line.split() for line in result.stdout.splitlines())
+            if len(parts) == 2 and parts[1] == name]
 
 
 def cancel(job_id: str, env: Mapping[str, str] | None = None) -> str:

@@ -1,6 +1,6 @@
 """``llmtrain launch RECIPE --hosts FILE``: one torchrun per node over SSH, one run, one exit code.
 
-This module holds steps 1-3 (everything before a process starts); :mod:`llmtrain.launch.sshrun` holds
+This module holds steps 1-3 (everything before a process starts); :mod:`llmtrain.launch.backends.sshrun` holds
 the run itself (steps 4-6).
 
 What happens, in order (:func:`launch_ssh`):
@@ -52,12 +52,12 @@ from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.launch import jobretry
 from llmtrain.launch.commands import LaunchSpec, NodeSpec, build_spec, describe
 from llmtrain.launch.envpolicy import Redactor, lock_recipe, restore_env
-from llmtrain.launch.filters import select_hosts
-from llmtrain.launch.hostfile import Hostfile, load_hostfile
-from llmtrain.launch.local import engine_module, resolve_recipe
+from llmtrain.cluster.filters import select_hosts
+from llmtrain.cluster.hostfile import Hostfile, load_hostfile
+from llmtrain.launch.launchplan import engine_module, resolve_recipe
 from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id, reuse_run_dir
 from llmtrain.launch.sshconfig import known_hosts_files, resolve_targets
-from llmtrain.launch.sshrun import SSHRun
+from llmtrain.launch.backends.sshrun import SSHRun
 from llmtrain.plan.api import plan_recipe
 from llmtrain.recipe.schema import Recipe
 
@@ -98,7 +98,7 @@ def prepare(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overrides
 
 
 def ssh_options(hostfile: Hostfile, recipe: Recipe, accept_new: bool, warn) -> Any:
-    from llmtrain.launch.ssh import SSHOptions
+    from llmtrain.launch.backends.ssh import SSHOptions
 
     files, extra = known_hosts_files(hostfile)
     return SSHOptions(files, accept_new, extra, recipe.launch.connect_timeout_s, recipe.launch.banner_timeout_s, warn)
@@ -113,7 +113,8 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
 
     ``resume_run``: run again in this existing run directory (``llmtrain resume --hosts``; its
     ``runs_root`` and run id are kept); ``extra_env``: set on every node (``LLMTRAIN_RESUME``)."""
-    from llmtrain.launch import preflight, ssh
+    from llmtrain.launch import preflight
+    from llmtrain.launch.backends import ssh
 
     if resume_run is not None:
         runs_root = Path(resume_run).parent.parent
@@ -189,7 +190,7 @@ def launch_ssh(recipe: Recipe | str | Path, hosts: str | Path | Hostfile, overri
 def _connect_all(spec: LaunchSpec, opts: Any) -> dict[int, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
-    from llmtrain.launch import ssh
+    from llmtrain.launch.backends import ssh
 
     def one(node: NodeSpec):
         try:
@@ -212,7 +213,7 @@ def _copy_recipe(spec: LaunchSpec, conns: dict[int, Any], run: RunDir) -> None:
     """Put recipe.lock.yaml into each node's run dir (or, with shared_fs, check it is there)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from llmtrain.launch import ssh
+    from llmtrain.launch.backends import ssh
 
     data = run.recipe_lock.read_bytes()
 

@@ -1,9 +1,9 @@
 """The run of an SSH launch: every node's stream, the live output, the watchdog, the teardown, the summary.
 
 :class:`SSHRun` gets open connections and a :class:`~llmtrain.launch.commands.LaunchSpec` from
-:func:`llmtrain.launch.sshlaunch.launch_ssh` (which documents the whole sequence) and:
+:func:`llmtrain.launch.backends.sshlaunch.launch_ssh` (which documents the whole sequence) and:
 
-* starts every node's command at once, each under a pty on its own channel (:class:`llmtrain.launch.ssh.Stream`);
+* starts every node's command at once, each under a pty on its own channel (:class:`llmtrain.launch.backends.ssh.Stream`);
 * splits what arrives into whole lines and routes the node helper's frames
   (:mod:`llmtrain.launch.remote`): ``[host:rank] text`` per rank line (``logs/rank-<R>.log``),
   ``[host] text`` for torchrun and the helper (``logs/node-<i>.log``), rank 0's events to the
@@ -32,7 +32,7 @@ from rich.console import Console
 from llmtrain.launch.commands import LaunchSpec, NodeSpec, describe, kill_command, node_command
 from llmtrain.launch.envpolicy import Redactor
 from llmtrain.launch.events import RunStats, parse_event
-from llmtrain.launch.local import EXIT_FOR_SIGNAL
+from llmtrain.launch.launchplan import EXIT_FOR_SIGNAL
 from llmtrain.launch.remote import parse_frame
 from llmtrain.launch.rundir import RunDir
 from llmtrain.launch.stream import (Display, LineRouter, LineSplitter, failure_lines, interrupted_line, parse_failures,
@@ -153,7 +153,7 @@ class SSHRun:
     # ---------------------------------------------------------------- streams and lines
 
     def _start_all(self) -> None:
-        from llmtrain.launch import ssh
+        from llmtrain.launch.backends import ssh
 
         for nr in self.nodes:
             i = nr.node.node_rank
@@ -275,7 +275,7 @@ class SSHRun:
     # ---------------------------------------------------------------- teardown
 
     def _stop_all(self) -> None:
-        from llmtrain.launch import ssh
+        from llmtrain.launch.backends import ssh
 
         grace = self.spec.launch.grace_s
         why = {"failure": f"{self.first_failure.node.host} failed" if self.first_failure else "a node failed",
@@ -317,7 +317,7 @@ class SSHRun:
                 self._ended(nr, -1, None)
 
     def _kill_node(self, nr: NodeRun) -> None:
-        from llmtrain.launch import ssh
+        from llmtrain.launch.backends import ssh
 
         i = nr.node.node_rank
         cmd = kill_command(self.spec, nr.node, nr.pgid, nr.pgid_start)

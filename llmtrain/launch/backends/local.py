@@ -1,5 +1,11 @@
 """``llmtrain launch RECIPE`` without ``--hosts``: run every rank on this machine under torchrun.
 
+The local backend: it builds the run's :class:`~llmtrain.launch.launchplan.LaunchPlan` once
+(:func:`~llmtrain.launch.launchplan.local_plan`: one node, its torchrun argv, its environment,
+its paths) and then only starts, watches and stops that node's command. ``--dry-run`` prints
+the plan with the renderer every backend uses (:func:`~llmtrain.launch.launchplan.describe`) and
+creates nothing (the run id shown is drawn for the occasion; a real launch draws its own).
+
 What happens, in order (:func:`launch_local`):
 
 1. The recipe (with ``--set`` overrides) is validated by the same code as ``llmtrain plan``
@@ -22,7 +28,8 @@ What happens, in order (:func:`launch_local`):
    set), and the launcher's own ``LLMTRAIN_RUN_ID``, ``LLMTRAIN_RUN_DIR``, ``LLMTRAIN_NODE_ID``, ``LLMTRAIN_LAUNCH_ID``,
    ``PYTHONUNBUFFERED=1``. Secret values are masked in every line shown or written to
    ``logs/`` and never written to disk (``recipe.lock.yaml`` keeps names and sources only).
-   ``LLMTRAIN_ENGINE_MODULE`` (a test/debug hook) replaces ``llmtrain.engine.main``.
+   ``LLMTRAIN_ENGINE_MODULE`` (a test/debug hook) replaces ``llmtrain.engine.main``. All of it is
+   the plan's: this module adds only ``os.environ`` underneath, at the start.
    ``--redirects`` rather than ``--tee``: see :mod:`llmtrain.launch.stream` (whole lines).
 4. Output is streamed (:mod:`llmtrain.launch.stream`): ``[localhost:R] line`` per rank,
    ``[localhost] line`` for torchrun, one progress bar from rank 0's step events.
@@ -54,7 +61,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -65,33 +71,42 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from llmtrain.cluster.hostfile import MAX_SLOTS, Hostfile
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.envpolicy import EnvVar, Redactor, launcher_env, lock_recipe, new_launch_id, run_env
+from llmtrain.launch.envpolicy import EnvVar, Redactor, lock_recipe, run_env
 from llmtrain.launch.events import RunStats
-from llmtrain.launch.hostfile import MAX_SLOTS, Hostfile
+from llmtrain.launch.launchplan import (ENGINE_MODULE, EXIT_FOR_SIGNAL, LaunchPlan, Rendezvous, describe,
+                                       engine_module, local_defaults, local_plan, resolve_recipe, torchrun_argv)
 from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
-from llmtrain.launch.rundir import RunDir, create_run_dir, reuse_run_dir
+from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id, reuse_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
                                    failure_lines, interrupted_line, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
-from llmtrain.recipe.load import apply_override, load_recipe, validate_recipe_dict
 from llmtrain.recipe.schema import Recipe
 
-ENGINE_MODULE = "llmtrain.engine.main"
-MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-EXIT_FOR_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 POLL_S = 0.1
 SCAN_S = 0.25
 
 
 def launch_local(recipe: Recipe | str | Path, overrides: list[str] | None = None, runs_root: str | Path = "runs",
-                 console: Console | None = None, grace_s: float = 5.0) -> int:
-    """Validate, create the run dir, run torchrun with all ranks here; return its exit code."""
+                 console: Console | None = None, grace_s: float = 5.0, dry_run: bool = False) -> int:
+    """Validate, create the run dir, run torchrun with all ranks here; return its exit code.
+    ``dry_run``: print the plan, create and start nothing."""
     recipe = resolve_recipe(recipe, overrides)
     world, hostfile, module, console = prepare_local(recipe, console)
     recipe, policy = run_env(recipe, base_dir=os.getcwd())
+    if dry_run:
+        run_id = new_run_id()
+        run_dir = str((Path(runs_root) / (recipe.name or "run") / run_id).resolve())
+        plan = local_plan(recipe, world, run_id, run_dir, module)
+        redact = Redactor(plan.policy)
+        for line in describe(plan):
+            console.print(Text(redact(line)))
+        console.print(Text("dry run: nothing was started (a real launch draws its own run id)"))
+        return 0
     run = create_run_dir(lock_recipe(recipe, policy, os.getcwd()), hostfile, runs_root)
-    return LocalRun(run, world, module, console, grace_s, max_restarts=recipe.launch.max_restarts, policy=policy).run()
+    plan = local_plan(recipe, world, run.run_id, str(run.path.resolve()), module)
+    return LocalRun(run, plan, console, grace_s).run()
 
 
 def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, str] | None = None,
@@ -102,8 +117,8 @@ def relaunch_local(run_path: str | Path, recipe: Recipe, extra_env: dict[str, st
     world, hostfile, module, console = prepare_local(recipe, console)
     recipe, policy = run_env(recipe, base_dir=os.getcwd())  # secret values again, from the caller: nothing stored
     run = reuse_run_dir(run_path, lock_recipe(recipe, policy, os.getcwd()), hostfile)
-    return LocalRun(run, world, module, console, grace_s, extra_env=extra_env,
-                    max_restarts=recipe.launch.max_restarts, policy=policy).run()
+    plan = local_plan(recipe, world, run.run_id, str(run.path.resolve()), module, extra_env=extra_env)
+    return LocalRun(run, plan, console, grace_s).run()
 
 
 def prepare_local(recipe: Recipe, console: Console | None) -> tuple[int, Hostfile, str, Console]:
@@ -128,46 +143,24 @@ def prepare_local(recipe: Recipe, console: Console | None) -> tuple[int, Hostfil
     return world, hostfile, module, console
 
 
-def resolve_recipe(recipe: Recipe | str | Path, overrides: list[str] | None) -> Recipe:
-    if not isinstance(recipe, Recipe):
-        return load_recipe(recipe, overrides)
-    if not overrides:
-        return recipe
-    data = recipe.model_dump(mode="json", by_alias=True, exclude_none=True)
-    for item in overrides:
-        apply_override(data, item)
-    return validate_recipe_dict(data)
-
-
-def engine_module() -> str:
-    module = os.environ.get("LLMTRAIN_ENGINE_MODULE") or ENGINE_MODULE
-    if not MODULE_RE.match(module):
-        raise LLMTrainError(f"LLMTRAIN_ENGINE_MODULE={module[:80]!r} is not a Python module name",
-                            "unset it, or name a module like llmtrain.engine.main", path="LLMTRAIN_ENGINE_MODULE")
-    return module
-
-
 def torchrun_command(run: RunDir, world: int, module: str = ENGINE_MODULE, max_restarts: int = 0) -> list[str]:
-    """torchrun for ``world`` local ranks; with ``max_restarts`` torchrun restarts the whole worker
-    group after a failure and the engine resumes from the latest checkpoint (docs/checkpoint.md)."""
-    restarts = ["--max-restarts", str(max_restarts)] if max_restarts > 0 else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), *restarts,
-            "--redirects", "3", "--log-dir", str(run.torchrun_logs.resolve()),
-            "-m", module, "--recipe", str(run.recipe_lock.resolve()), "--run-dir", str(run.path.resolve())]
+    """torchrun for ``world`` local ranks (the plan's line: :func:`~llmtrain.launch.launchplan.torchrun_argv`);
+    with ``max_restarts`` torchrun restarts the whole worker group after a failure and the engine
+    resumes from the latest checkpoint (docs/checkpoint.md)."""
+    run_dir = str(run.path.resolve())
+    return torchrun_argv(sys.executable, 1, 0, world, Rendezvous("standalone", "localhost", 0, run.run_id), max_restarts,
+                         f"{run_dir}/logs/torchrun", module, run_dir)
 
 
 def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_restarts: int = 0,
                policy: list[EnvVar] | tuple[EnvVar, ...] = (), launch_id: str | None = None) -> dict[str, str]:
-    """``base`` (this machine's environment) < the env policy's ``policy`` < the launcher's own."""
+    """``base`` (this machine's environment) < the env policy's ``policy`` < the launcher's own,
+    as the local plan's node holds them (:func:`~llmtrain.launch.launchplan.local_plan`)."""
+    from llmtrain.launch.envpolicy import launcher_env
+
     env = dict(os.environ if base is None else base)
     env.update({v.name: v.value for v in policy})
-    if max_restarts > 0:
-        # CPU facts note, trap 5: restarted gloo workers otherwise read stale peer addresses from
-        # the rendezvous store that torchrun shares with them (connectFullMesh refused / hang)
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if not env.get("OMP_NUM_THREADS"):
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        env["OMP_NUM_THREADS"] = str(max(1, cpus // world))
+    env.update({v.name: v.value for v in local_defaults(world, max_restarts, env)})
     env.update({v.name: v.value for v in launcher_env(run.run_id, str(run.path.resolve()), 0, launch_id=launch_id)})
     return env
 
@@ -178,21 +171,18 @@ def launch_env(run: RunDir, world: int, base: dict[str, str] | None = None, max_
 class LocalRun:
     """One torchrun child, its output, its progress bar and its teardown."""
 
-    def __init__(self, run: RunDir, world: int, module: str, console: Console, grace_s: float = 5.0,
-                 extra_env: dict[str, str] | None = None, max_restarts: int = 0,
-                 policy: list[EnvVar] | tuple[EnvVar, ...] = ()):
-        self.run_dir, self.world, self.module, self.grace_s = run, world, module, grace_s
-        self.max_restarts = max_restarts
-        self.extra_env = dict(extra_env or {})
-        self.policy = tuple(policy)
-        self.redact = Redactor(self.policy)  # every line shown or written to logs/
+    def __init__(self, run: RunDir, plan: LaunchPlan, console: Console, grace_s: float = 5.0):
+        self.run_dir, self.plan, self.grace_s = run, plan, grace_s
+        self.node = plan.nodes[0]
+        self.world = plan.world_size
+        self.redact = Redactor(self.node.env)  # every line shown or written to logs/
         self.stats = RunStats()
         self.display = Display(console, label=run.name)
         self.router = LineRouter(run.logs, self.display, self.stats)
-        self.tailer = WorkerLogTailer(run.torchrun_logs, nproc_per_node=world)
+        self.tailer = WorkerLogTailer(Path(self.node.log_dir), nproc_per_node=self.world)
         self.signals: list[int] = []
         self.leftovers = 0
-        self.launch_id = new_launch_id()  # marks this launch's processes (not the run id: see new_launch_id)
+        self.launch_id = plan.launch_id  # marks this launch's processes (not the run id: see new_launch_id)
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals.append(signum)
@@ -205,15 +195,13 @@ class LocalRun:
             self.router.close()
 
     def _run(self) -> int:
-        cmd = torchrun_command(self.run_dir, self.world, self.module, self.max_restarts)
+        cmd = list(self.node.command)
         self.display.line(f"run dir {self.run_dir.path}: {self.world} ranks on localhost")
         (self.run_dir.logs / "command.txt").write_text(self.redact(shlex.join(cmd)) + "\n")
         self.router.create_logs(self.world)
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env={**launch_env(self.run_dir, self.world, max_restarts=self.max_restarts, policy=self.policy,
-                                                  launch_id=self.launch_id),
-                                     **self.extra_env}, start_new_session=True,
-                                preexec_fn=_pdeathsig_preexec())
+                                env={**os.environ, **{v.name: v.value for v in self.node.env}}, cwd=self.node.workdir,
+                                start_new_session=True, preexec_fn=_pdeathsig_preexec())
         self.proc, self.tree = proc, ProcessTree(proc.pid)
         self.pipes = PipeReader({"stdout": proc.stdout, "stderr": proc.stderr})
         self.display.start()

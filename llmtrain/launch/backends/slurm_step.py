@@ -1,6 +1,10 @@
-"""One srun step inside an allocation, watched: :class:`StepRun` (see :mod:`llmtrain.launch.slurm_alloc`).
+"""One srun step inside an allocation, watched: :class:`StepRun` (see :mod:`llmtrain.launch.backends.slurm_alloc`).
 
-It streams exactly as the batch path's :class:`~llmtrain.launch.slurm.SlurmRun` (the same node
+With ``--max-restarts K`` the watched process is the retry loop (``bash RUN/slurm/steps.sh``,
+:mod:`llmtrain.launch.backends.slurm_retry`) running one srun step per attempt; a failed rank cancels
+the step only (the loop restarts it), Ctrl-C/SIGTERM stops the loop first, then the step.
+
+It streams exactly as the batch path's :class:`~llmtrain.launch.backends.slurm.SlurmRun` (the same node
 files in the run directory, the same routers and early stop on the first failed rank); only
 the end (srun's exit, not squeue) and the stop (the step, never the user's allocation) differ.
 """
@@ -11,9 +15,9 @@ import signal
 import subprocess
 import time
 
-from llmtrain.launch import slurmctl
-from llmtrain.launch.slurm import SlurmRun, failure_code
-from llmtrain.launch.slurm_alloc import Allocation, step_id
+from llmtrain.launch.backends import slurmctl
+from llmtrain.launch.backends.slurm import SlurmRun, failure_code
+from llmtrain.launch.backends.slurm_alloc import Allocation, step_id
 
 
 class StepRun(SlurmRun):
@@ -21,8 +25,9 @@ class StepRun(SlurmRun):
 
     job_log = "srun.out"
 
-    def __init__(self, run, plan, alloc: Allocation, proc: subprocess.Popen, hosts: list[str], console, environ):
-        super().__init__(run, plan, alloc.job_id, console, environ)
+    def __init__(self, run, plan, alloc: Allocation, proc: subprocess.Popen, hosts: list[str], console, environ,
+                 heartbeat_timeout_s: float = 0):
+        super().__init__(run, plan, alloc.job_id, console, environ, heartbeat_timeout_s)
         self.alloc, self.proc, self.step_name = alloc, proc, f"llmtrain-{run.run_id}"
         self.hosts = hosts
         for router, host in zip(self.routers, hosts):
@@ -34,6 +39,7 @@ class StepRun(SlurmRun):
             if self.signals:
                 return self._cancel(self.signals[0])
             self._pump()
+            self._check_heartbeats()
             if self.failed and not self.stopped_for_failure:
                 self._stop_for_failure()
             time.sleep(0.1)
@@ -41,7 +47,7 @@ class StepRun(SlurmRun):
         self._pump(final=True)
         rc = self.proc.returncode
         code = 128 - rc if rc < 0 else rc
-        if code and (self.failed or self.stopped_for_failure):
+        if code and (self.failed or self.stopped_for_failure or (self.step_loop and code >= 128)):
             code = failure_code(code)  # srun's 143: kill-on-bad-exit's SIGTERM hid the failing task's code
         deadline = time.monotonic() + 10
         while self._live() and time.monotonic() < deadline:
@@ -59,6 +65,12 @@ class StepRun(SlurmRun):
         return self.proc.poll() is None or step_id(self.alloc, self.step_name, self.environ) is not None
 
     def _stop_now(self) -> str:
+        if self.step_loop and self.proc.poll() is None:  # the retry loop (bash) first: it must start no next step
+            try:
+                self.proc.terminate()
+                self.proc.wait(timeout=5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
         step = step_id(self.alloc, self.step_name, self.environ)
         problem = slurmctl.cancel(step, self.environ) if step else "not listed by squeue -s"
         if problem and self.proc.poll() is None:  # srun's own abort: two SIGINTs within one second

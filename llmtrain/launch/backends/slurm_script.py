@@ -39,6 +39,10 @@ Decisions:
 * ``--kill-on-bad-exit=1``: the first rank that fails ends the step (its siblings get SIGTERM
   within ~0.25 s), so one dead node never leaves the others waiting on a collective.
 * ``exec srun``: the job's exit code is srun's, which Slurm records as the job's ``ExitCode``.
+  With ``--max-restarts K`` or ``--requeue`` the script ends instead in the retry loop of
+  :mod:`llmtrain.launch.backends.slurm_retry` (one srun step per attempt, exit code the last step's),
+  ``#SBATCH --requeue`` / ``--no-requeue`` says which, and ``node.sh`` starts with a
+  heartbeat loop (``logs/slurm/alive-<node rank>``, every second) that finds a lost node.
 * One srun task per node (``--ntasks-per-node=1``) runs torchrun, which starts the node's ranks.
 """
 
@@ -58,9 +62,11 @@ TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$|^\d+-\d{1,2}$|^(UNLIMITED|I
 # options the script sets itself: a --slurm-arg repeating one would silently change the job
 OWN_OPTIONS = {"--nodes": "--nodes", "--ntasks-per-node": None, "--ntasks": None, "--output": None, "--error": None,
                "--export": None, "--open-mode": None, "--job-name": None, "--partition": "--partition",
-               "--account": "--account", "--time": "--time", "--gpus-per-node": "--gpus-per-node"}
+               "--account": "--account", "--time": "--time", "--gpus-per-node": "--gpus-per-node",
+               "--requeue": "--requeue", "--no-requeue": "--requeue", "--no-kill": "launch.exclude_lost_hosts"}
 BASE_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "TZ", "TMPDIR")
 JOB_SCRIPT, NODE_SCRIPT = "job.sbatch", "node.sh"
+HEARTBEAT_S = 1  # each node touches logs/slurm/alive-<node rank> this often
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class SlurmOptions:
     time: str | None = None
     request_gpus: bool = True  # emit --gpus-per-node (not for a CPU recipe: CPU nodes have no GPU GRES)
     extra: tuple[str, ...] = field(default=())  # --slurm-arg, each one #SBATCH line
+    requeue: bool = False  # --requeue: Slurm may requeue the job; it then resumes from the latest checkpoint
 
     def check(self) -> None:
         """Every option checked at once, before anything is written (each becomes an #SBATCH line)."""
@@ -111,7 +118,10 @@ def _pattern(path: str) -> str:
     return path.replace("%", "%%")  # sbatch/srun file names: %j, %n, ... are patterns, %% is a literal %
 
 
-def job_script(plan: LaunchPlan, opts: SlurmOptions) -> str:
+def job_script(plan: LaunchPlan, opts: SlurmOptions, invalid: Mapping[int, str] | None = None,
+               heartbeat_timeout_s: float = 0) -> str:
+    """The batch script. With ``plan.retry.max_restarts`` > 0 its last lines are the retry loop of
+    :mod:`llmtrain.launch.backends.slurm_retry` (``invalid``: node count -> why the layout does not fit it)."""
     run = plan.run_dir
     check_run_dir(run)
     lines = ["#!/bin/bash",
@@ -125,10 +135,21 @@ def job_script(plan: LaunchPlan, opts: SlurmOptions) -> str:
     if opts.request_gpus:
         lines.append(f"#SBATCH --gpus-per-node={opts.gpus_per_node}")
     lines += [f"#SBATCH --output={_pattern(run)}/logs/slurm/job.out", "#SBATCH --open-mode=append", "#SBATCH --export=ALL"]
+    lines.append("#SBATCH --requeue" if opts.requeue else "#SBATCH --no-requeue")
+    retry = plan.retry
+    if retry.max_restarts > 0 and retry.exclude_lost_hosts:
+        lines.append("#SBATCH --no-kill")  # a node Slurm marks down does not end the job: the loop goes on without it
     lines += [f"#SBATCH {arg}" for arg in opts.extra]
     names = " ".join(v.name for v in plan.policy) or "(none)"
-    lines += [f"# environment (from llmtrain's policy; values are not written here): {names}",
-              'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+    lines.append(f"# environment (from llmtrain's policy; values are not written here): {names}")
+    if retry.max_restarts > 0 or opts.requeue:
+        from llmtrain.launch.backends.slurm_retry import steps_loop
+
+        lines += steps_loop(run, len(plan.nodes), retry.max_restarts, retry.exclude_lost_hosts,
+                            ["srun", "--kill-on-bad-exit=1", f"--job-name=llmtrain-{plan.run_id}"],
+                            'scontrol show hostnames "$SLURM_JOB_NODELIST"', dict(invalid or {}), heartbeat_timeout_s)
+        return "\n".join(lines) + "\n"
+    lines += ['MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
               "export MASTER_ADDR",
               f"exec srun --kill-on-bad-exit=1 --nodes={len(plan.nodes)} --ntasks={len(plan.nodes)} --ntasks-per-node=1 "
               f"--output={shlex.quote(_pattern(run) + '/logs/slurm/node-%n.out')} /bin/sh {shlex.quote(f'{run}/slurm/{NODE_SCRIPT}')}"]
@@ -139,6 +160,10 @@ def node_script(plan: LaunchPlan) -> str:
     lines = ["#!/bin/sh",
              f"# llmtrain: what each node of the Slurm job of run {plan.run_name}/{plan.run_id} runs (one srun task per "
              "node; node rank = $SLURM_NODEID, the order of `scontrol show hostnames`)",
+             "# heartbeat: this node is alive while the file's mtime is fresh (a node lost mid-run is found by its age,",
+             "# not at a collective's or SlurmdTimeout's timeout; the step's cgroup ends the loop with the step)",
+             f"(while :; do : > {shlex.quote(plan.run_dir)}/logs/slurm/alive-\"${{SLURM_NODEID:-x}}\"; sleep {HEARTBEAT_S}; "
+             "done) </dev/null >/dev/null 2>&1 &",
              'case "${SLURM_NODEID:-}" in']
     for node in plan.nodes:
         lines.append(f"{node.node_rank}) {node_command(node, node.launcher_vars())} ;;")

@@ -43,7 +43,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmtrain.errors import LLMTrainError, Problem
-from llmtrain.plan.placement import Node, Placement
+from llmtrain.cluster.placement import Node, Placement
 from llmtrain.recipe.load import SafeLineLoader, first_content_line, yaml_error_position
 from llmtrain.safeio import printable, read_regular
 

@@ -4,29 +4,33 @@ What happens, in order (:func:`launch_slurm`):
 
 1. The recipe (with ``--set``) is validated for ``--nodes`` x ``--gpus-per-node`` ranks
    (defaults: ``cluster.nodes`` / ``cluster.gpus_per_node``), exactly as ``llmtrain plan``
-   does; the options are checked (:class:`~llmtrain.launch.slurm_script.SlurmOptions`).
+   does; the options are checked (:class:`~llmtrain.launch.backends.slurm_script.SlurmOptions`).
 2. ``--dry-run``: the launch plan (:mod:`llmtrain.launch.launchplan`) is built for a run
    directory that is not created, and the job script, the node script and every node's exact
    command (secrets masked) are printed. Nothing is created, no Slurm command runs (so it works
    on a laptop), nothing is submitted.
 3. Otherwise, before anything is written: the Slurm clients exist, the partition exists and
-   ``--nodes`` fits it (:mod:`llmtrain.launch.slurmctl`). Then the run directory is created (on
-   shared storage: every node reads the recipe and writes its logs there, as ``resume --hosts``
-   assumes), ``slurm/job.sbatch`` and ``slurm/node.sh`` are written
-   (:mod:`llmtrain.launch.slurm_script`), and ``sbatch --parsable`` submits the job with the
-   policy's environment in memory. sbatch's refusal (an account it rejects) is one line.
+   ``--nodes`` fits it, and slurmctld would accept the whole request (``sbatch --test-only``: an
+   account it rejects, GPUs the nodes lack; :mod:`llmtrain.launch.backends.slurmctl`). Then the run
+   directory is created (on shared storage: every node reads the recipe and writes its logs
+   there, as ``resume --hosts`` assumes), ``slurm/job.sbatch`` and ``slurm/node.sh`` are written
+   (:mod:`llmtrain.launch.backends.slurm_script`), and ``sbatch --parsable`` submits the job with the
+   policy's environment in memory.
 4. The job id is printed; every node's output is streamed from the run directory as
    ``[host:rank] text`` (torchrun's per-worker files) and ``[host] text`` (torchrun itself,
    ``logs/slurm/node-<i>.out``), the job's own lines (srun's messages) as ``[slurm] text``; rank
    0's events drive the progress display. ``squeue -h -j ID`` is polled every 0.5 s; once the job
    is no longer live, ``scontrol show job`` gives its ``ExitCode``, which is the exit code.
 5. **The first failure ends the job at once**: when a node's torchrun reports a failed worker
-   (its ``failed (exitcode: N) local_rank: ...`` line, or with ``--max-restarts`` only its final
-   ``ChildFailedError``), the job is cancelled right then (``scancel``), said in one line, instead
-   of waiting until that torchrun has printed its report and exited and srun's
-   ``--kill-on-bad-exit`` ends the others (seconds on a loaded node). The exit code is then the
-   job's when it is a plain code (1-127), else 1 (torchrun's code for a failed worker group; the
-   cancellation's own 143/137 would hide it).
+   (its ``failed (exitcode: N) local_rank: ...`` line, or its final ``ChildFailedError``), the job
+   is cancelled right then (``scancel``), said in one line, instead of waiting until that
+   torchrun has printed its report and exited and srun's ``--kill-on-bad-exit`` ends the others
+   (seconds on a loaded node). The exit code is then the job's when it is a plain code (1-127),
+   else 1 (torchrun's code for a failed worker group; the cancellation's own 143/137 would hide
+   it). With ``--max-restarts K`` only the failed *step* is cancelled (``scancel JOBID.STEP``):
+   the job script's loop (:mod:`llmtrain.launch.backends.slurm_retry`) starts the next one, and the
+   watcher follows it (its ``llmtrain: step N on M node(s): HOSTS`` line names the hosts again
+   and re-arms the early stop).
 6. SIGINT / SIGTERM / SIGHUP: ``scancel ID``, then wait until squeue no longer lists the job
    (Slurm's cgroup tracking has then ended every process of it on every node), exit 130 / 143 /
    129. An error in the launcher itself also cancels the job: a launch never leaves a job behind.
@@ -45,16 +49,17 @@ from rich.console import Console
 from rich.text import Text
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch import slurmctl
+from llmtrain.launch.backends import slurmctl
 from llmtrain.launch.envpolicy import Redactor, lock_recipe, policy_env, restore_env, shell_assignments
 from llmtrain.launch.events import RunStats
-from llmtrain.launch.hostfile import HostEntry, Hostfile
-from llmtrain.launch.launchplan import LaunchPlan, build_plan, describe
-from llmtrain.launch.local import engine_module, resolve_recipe
+from llmtrain.cluster.hostfile import HostEntry, Hostfile
+from llmtrain.launch.launchplan import LaunchPlan, describe
+from llmtrain.launch.launchplan import engine_module, resolve_recipe
 from llmtrain.launch.proctree import signals_to
-from llmtrain.launch.rundir import RunDir, create_run_dir, hostfile_text, new_run_id
-from llmtrain.launch.slurm_script import (JOB_SCRIPT, NODE_SCRIPT, SlurmOptions, check_run_dir, job_environment,
-                                          job_script, node_script)
+from llmtrain.launch.rundir import RunDir, create_run_dir, hostfile_text, new_run_id, reuse_run_dir
+from llmtrain.launch.backends.slurm_retry import STEP_LINE_RE, node_script_name, shrunk_plans, slurm_plan
+from llmtrain.launch.backends.slurm_script import (BASE_ENV, JOB_SCRIPT, NODE_SCRIPT, SlurmOptions, check_run_dir,
+                                          job_environment, job_script, node_script)
 from llmtrain.launch.stream import (Display, FileTail, LineRouter, WorkerLogTailer, error_file_message,
                                    failure_lines, interrupted_line, parse_failures, stats_summary)
 from llmtrain.plan.api import plan_recipe
@@ -84,14 +89,21 @@ def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Pa
                  nodes: int | None = None, gpus_per_node: int | None = None, partition: str | None = None,
                  account: str | None = None, time_limit: str | None = None, slurm_args: tuple[str, ...] = (),
                  dry_run: bool = False, console: Console | None = None,
-                 environ: Mapping[str, str] | None = None) -> int:
-    """Validate, submit one batch job, stream it, return its exit code (see the module docstring)."""
+                 environ: Mapping[str, str] | None = None, requeue: bool = False,
+                 resume_run: str | Path | None = None, extra_env: Mapping[str, str] | None = None) -> int:
+    """Validate, submit one batch job, stream it, return its exit code (see the module docstring).
+
+    ``resume_run`` (``llmtrain resume --launcher slurm``): run again in that existing run
+    directory (its run id kept, old logs kept as ``logs.prev-N``); ``extra_env``
+    (``LLMTRAIN_RESUME``) travels in sbatch's environment with the policy's variables."""
     environ = os.environ if environ is None else environ
+    if resume_run is not None:
+        runs_root = Path(resume_run).parent.parent
     recipe = restore_env(resolve_recipe(recipe, overrides), environ, base_dir=os.getcwd())
     n_nodes = nodes or recipe.cluster.nodes
     per_node = gpus_per_node or recipe.cluster.gpus_per_node
     opts = SlurmOptions(n_nodes, per_node, partition, account, time_limit, recipe.cluster.gpu != "cpu",
-                        tuple(slurm_args))
+                        tuple(slurm_args), requeue)
     opts.check()
     hostfile = slurm_hostfile(n_nodes, per_node)
     plan_result = plan_recipe(recipe, hostfile)
@@ -107,14 +119,16 @@ def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Pa
     if dry_run:
         run_id = new_run_id()
         run_dir = str((Path(runs_root) / name / run_id).absolute())
-        plan = build_plan("slurm", recipe, labels, run_id, run_dir, module, "$MASTER_ADDR", environ)
+        plan = slurm_plan(recipe, labels, run_id, run_dir, module, environ)
+        shrunk, invalid = shrunk_plans(recipe, plan, per_node, module, environ)
         redact = Redactor(plan.policy)
         say(f"# {run_dir}/slurm/{JOB_SCRIPT}")
-        for line in job_script(plan, opts).splitlines():
+        for line in job_script(plan, opts, invalid, recipe.launch.watchdog.heartbeat_timeout_s).splitlines():
             say(redact(line))
-        say(f"# {run_dir}/slurm/{NODE_SCRIPT}")
-        for line in node_script(plan).splitlines():
-            say(redact(line))
+        for m, p in [(n_nodes, plan), *shrunk.items()]:
+            say(f"# {run_dir}/slurm/{node_script_name(m, n_nodes)}")
+            for line in node_script(p).splitlines():
+                say(redact(line))
         for line in describe(plan):
             say(redact(line))
         say("dry run: nothing was created or submitted, no Slurm command ran (the partition and --nodes are "
@@ -123,31 +137,55 @@ def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Pa
     check_run_dir(str((Path(runs_root) / name).absolute()))
     slurmctl.check_clients()
     part = slurmctl.check_partition(partition, n_nodes, environ)
+    slurmctl.will_run(sbatch_options(opts), base_environment(environ))  # an account sbatch rejects: nothing made
     policy = policy_env(recipe.launch, environ, base_dir=os.getcwd())
-    run = create_run_dir(lock_recipe(recipe, policy, os.getcwd()), hostfile, runs_root)  # no value reaches disk
+    locked = lock_recipe(recipe, policy, os.getcwd())  # no value reaches disk
+    run = create_run_dir(locked, hostfile, runs_root) if resume_run is None else \
+        reuse_run_dir(resume_run, locked, hostfile)
     run_dir = str(run.path.absolute())
-    plan = build_plan("slurm", recipe, labels, run.run_id, run_dir, module, "$MASTER_ADDR", environ)
-    script = write_scripts(run, plan, opts)
-    job_id = slurmctl.submit(str(script), job_environment(plan, environ))
+    plan = slurm_plan(recipe, labels, run.run_id, run_dir, module, environ)
+    shrunk, invalid = shrunk_plans(recipe, plan, per_node, module, environ)
+    script = write_scripts(run, plan, opts, shrunk, invalid, recipe.launch.watchdog.heartbeat_timeout_s)
+    job_id = slurmctl.submit(str(script), {**job_environment(plan, environ), **(extra_env or {})})
     say(f"run dir {run_dir}: {plan.world_size} ranks on {n_nodes} node(s); submitted Slurm job {job_id} "
         f"(partition {part.name})")
-    return SlurmRun(run, plan, job_id, console, environ).run()
+    return SlurmRun(run, plan, job_id, console, environ, recipe.launch.watchdog.heartbeat_timeout_s).run()
 
 
-def write_scripts(run: RunDir, plan: LaunchPlan, opts: SlurmOptions) -> Path:
-    """``slurm/job.sbatch``, ``slurm/node.sh``, ``logs/commands.txt`` (masked); the job script's path."""
-    write_node_files(run, plan)
+def sbatch_options(opts: SlurmOptions) -> list[str]:
+    """The job script's resource lines as sbatch options, for ``sbatch --test-only`` before anything
+    is written (:func:`~llmtrain.launch.backends.slurmctl.will_run`): the same request, no run directory."""
+    argv = [f"--nodes={opts.nodes}", "--ntasks-per-node=1"]
+    argv += [f"--{flag}={value}" for flag, value in (("partition", opts.partition), ("account", opts.account),
+                                                      ("time", opts.time)) if value is not None]
+    if opts.request_gpus:
+        argv.append(f"--gpus-per-node={opts.gpus_per_node}")
+    return [*argv, *opts.extra]
+
+
+def base_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """sbatch's environment without the policy's values (what a pre-submit check needs)."""
+    return {k: v for k, v in environ.items() if k in BASE_ENV or k.startswith("LC_") or k == "SLURM_CONF"}
+
+
+def write_scripts(run: RunDir, plan: LaunchPlan, opts: SlurmOptions, shrunk: Mapping[int, LaunchPlan] | None = None,
+                  invalid: Mapping[int, str] | None = None, heartbeat_timeout_s: float = 0) -> Path:
+    """``slurm/job.sbatch``, ``slurm/node.sh`` (and ``node-M.sh`` for the node counts a retry
+    without lost nodes can reach), ``logs/commands.txt`` (masked); the job script's path."""
+    write_node_files(run, plan, shrunk)
     script = run.path / "slurm" / JOB_SCRIPT
-    script.write_text(job_script(plan, opts))
+    script.write_text(job_script(plan, opts, invalid, heartbeat_timeout_s))
     return script
 
 
-def write_node_files(run: RunDir, plan: LaunchPlan) -> None:
-    """``slurm/node.sh`` and ``logs/commands.txt`` (masked): the same for a batch job and a step."""
+def write_node_files(run: RunDir, plan: LaunchPlan, shrunk: Mapping[int, LaunchPlan] | None = None) -> None:
+    """``slurm/node.sh`` (+ ``node-M.sh``) and ``logs/commands.txt`` (masked): the same for a batch job and a step."""
     folder = run.path / "slurm"
-    folder.mkdir()
+    folder.mkdir(exist_ok=True)  # a resumed run keeps its folder; the scripts are rewritten for this job
     (run.logs / "slurm").mkdir()
     (folder / NODE_SCRIPT).write_text(node_script(plan))
+    for m, small in (shrunk or {}).items():
+        (folder / node_script_name(m, len(plan.nodes))).write_text(node_script(small))
     lines = [f"# node {n.node_rank} ({n.rank_span}): env {' '.join(shell_assignments(n.env, masked='disk'))}"
              for n in plan.nodes]
     (run.logs / "commands.txt").write_text("\n".join(lines) + "\n")
@@ -158,8 +196,10 @@ class SlurmRun:
 
     job_log = "job.out"  # the job's own output (srun's messages)
 
-    def __init__(self, run: RunDir, plan: LaunchPlan, job_id: str, console: Console, environ: Mapping[str, str]):
+    def __init__(self, run: RunDir, plan: LaunchPlan, job_id: str, console: Console, environ: Mapping[str, str],
+                 heartbeat_timeout_s: float = 0):
         self.run_dir, self.plan, self.job_id, self.environ = run, plan, job_id, environ
+        self.heartbeat_timeout_s, self.last_beat_check = heartbeat_timeout_s, 0.0
         self.redact = Redactor(plan.policy)
         self.stats = RunStats()
         self.display = Display(console, label=run.name)
@@ -172,6 +212,9 @@ class SlurmRun:
         self.signals: list[int] = []
         self.failed: tuple[int, str] | None = None  # (node rank, torchrun's line) of the first failure seen
         self.stopped_for_failure = False
+        # restarts inside the job (slurm_retry): a failure cancels the step, not the job
+        self.step_loop = plan.retry.max_restarts > 0
+        self.new_step = False  # the loop announced a new step: re-arm the early stop after this read
 
     def _on_signal(self, signum, _frame) -> None:
         self.signals.append(signum)
@@ -210,6 +253,7 @@ class SlurmRun:
                 if state is None:
                     break
             self._pump(nodes=started)  # node lines wait until their host is known: never "[node-0:0]"
+            self._check_heartbeats()
             if self.failed and not self.stopped_for_failure:
                 self._stop_for_failure()
             time.sleep(POLL_S)
@@ -223,7 +267,7 @@ class SlurmRun:
         if code is None:
             self.display.line(f"[launcher] Slurm no longer knows job {self.job_id}: its exit code is lost")
             code = 1
-        elif self.stopped_for_failure:
+        elif self.stopped_for_failure or (self.step_loop and code >= 128):
             code = failure_code(code)
         elif code == 0 and job_state != "COMPLETED":
             code = 1  # e.g. NODE_FAIL, TIMEOUT with a clean step
@@ -247,6 +291,9 @@ class SlurmRun:
     def _pump(self, final: bool = False, nodes: bool = True) -> None:
         for line in self.job_out.read(final):
             self.display.stream_line(f"[slurm] {self.redact(line)}")
+            step = STEP_LINE_RE.search(line)
+            if step and int(step.group(1)) > 0:
+                self._next_step(step.group(3).split())
         if not nodes:
             return
         for router, tailer, output in zip(self.routers, self.tailers, self.outputs):
@@ -254,16 +301,42 @@ class SlurmRun:
                 router.rank_line(rank, stream, self.redact(line))
             for line in output.read(final):
                 router.launcher_line(self.redact(line))
-                if self.failed is None and self._is_failure(line):
+                if self.failed is None and not self.new_step and self._is_failure(line):
                     self.failed = (self.routers.index(router), line)
             router.flush()
+        if self.new_step:  # what was read until now belongs to the failed step (it has ended)
+            self.new_step, self.failed, self.stopped_for_failure = False, None, False
+
+    def _check_heartbeats(self) -> None:
+        """A node whose heartbeat file (``node.sh`` touches ``logs/slurm/alive-<node rank>`` every
+        second) is older than ``launch.watchdog.heartbeat_timeout_s`` is lost: a failure, found in
+        seconds rather than at a collective's timeout or Slurm's ``SlurmdTimeout``."""
+        now = time.time()
+        if self.heartbeat_timeout_s <= 0 or self.failed or now - self.last_beat_check < 1.0:
+            return
+        self.last_beat_check = now
+        for node in range(len(self.hosts) or len(self.plan.nodes)):
+            try:
+                age = now - (self.run_dir.logs / "slurm" / f"alive-{node}").stat().st_mtime
+            except OSError:
+                continue  # not started yet, or between two steps
+            if age > self.heartbeat_timeout_s:
+                self.failed = (node, f"no heartbeat for {age:.0f} s (launch.watchdog.heartbeat_timeout_s="
+                                     f"{self.heartbeat_timeout_s:g}): the node is lost")
+                return
+
+    def _next_step(self, hosts: list[str]) -> None:
+        """The job's loop started its next step on ``hosts`` (fewer after a lost node)."""
+        self.new_step = True
+        if self.hosts and len(hosts) <= len(self.routers):
+            self.hosts = hosts + self.hosts[len(hosts):]
+            for router, host in zip(self.routers, hosts):
+                router.host = host
 
     def _is_failure(self, line: str) -> bool:
-        """A torchrun line saying the run has failed. With ``--max-restarts`` a dead worker is
-        restarted, so only torchrun's final report counts there."""
-        if GAVE_UP_RE.search(line):
-            return True
-        return self.plan.retry.max_restarts == 0 and WORKER_FAILED_RE.search(line) is not None
+        """A torchrun line saying the run has failed (torchrun itself never restarts under
+        Slurm, :func:`slurm_plan`, so its first dead worker is the step's failure)."""
+        return GAVE_UP_RE.search(line) is not None or WORKER_FAILED_RE.search(line) is not None
 
     def _stop_for_failure(self) -> None:
         """The first failure ends the run now, not when Slurm's ``--kill-on-bad-exit`` gets to it."""
@@ -271,14 +344,25 @@ class SlurmRun:
         node, line = self.failed
         host = self.hosts[node] if self.hosts else f"node {node}"
         match = WORKER_FAILED_RE.search(line)
-        what = f"local rank {match.group(2)} exited with {match.group(1)}" if match else "torchrun gave up"
-        self.display.line(f"[launcher] a rank failed on {host} ({what}): {self._stop_words()} now")
-        problem = self._stop_now()
+        what = f"local rank {match.group(2)} exited with {match.group(1)}" if match else \
+            line if line.startswith("no heartbeat") else "torchrun gave up"
+        lost = line.startswith("no heartbeat")
+        self.display.line(f"[launcher] {'node' if lost else 'a rank failed on'} {host} "
+                          f"{'is lost ' if lost else ''}({what}): {self._stop_words()} now")
+        problem = self._stop_step() if self.step_loop else self._stop_now()
         if problem:
             self.display.line(f"[launcher] {problem}")
 
     def _stop_words(self) -> str:
+        if self.step_loop and self.failed and not self.signals:
+            return f"cancelling its srun step of Slurm job {self.job_id} (the job's loop restarts it)"
         return f"cancelling Slurm job {self.job_id} (scancel)"
+
+    def _stop_step(self) -> str:
+        """Cancel this run's running step(s) only: the job's loop decides whether to restart."""
+        steps = slurmctl.step_ids(self.job_id, f"llmtrain-{self.plan.run_id}", self.environ)
+        problems = [p for p in (slurmctl.cancel(step, self.environ) for step in steps) if p]
+        return f"scancel of the step failed: {problems[0]}" if problems else ""
 
     def _what(self) -> str:
         return f"Slurm job {self.job_id}"
@@ -331,4 +415,4 @@ class SlurmRun:
                 say(line)
 
 
-__all__ = ["launch_slurm", "slurm_hostfile", "write_scripts", "write_node_files", "SlurmRun", "failure_code"]
+__all__ = ["launch_slurm", "slurm_plan", "shrunk_plans", "slurm_hostfile", "write_scripts", "write_node_files", "SlurmRun", "failure_code"]

@@ -1,0 +1,230 @@
+"""Time model v2 (``cluster.time_model: v2``): compute seconds per operation of a block.
+
+v1 divides a rank's hardware FLOPs by ``peak x COMPUTE_EFFICIENCY[gpu]`` (one constant fitted
+on A100-era Megatron runs). v2 prices each operation of a micro batch on one pipeline rank:
+
+- **GEMMs** from their per-rank shapes after the TP / CP / EP splits (``m`` tokens, ``k`` in,
+  ``n`` out; the backward's data and weight gradients are two more GEMMs of the same FLOPs,
+  ``(m, k) <- (m, n) x (n, k)`` and ``(k, n) <- (k, m) x (m, n)``) at
+  ``min(peak x MAMF x wave efficiency, intensity x HBM)``: :data:`MAMF` is the best measured
+  bf16 matmul fraction of the peak per GPU (S. Bekman, ml-engineering, "Maximum Achievable
+  Matmul FLOPS comparison table"); the roofline caps small-``k`` / thin GEMMs at the bytes they
+  move (``e (mk + kn + mn)``); the size curve is NVIDIA's tile and wave quantization (Matrix
+  Multiplication Background User's Guide): output tiles (:data:`TILES`) over the GPU's SMs,
+  efficiency ``useful tile area / (waves x SMs x tile area)``. No constant is fitted to a published run.
+- **Attention** from the flash kernel's FLOPs at its published efficiency (:data:`ATTENTION`:
+  FlashAttention-2 on A100, Dao 2023; FlashAttention-3 / cuDNN class on Hopper and later, Shah
+  et al. 2024), forward ``4 s_q s_kv d`` per head, backward 2.5x the forward (the kernels
+  recompute the scores: the papers' own FLOP convention for the backward rate), halved when the
+  causal kernel skips masked blocks (SDPA without CP, or Ulysses; ring / all-gather CP mask).
+- **Memory-bound ops** (RMSNorm, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
+  gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
+  datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
+- **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
+  element-wise ops, as flops.py counts it); ``selective`` re-runs only the element-wise ops.
+
+``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak (same MAMF fraction:
+no FP8 measurement per GPU was used). LoRA is not modelled here: v2 falls back to v1's compute
+for LoRA recipes (costmodel.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+from llmtrain.recipe.gpus import GPUSpec
+
+# Measured best bf16 matmul / dense peak (ml-engineering MAMF table: A100 SXM 271.2/312, H100 SXM
+# 794.5/989, GH200 828.6/989 for h200, B200 1745/2250, MI300X 781.9/1300); the PCIe H100 row (600.3
+# of 756) is H100 PCIe; gb200 uses B200's; cpu a nominal 0.5.
+MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.794, "h200": 0.836,
+        "b200": 0.776, "gb200": 0.776, "mi300x": 0.601, "cpu": 0.5}
+# Streaming multiprocessors (compute units) per GPU: the vendors' architecture whitepapers
+# (A100 108, H100 SXM 132, H100 PCIe 114, H200 132, B200 148, MI300X 304 CUs).
+SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h200": 132, "b200": 148,
+       "gb200": 148, "mi300x": 304, "cpu": 1}
+# cuBLAS picks the output tile per shape: the large 128x256 tile (the guide's example) where the
+# output fills the GPU, smaller ones (fewer idle SMs in the last wave, but less data reuse per
+# tile) for small outputs. The reuse penalty of the smaller tiles is an assumption (no per-tile
+# measurement was found): 128x128 at 0.9 and 64x128 at 0.75 of the large tile's rate.
+TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
+# Flash attention (forward, backward) fraction of the bf16 peak for head dim 128 and long sequences:
+# FA2 on A100 (Dao 2023, arXiv:2307.08691: forward 50-73 %, backward lower); FA3/cuDNN on H100 (Shah
+# et al. 2024, arXiv:2407.08608: forward up to 75 %, backward ~ 1.5-1.75x FA2); Blackwell and MI300X:
+# no published training number used: Blackwell assumed at Hopper's, MI300X below FA2-on-A100.
+ATTENTION = {"a100-80g": (0.65, 0.50), "a100-40g": (0.65, 0.50), "h100-sxm": (0.62, 0.48),
+             "h100-pcie": (0.62, 0.48), "h200": (0.62, 0.48), "b200": (0.62, 0.48), "gb200": (0.62, 0.48),
+             "mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
+HBM_EFFICIENCY = 0.8  # element-wise kernels reach ~80 % of the datasheet HBM bandwidth (assumption, docs)
+
+
+def wave_efficiency(m: int, n: int, gpu: GPUSpec) -> float:
+    """Tile and wave quantization: the share of the SM-time spent on useful output, for the best
+    of :data:`TILES` (each at its reuse factor)."""
+    sms = SMS.get(gpu.name, 108)
+    best = 0.0
+    for tm, tn, factor in TILES:
+        waves = ceil(ceil(m / tm) * ceil(n / tn) / sms)
+        best = max(best, factor * min(1.0, (m * n) / (tm * tn * sms * waves)))
+    return best
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2) -> float:
+    """One ``(m, k) x (k, n)`` GEMM on ``gpu`` (``peak``: the tensor-core peak to use, bf16 default)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k
+    peak = gpu.peak_flops_bf16 if peak is None else peak
+    hbm = gpu.hbm_bytes_per_s or 2e12
+    intensity = flops / (e * (m * k + k * n + m * n))
+    # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
+    rate = min(peak * MAMF.get(gpu.name, 0.75) * wave_efficiency(int(m), int(n), gpu), intensity * hbm)
+    return flops / rate
+
+
+def gemm_fwd_bwd(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of a linear layer ``y = x W^T``: x ``(m, k)``, W ``(n, k)``; the
+    backward is the input gradient ``(m, k)`` and the weight gradient ``(n, k)`` (reduced over m)."""
+    return gemm_seconds(m, n, k, gpu, peak), gemm_seconds(m, k, n, gpu, peak) + gemm_seconds(n, k, m, gpu, peak)
+
+
+def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
+    return nbytes / ((gpu.hbm_bytes_per_s or 2e12) * HBM_EFFICIENCY)
+
+
+def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, causal_skip: bool,
+                      gpu: GPUSpec) -> tuple[float, float]:
+    """(forward, backward) seconds of flash attention over ``heads`` local heads."""
+    fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * (0.5 if causal_skip else 1.0)
+    f, bw = ATTENTION.get(gpu.name, (0.5, 0.4))
+    peak = gpu.peak_flops_bf16
+    return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What one pipeline rank's micro batch looks like to the kernels."""
+
+    b: int  # micro batch
+    s: int  # tokens per CP rank
+    seq: int  # the full sequence (attention's keys)
+    h: int
+    heads: int
+    kv_heads: int
+    hd: int
+    ffn: int
+    vocab: int
+    tp: int
+    sp: bool
+    e: int  # activation bytes
+    cp: int = 1
+    causal_skip: bool = True
+    experts: int = 0  # MoE: routed experts, top-k, shared experts, their width, EP degree
+    top_k: int = 0
+    shared: int = 0
+    expert_ffn: int = 0
+    ep: int = 1
+    recompute: str = "none"
+    fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
+
+
+def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of a block's element-wise ops, per rank and micro batch."""
+    t, e, tok = x.tp, x.e, x.b * x.s
+    rep = 1 if x.sp else t  # norms and residual adds run on all tokens on every TP rank without SP
+    hdim = x.h * tok / t * rep
+    qk = (x.heads + x.kv_heads) * x.hd * tok / t
+    width = (x.top_k + x.shared) * x.expert_ffn if moe else x.ffn
+    act = width * tok / t
+    # 2 fused norms; RoPE as engine/models/rope.py runs it (cast to fp32, complex multiply, cast back:
+    # 2e + 16 bytes per element each way); SwiGLU as two eager kernels (silu, then the product: 5e
+    # forward, 8e backward); 2 residual adds
+    rope = (2 * e + 16) * qk
+    fwd = 2 * 2 * e * hdim + rope + 5 * e * act + 2 * 3 * e * hdim
+    bwd = 2 * 3 * e * hdim + rope + 8 * e * act + 2 * 3 * e * hdim
+    if moe:  # dispatch gather and combine scatter of the routed copies (read + write each way)
+        fwd += 2 * 2 * e * x.top_k * x.h * tok
+        bwd += 2 * 2 * e * x.top_k * x.h * tok
+    return fwd, bwd
+
+
+def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool) -> tuple[float, float]:
+    """(forward, backward incl. recomputation) seconds of one block on one rank, one micro batch."""
+    tok, t = x.b * x.s, x.tp
+    lin = x.fp8_peak or None  # nn.Linear GEMMs under fp8 (MoE experts and the router stay bf16)
+    q, kv = x.heads * x.hd / t, x.kv_heads * x.hd / t
+    # (m, n, k, peak, count, recomputed under full AC): wq, wk, wv, wo, then the MLP
+    gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
+             (tok, x.h, q, lin, 1, True)]
+    if moe:
+        local = max(1, x.experts // max(1, x.ep))
+        per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
+        ef = x.expert_ffn / t
+        gemms += [(tok, x.experts, x.h, None, 1, True), (per, ef, x.h, None, 2 * local, True),
+                  (per, x.h, ef, None, local, True)]
+        if x.shared:  # the shared experts' w2 is the block's last GEMM (flops.py: not recomputed)
+            sf = x.shared * x.expert_ffn / t
+            gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
+    else:
+        gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
+    fwd = bwd = again = 0.0
+    for m, n, k, peak, count, recomputed in gemms:
+        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak)
+        fwd, bwd = fwd + count * f, bwd + count * b_
+        again += count * f if recomputed else 0.0
+    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.causal_skip, gpu)
+    ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
+    fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
+    if x.recompute == "full":
+        bwd += again + af + ef_s
+    elif x.recompute == "selective":
+        bwd += ef_s
+    return fwd, bwd
+
+
+def head_seconds(x: BlockShape, gpu: GPUSpec) -> tuple[float, float]:
+    """Final norm, output GEMM (vocabulary split over TP) and the fp32 cross-entropy."""
+    tok = x.b * x.s
+    f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu)
+    logits = x.vocab / x.tp * tok
+    # upcast to fp32 (read e, write 4), log-softmax (read 4, write 4) forward; backward read 4 and
+    # write the e-byte gradient of the logits, plus the norm (read + write h each way)
+    f += membound_seconds(logits * (x.e + 12) + 2 * x.e * x.h * tok, gpu)
+    b_ += membound_seconds(logits * (4 + x.e) + 3 * x.e * x.h * tok, gpu)
+    return f, b_
+
+
+def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu: GPUSpec, e: int,
+                      reduce_bytes: int) -> float:
+    """FSDP2's copy-out of every all-gathered weight (read + write ``e`` bytes per unsharded element)
+    and the copy-in of every reduce-scattered gradient (read + write ``reduce_bytes``)."""
+    return membound_seconds(unsharded_params * (gathers * 2 * e + reduces * 2 * reduce_bytes), gpu)
+
+
+def shape_of(recipe, dims, gpu: GPUSpec, causal_skip: bool) -> BlockShape:
+    """The :class:`BlockShape` of a validated recipe's micro batch on one rank."""
+    from llmtrain.plan.memory import compute_bytes  # noqa: PLC0415  (memory imports the schema)
+
+    m, p, t = recipe.model, recipe.parallel, recipe.train
+    fp8 = gpu.peak_flops_fp8 if t.precision == "fp8" and gpu.peak_flops_fp8 > 0 else 0.0
+    return BlockShape(b=t.micro_batch_size, s=t.seq_len // dims.cp, seq=t.seq_len, h=m.hidden, heads=m.heads,
+                      kv_heads=m.kv_heads, hd=m.head_dim, ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp,
+                      sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
+                      causal_skip=causal_skip, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
+                      shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
+                      recompute=t.activation_checkpointing, fp8_peak=fp8)
+
+
+def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
+    """(forward, backward) compute seconds of one micro batch on a pipeline rank holding
+    ``dense_layers`` + ``moe_layers`` blocks (and the output head when ``last``)."""
+    fwd = bwd = 0.0
+    for n, moe in ((dense_layers, False), (moe_layers, True)):
+        if n:
+            f, b = block_seconds(x, gpu, moe)
+            fwd, bwd = fwd + n * f, bwd + n * b
+    if last:
+        f, b = head_seconds(x, gpu)
+        fwd, bwd = fwd + f, bwd + b
+    return fwd, bwd

@@ -1,0 +1,281 @@
+"""Hugging Face ``config.json`` <-> recipe ``model``, per family (the tensors: :mod:`llmtrain.engine.hf.families`).
+
+Torch-free, with the recipe: the launcher checks a model directory's config.json against the
+recipe before anything starts without importing the engine (``llmtrain.engine.hf.config_json``
+re-exports these names).
+
+* :func:`hf_config` writes the family's own config.json (``model_type``, ``architectures`` and
+  the family's field names), readable by transformers 4.45+ and 5.x: RoPE as ``rope_theta`` +
+  ``rope_scaling`` (4.x) and ``rope_parameters`` (5.x), ``torch_dtype`` and ``dtype`` (fp32, as
+  trained).
+* :func:`model_from_hf_config` reads one into recipe ``model`` fields (the architecture comes from
+  config.json). A model_type or a field our engine cannot run is a one-line error naming the
+  model_type and the field (:func:`unsupported_problems`) -- never a silently different model.
+* :func:`config_problems` lists every disagreement between the recipe's model and config.json
+  at once, one :class:`Problem` per field (dotted recipe path, both values, the fix).
+  ``max_position_embeddings`` is not compared: training on shorter sequences than the model
+  supports is fine. ``router_aux_loss_coef`` is read but not compared (a training choice).
+
+config.json is untrusted (DESIGN.md §4): types are checked (:func:`_type_problems`) before any
+arithmetic or comparison.
+"""
+
+from __future__ import annotations
+
+from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.recipe.schema import ModelConfig
+from llmtrain.safeio import printable
+
+from llmtrain.recipe.hf_families import FAMILIES, SUPPORTED, family_of, require_hf_compatible
+
+# model_types people will try, and why they do not load (the others get the generic message)
+NOT_SUPPORTED = {
+    "deepseek_v3": "multi-head latent attention (MLA) is not implemented",
+    "deepseek_v2": "multi-head latent attention (MLA) is not implemented",
+    "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
+    "gemma": "GeLU MLPs, (1 + w) RMSNorm and scaled embeddings are not implemented",
+    "gemma2": "soft-capping, sliding/global layers and GeLU MLPs are not implemented",
+    "gemma3": "sliding/global layers, q/k norms and GeLU MLPs are not implemented",
+    "phi3": "fused qkv / gate_up projections and partial rotary are not mapped",
+}
+ROPE_TYPES = ("default", "llama3")
+OPTIONAL = ("model.rope_scaling", "model.sliding_window")  # None is a value here, not a missing key
+
+
+# -- recipe -> config.json --------------------------------------------------------------------
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """``config.json`` of the ``*ForCausalLM`` of ``cfg``'s family, equal to our model (fp32)."""
+    require_hf_compatible(cfg)
+    f = family_of(cfg)
+    theta = float(cfg.rope_theta)
+    rope = {"rope_type": "default", "rope_theta": theta}
+    scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        scaling = {"rope_type": "llama3", "factor": float(s.factor), "low_freq_factor": float(s.low_freq_factor),
+                   "high_freq_factor": float(s.high_freq_factor), "original_max_position_embeddings": s.original_max_seq_len}
+        rope = {**scaling, "rope_theta": theta}
+    out = {
+        "architectures": [f.architecture], "model_type": f.name,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": float(cfg.norm_eps),
+        "rope_theta": theta, "rope_scaling": scaling, "rope_parameters": rope,
+        "tie_word_embeddings": bool(cfg.tie_embeddings), "hidden_act": "silu", "attention_dropout": 0.0,
+        "initializer_range": 0.02, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        "use_cache": True, "torch_dtype": "float32", "dtype": "float32",
+    }
+    if f.name == "llama":
+        out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    if f.name in ("qwen3", "qwen3_moe"):
+        out["attention_bias"] = False
+    if f.sliding == "plain":
+        out["sliding_window"] = cfg.sliding_window
+    elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers: all of them
+        out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
+                   max_window_layers=0 if cfg.sliding_window is not None else cfg.layers)
+    m = cfg.moe
+    if f.name == "mixtral":
+        out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   router_aux_loss_coef=float(m.aux_loss_coef), router_jitter_noise=0.0, output_router_logits=False)
+    elif f.name == "qwen3_moe":
+        step = m.sparse_step
+        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_ffn,
+                   decoder_sparse_step=step, norm_topk_prob=bool(m.norm_topk_prob),
+                   mlp_only_layers=[i for i in range(cfg.layers) if (i + 1) % step == 0 and not cfg.is_moe_layer(i)],
+                   router_aux_loss_coef=float(m.aux_loss_coef), output_router_logits=False)
+    return out
+
+
+# -- config.json -> recipe --------------------------------------------------------------------
+
+def _rope(conf: dict) -> dict:
+    params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_type(conf: dict) -> str:
+    params = _rope(conf)
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def _hf_theta(conf: dict) -> float | None:
+    params = _rope(conf)
+    if params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
+
+
+def unsupported_problems(conf: dict, where: str) -> list[Problem]:
+    """Every reason the engine cannot run ``conf``'s model, each naming the model_type and field."""
+    mt = conf.get("model_type")
+    name = printable(repr(mt), 40)
+    if mt not in FAMILIES:
+        why = NOT_SUPPORTED.get(mt) if isinstance(mt, str) else None
+        return [Problem(where, f"config.json model_type={name} is not supported" + (f" ({why})" if why else ""),
+                        f"use one of: {SUPPORTED}")]
+    out = []
+
+    def bad(field: str, value, why: str) -> None:
+        out.append(Problem(where, f"config.json of model_type={name} has {field}={printable(repr(value), 60)}: {why}",
+                           f"supported: {SUPPORTED} with standard blocks"))
+
+    if conf.get("hidden_act", "silu") != "silu":
+        bad("hidden_act", conf.get("hidden_act"), "only SwiGLU (silu) MLPs are implemented")
+    if mt in ("llama", "qwen3", "qwen3_moe") and conf.get("attention_bias", False) is not False:
+        bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
+    if mt == "llama" and conf.get("mlp_bias", False) is not False:
+        bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
+    if _rope_type(conf) not in ROPE_TYPES:
+        bad("rope_type", _rope_type(conf), f"only {'/'.join(ROPE_TYPES)} RoPE is implemented")
+    if float(_rope(conf).get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        bad("partial_rotary_factor", _rope(conf).get("partial_rotary_factor"), "partial rotary is not implemented")
+    if mt == "mixtral" and conf.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
+        bad("router_jitter_noise", conf.get("router_jitter_noise"), "router jitter is not implemented")
+    if mt in ("qwen2", "qwen3", "qwen3_moe") and conf.get("use_sliding_window") and conf.get("max_window_layers", 0):
+        bad("max_window_layers", conf.get("max_window_layers"), "a sliding window on only some layers is not implemented")
+    return out
+
+
+def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
+    """Recipe ``model`` fields (a dict for ``ModelConfig``) of an HF ``config.json``; a wrong type or
+    an unsupported model_type / field raises :class:`LLMTrainError` (one problem per finding)."""
+    problems = _type_problems(conf, where) or unsupported_problems(conf, where)
+    if problems:
+        raise LLMTrainError(problems)
+    mt = conf["model_type"]
+    heads, hidden = conf.get("num_attention_heads"), conf.get("hidden_size")
+    out = {
+        "family": mt, "layers": conf.get("num_hidden_layers"), "hidden": hidden, "heads": heads,
+        "kv_heads": conf.get("num_key_value_heads") or heads, "ffn_hidden": conf.get("intermediate_size"),
+        "vocab_size": conf.get("vocab_size"), "max_seq_len": conf.get("max_position_embeddings"),
+        "rope_theta": _hf_theta(conf), "norm_eps": conf.get("rms_norm_eps"),
+        "tie_embeddings": bool(conf.get("tie_word_embeddings", False)),
+        "head_dim": conf.get("head_dim") or (hidden // heads if hidden and heads else None),
+        "qkv_bias": FAMILIES[mt].qkv_bias, "qk_norm": FAMILIES[mt].qk_norm, "rope_scaling": None,
+        "sliding_window": None,
+    }
+    if _rope_type(conf) == "llama3":
+        r = _rope(conf)
+        out["rope_scaling"] = {"type": "llama3", "factor": float(r.get("factor", 8.0)),
+                               "low_freq_factor": float(r.get("low_freq_factor", 1.0)),
+                               "high_freq_factor": float(r.get("high_freq_factor", 4.0)),
+                               "original_max_seq_len": r.get("original_max_position_embeddings",
+                                                             conf.get("max_position_embeddings"))}
+    sliding = FAMILIES[mt].sliding
+    if sliding == "plain" or (sliding == "qwen" and conf.get("use_sliding_window")):
+        out["sliding_window"] = conf.get("sliding_window")
+    if mt == "mixtral":
+        out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
+                      "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
+                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",
+                      "balance": "aux_loss", "shared_experts": 0}
+    elif mt == "qwen3_moe":
+        out["moe"] = {"num_experts": conf.get("num_experts", conf.get("num_local_experts", 128)),
+                      "top_k": conf.get("num_experts_per_tok", 8),
+                      "expert_ffn_hidden": conf.get("moe_intermediate_size", 768),
+                      "norm_topk_prob": bool(conf.get("norm_topk_prob", False)),
+                      "sparse_step": conf.get("decoder_sparse_step", 1),
+                      "dense_layers": list(conf.get("mlp_only_layers") or []),
+                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",
+                      "balance": "aux_loss", "shared_experts": 0}
+    return out
+
+
+# -- comparison ---------------------------------------------------------------------------------
+
+def _moe_layers(m: dict) -> list[int]:
+    moe = m.get("moe") or {}
+    if (moe.get("num_experts") or 1) <= 1:
+        return []
+    step, dense = moe.get("sparse_step", 1), set(moe.get("dense_layers", []))
+    return [i for i in range(m["layers"] or 0) if (i + 1) % step == 0 and i not in dense]
+
+
+def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf") -> list[Problem]:
+    """Every way an HF ``config.json`` differs from the recipe's model (empty: it loads exactly)."""
+    try:
+        theirs = model_from_hf_config(conf, where)
+    except LLMTrainError as exc:
+        return exc.problems
+    rope = cfg.rope_scaling.model_dump() if cfg.rope_scaling is not None else None
+    moe = theirs.get("moe") or {}
+    their_moe = _moe_layers(theirs)
+    our_moe = [i for i in range(cfg.layers) if cfg.is_moe_layer(i)]
+    fields = [("model.family", cfg.hf_family, theirs["family"], "model_type"),
+              ("model.hidden", cfg.hidden, theirs["hidden"], "hidden_size"),
+              ("model.layers", cfg.layers, theirs["layers"], "num_hidden_layers"),
+              ("model.heads", cfg.heads, theirs["heads"], "num_attention_heads"),
+              ("model.kv_heads", cfg.kv_heads, theirs["kv_heads"], "num_key_value_heads"),
+              ("model.head_dim", cfg.head_dim, theirs["head_dim"], "head_dim"),
+              ("model.vocab_size", cfg.vocab_size, theirs["vocab_size"], "vocab_size"),
+              ("model.tie_embeddings", bool(cfg.tie_embeddings), theirs["tie_embeddings"], "tie_word_embeddings"),
+              ("model.norm_eps", float(cfg.norm_eps), theirs["norm_eps"], "rms_norm_eps"),
+              ("model.rope_theta", float(cfg.rope_theta), theirs["rope_theta"], "rope_theta"),
+              ("model.rope_scaling", rope, theirs["rope_scaling"], "rope_scaling"),
+              ("model.qkv_bias", cfg.qkv_bias, theirs["qkv_bias"], f"model_type={theirs['family']}"),
+              ("model.qk_norm", cfg.qk_norm, theirs["qk_norm"], f"model_type={theirs['family']}"),
+              ("model.sliding_window", cfg.sliding_window, theirs["sliding_window"], "sliding_window"),
+              ("model.moe.num_experts", cfg.moe.num_experts, moe.get("num_experts", 1), "num_experts")]
+    if len(their_moe) < (theirs["layers"] or 0):  # some dense layers: their width matters
+        fields.append(("model.ffn_hidden", cfg.ffn_hidden, theirs["ffn_hidden"], "intermediate_size"))
+    if moe and cfg.is_moe:
+        fields += [("model.moe.top_k", cfg.moe.top_k, moe["top_k"], "num_experts_per_tok"),
+                   ("model.moe.expert_ffn_hidden", cfg.expert_ffn, moe["expert_ffn_hidden"],
+                    "moe_intermediate_size" if theirs["family"] == "qwen3_moe" else "intermediate_size"),
+                   ("model.moe.norm_topk_prob", cfg.moe.norm_topk_prob, moe["norm_topk_prob"], "norm_topk_prob")]
+        if our_moe != their_moe:
+            dense = [i for i in range(cfg.layers) if i not in their_moe]
+            fields.append(("model.moe.dense_layers", [i for i in range(cfg.layers) if i not in our_moe], dense,
+                           "mlp_only_layers/decoder_sparse_step"))
+    problems = []
+    for path, ours, value, key in fields:
+        missing = value is None and path not in OPTIONAL
+        if missing or (float(ours) != float(value) if isinstance(ours, float) and value is not None else ours != value):
+            problems.append(Problem(path, f"recipe has {ours}, {where} config.json has {key}={printable(repr(value), 80)}",
+                                    f"set {path}={value} with --set, or use matching weights"))
+    return problems
+
+
+# -- types of an untrusted file -------------------------------------------------------------------
+
+INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
+FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef")
+BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
+HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
+
+
+def _type_problems(conf: dict, where: str) -> list[Problem]:
+    """``config.json`` values of the wrong type (an untrusted file: checked before arithmetic)."""
+    if not isinstance(conf, dict):
+        return [Problem(where, "config.json is not a JSON object", HINT)]
+    problems = []
+    for key in INT_KEYS:
+        v = conf.get(key)
+        if v is not None and (type(v) is not int or v <= 0):
+            problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive integer", HINT))
+    for key in BOOL_KEYS:
+        v = conf.get(key)
+        if v is not None and type(v) is not bool:
+            problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not true/false", HINT))
+    layers = conf.get("mlp_only_layers")
+    if layers is not None and (not isinstance(layers, list) or any(type(i) is not int or i < 0 for i in layers)):
+        problems.append(Problem(where, f"config.json mlp_only_layers={printable(repr(layers), 60)} is not a list of "
+                                "layer indices", HINT))
+    for params in (conf, conf.get("rope_parameters"), conf.get("rope_scaling")):
+        if params is not None and not isinstance(params, dict):
+            problems.append(Problem(where, "config.json rope_parameters/rope_scaling is not an object", HINT))
+            continue
+        for key in FLOAT_KEYS:
+            v = (params or {}).get(key)
+            if v is not None and (type(v) not in (int, float) or not 0 <= v < float("inf")
+                                  or (v == 0 and key != "router_aux_loss_coef")):
+                problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a positive number", HINT))
+        v = (params or {}).get("original_max_position_embeddings")
+        if v is not None and (type(v) is not int or v <= 0):
+            problems.append(Problem(where, f"config.json original_max_position_embeddings={printable(repr(v), 60)} "
+                                    "is not a positive integer", HINT))
+    return problems

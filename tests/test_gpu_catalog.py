@@ -1,0 +1,118 @@
+"""The GPU catalog (issue 18 item 3): sources, the docs table, and ``cluster.gpu_power_w``.
+
+All checks are exact (no tolerance) except where a float is multiplied: those use pytest's
+default relative 1e-6, far below any planner digit that is printed.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+
+import pytest
+from rich.console import Console
+
+from llmtrain.errors import LLMTrainError
+from llmtrain.plan.api import make_plan
+from llmtrain.plan.costmodel import estimate
+from llmtrain.plan.render import render_plan
+from llmtrain.plan.report import plan_to_dict
+from llmtrain.recipe.gpus import (
+    ASSUMED,
+    GPUS,
+    POWER_FLOOR,
+    SOURCES,
+    catalog_markdown,
+    cluster_gpu,
+)
+from tests.helpers_plan import CLI, REPO
+
+RECIPE = """model: {{preset: llama3-8b}}
+parallel: {{tp: 1, pp: 1, dp_shard: -1, zero: 3}}
+train: {{seq_len: 4096, micro_batch_size: 1, global_batch_size: 16, precision: bf16, activation_checkpointing: selective}}
+cluster: {{nodes: 1, gpus_per_node: 8, gpu: {gpu}{power}}}
+"""
+
+
+def _recipe(tmp_path, gpu="h100-sxm", power=None):
+    path = tmp_path / f"r-{gpu}-{power}.yaml"
+    path.write_text(RECIPE.format(gpu=gpu, power="" if power is None else f", gpu_power_w: {power}"))
+    return path
+
+
+def test_every_entry_has_a_source_and_sane_numbers():
+    required = {"h100-sxm", "h100-pcie", "h200", "a100-40g", "a100-80g", "b200", "gb200", "mi300x"}
+    assert required <= set(GPUS)
+    for key in required:
+        g = GPUS[key]
+        assert SOURCES[key] and all(url.startswith("https://") for _, url in SOURCES[key]), key
+        assert key in ASSUMED, key  # the NIC per GPU is never a datasheet number: each says where it comes from
+        assert g.peak_flops_bf16 > 1e14 and g.hbm_bytes_per_s > 1e12 and g.tdp_w >= 300 and g.nvlink_domain >= 2
+        assert g.peak_flops_fp8 == 0 or g.peak_flops_fp8 == pytest.approx(2 * g.peak_flops_bf16, rel=0.01), key
+    assert GPUS["a100-80g"].peak_flops_fp8 == GPUS["a100-40g"].peak_flops_fp8 == 0  # Ampere: no FP8 tensor cores
+    assert GPUS["gb200"].nvlink_domain == 72
+
+
+def test_existing_entries_keep_their_values():
+    """Predictions of existing recipes must not move: the five pre-catalog entries, as before."""
+    old = {"h100-sxm": (989e12, 80e9, 900e9, 50e9, 1979e12), "h200": (989e12, 141e9, 900e9, 50e9, 1979e12),
+           "a100-80g": (312e12, 80e9, 600e9, 25e9, 0.0), "b200": (2250e12, 180e9, 1800e9, 50e9, 4500e12),
+           "cpu": (1e11, 16e9, 10e9, 1e9, 0.0)}
+    for key, values in old.items():
+        g = GPUS[key]
+        assert (g.peak_flops_bf16, g.memory_bytes, g.nvlink_bytes_per_s, g.internode_bytes_per_s, g.peak_flops_fp8) == values
+
+
+def test_docs_table_is_the_catalog():
+    doc = (REPO / "docs" / "planner.md").read_text()
+    table = doc.split("<!-- catalog:begin -->\n", 1)[1].split("\n<!-- catalog:end -->", 1)[0]
+    assert table == catalog_markdown(), "regenerate with python -c 'from llmtrain.recipe.gpus import catalog_markdown; print(catalog_markdown())'"
+
+
+def test_power_cap_scales_compute_linearly_and_keeps_bandwidth(tmp_path):
+    """Rule: peak x cap / TDP (bf16 and fp8), bandwidths unchanged, MFU against the datasheet peak.
+
+    Checked on the plan itself: the compute term of the step is FLOPs / (peak x efficiency), so at
+    500 of 700 W it is exactly 700/500 times longer; communication and the optimizer (HBM-bound)
+    are unchanged; MFU = model FLOP/s / 989 TFLOP/s in both."""
+    capped = cluster_gpu("h100-sxm", 500)
+    base = GPUS["h100-sxm"]
+    assert capped.peak_flops_bf16 == pytest.approx(base.peak_flops_bf16 * 500 / 700)
+    assert capped.peak_flops_fp8 == pytest.approx(base.peak_flops_fp8 * 500 / 700)
+    assert (capped.hbm_bytes_per_s, capped.nvlink_bytes_per_s, capped.internode_bytes_per_s, capped.memory_bytes) == (
+        base.hbm_bytes_per_s, base.nvlink_bytes_per_s, base.internode_bytes_per_s, base.memory_bytes)
+    assert cluster_gpu("h100-sxm", 700) is base and cluster_gpu("h100-sxm") is base
+
+    costs = []
+    for power in (None, 500):
+        plan = make_plan(_recipe(tmp_path, power=power))
+        costs.append(estimate(plan.recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False).time)
+    full, cap = costs
+    d = plan_to_dict(plan)  # the last plan: 500 W
+    assert d["time"]["peak_tflops"] == pytest.approx(989 * 500 / 700) and d["time"]["mfu_peak_tflops"] == 989
+    out = io.StringIO()
+    render_plan(d, Console(file=out, width=400, highlight=False))
+    assert "706 TFLOP/s peak, power-capped; MFU against the 989 TFLOP/s datasheet peak" in out.getvalue()
+    assert cap.breakdown["compute"] == pytest.approx(full.breakdown["compute"] * 700 / 500)
+    assert cap.breakdown["optimizer"] == pytest.approx(full.breakdown["optimizer"])
+    assert cap.mfu == pytest.approx(full.mfu * full.step_s / cap.step_s)  # same FLOPs, same denominator
+    assert cap.step_s > full.step_s
+
+
+@pytest.mark.parametrize("gpu, power, words", [
+    ("h100-sxm", 800, "above the h100-sxm TDP (700 W)"),
+    ("a100-80g", 150, f"below {POWER_FLOOR:.0%} of the a100-80g TDP (400 W)"),
+    ("cpu", 100, "has no power model"),
+])
+def test_power_cap_out_of_range_is_refused(tmp_path, gpu, power, words):
+    with pytest.raises(LLMTrainError) as exc:
+        make_plan(_recipe(tmp_path, gpu, power))
+    line = str(exc.value)
+    assert "cluster.gpu_power_w" in line and words in line and "\n" not in line.strip()
+
+
+def test_cli_refuses_a_cap_above_tdp_in_one_line(tmp_path):
+    proc = subprocess.run([*CLI, "plan", str(_recipe(tmp_path, "mi300x", 900))], capture_output=True, text=True)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+    assert len(lines) == 1 and "cluster.gpu_power_w" in lines[0] and "750 W" in lines[0], lines

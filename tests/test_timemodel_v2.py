@@ -1,0 +1,102 @@
+"""Time model v2 (plan/ops.py, plan/commtime.py, ``cluster.time_model``): pure and fast.
+
+Hand-computed values are checked to 1e-9 relative (float rounding only: the formulas are
+evaluated the same way by hand here); the v1 regression number to 1e-6 relative (it was
+printed by benchmarks/planner_vs_published.py before v2 existed).
+"""
+
+from __future__ import annotations
+
+from math import ceil
+
+import pytest
+
+from llmtrain.plan import commtime, ops
+from llmtrain.plan.api import plan_recipe
+from llmtrain.plan.costmodel import estimate
+from llmtrain.recipe.gpus import GPUS
+from llmtrain.recipe.load import validate_recipe_dict
+
+H100 = GPUS["h100-sxm"]
+
+
+def test_gemm_compute_bound_hand_computed():
+    """8192^3 bf16 on h100-sxm: compute-bound (intensity 2731 FLOP/B x 3.35 TB/s >> peak), the
+    128x256 tile gives 2048 tiles in 16 waves of 132 SMs: 2048 / 2112 useful."""
+    n = 8192
+    flops = 2.0 * n**3
+    wave = (n * n) / (128 * 256 * 132 * ceil(ceil(n / 128) * ceil(n / 256) / 132))
+    assert wave == pytest.approx(2048 / 2112)
+    expected = flops / (989e12 * 0.803 * wave)
+    assert ops.gemm_seconds(n, n, n, H100) == pytest.approx(expected, rel=1e-9)
+    assert 1.40e-3 < expected < 1.45e-3  # ~770 TFLOP/s
+
+
+def test_gemm_memory_bound_and_membound_op():
+    """A 16-row GEMM is bound by its bytes at the datasheet HBM bandwidth; an element-wise op
+    moves its bytes at 80 % of it."""
+    m, n, k = 16, 8192, 8192
+    nbytes = 2 * (m * k + k * n + m * n)
+    assert ops.gemm_seconds(m, n, k, H100) == pytest.approx(nbytes / 3.35e12, rel=1e-9)
+    assert ops.membound_seconds(1e9, H100) == pytest.approx(1e9 / (3.35e12 * 0.8), rel=1e-9)
+
+
+def test_allreduce_in_node_vs_two_nodes():
+    """1 GiB all-reduce: 8 GPUs on NVLink (360 GB/s NCCL bus bandwidth one way, 14 ring steps of
+    3.4 us + 8.4 us base); 16 GPUs on 2 nodes with 8 per node (all 8 NICs: 8 x 40 GB/s, 28 NVLink
+    steps + 2 network steps of 9.6 us, x 1.9 plateau); the same 16 with one GPU per node (data
+    parallel over TP 8) goes through one NIC and is ~8x slower."""
+    m = float(1 << 30)
+    in_node = 8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * m / 360e9
+    assert commtime.collective_seconds("all-reduce", m, 8, H100) == pytest.approx(in_node, rel=1e-9)
+    vol = 2 * 15 / 16 * m
+    two = (8.4e-6 + 28 * 3.4e-6 + 2 * 9.6e-6) * 1.9 + max(7 / 8 * vol / 360e9, vol / (8 * 40e9))
+    assert commtime.collective_seconds("all-reduce", m, 16, H100, local=8) == pytest.approx(two, rel=1e-9)
+    one_nic = commtime.collective_seconds("all-reduce", m, 16, H100, local=1)
+    assert 7.5 < one_nic / two < 8.5
+
+
+def test_monotonic_in_size():
+    gemms = [ops.gemm_seconds(m, 4096, 4096, H100) for m in (64, 512, 2048, 8192, 32768)]
+    assert gemms == sorted(gemms) and len(set(gemms)) == len(gemms)
+    for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "p2p"):
+        for local in (None, 8, 1):
+            t = [commtime.collective_seconds(op, float(x), 16, H100, local) for x in (1e3, 1e6, 1e8, 1e10)]
+            assert t == sorted(t) and len(set(t)) == len(t), (op, local)
+
+
+def test_local_members():
+    """Rank 0's group members on its node: data parallel over TP 8 has 1 per node, FSDP over 64
+    GPUs without TP 8, TP 8 all of them."""
+    from llmtrain.plan.dims import ParallelDims
+
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=8, cp=1, tp=8)
+    assert commtime.local_members(dims, 8, ("dp_shard", "cp")) == 1
+    assert commtime.local_members(dims, 8, ("tp",)) == 8
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=64, cp=1, tp=1)
+    assert commtime.local_members(dims, 8, ("dp_shard", "cp")) == 8
+
+
+def _plan(time_model: str | None):
+    cluster = dict(nodes=1, gpus_per_node=8, gpu="h100-sxm")
+    if time_model:
+        cluster["time_model"] = time_model
+    recipe = validate_recipe_dict(dict(
+        model=dict(preset="llama3-8b"), parallel=dict(zero=3, dp_shard=-1),
+        train=dict(seq_len=8192, micro_batch_size=2, global_batch_size=16, activation_checkpointing="selective"),
+        cluster=cluster))
+    plan = plan_recipe(recipe)
+    v = plan.validation
+    return estimate(recipe, v.dims, v.batch, plan.placement, dp_overlap=True, hints=False)
+
+
+def test_switch_absent_is_v1_and_v2_keeps_bytes():
+    """Without ``cluster.time_model`` the planner is v1, to the number it printed before v2
+    (torchtitan Llama 3.1 8B row: 11,795.456 tokens/s/GPU); v2 changes time only, never bytes
+    or FLOPs."""
+    default, v1, v2 = _plan(None), _plan("v1"), _plan("v2")
+    assert default.time.to_dict() == v1.time.to_dict()
+    assert default.time.tokens_per_s_per_gpu == pytest.approx(11795.456, rel=1e-6)
+    assert v2.time.step_s != v1.time.step_s
+    assert v2.worst.peak == v1.worst.peak and v2.flops == v1.flops
+    assert [(c.op, c.message_bytes, c.count) for c in v2.comms] == [(c.op, c.message_bytes, c.count) for c in v1.comms]
