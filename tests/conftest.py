@@ -25,3 +25,15 @@ def crafted_run(tmp_path_factory) -> Path:
     from tests import ckpt_craft
 
     return ckpt_craft.make_run(tmp_path_factory.mktemp("crafted"))
+
+
+@pytest.fixture(scope="session")
+def one_rank_gloo(tmp_path_factory):
+    """This process as a 1-rank gloo process group (FileStore), for in-process tests of code that
+    needs one (FSDP2 on a 1-rank mesh, the compression reducers); made once, kept for the session."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    return dist.group.WORLD

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.api import plan_recipe
@@ -28,11 +27,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
+def group(one_rank_gloo):
+    return one_rank_gloo  # tests/conftest.py: this process as a 1-rank gloo group
 
 
 def test_fp8_all_gather_runs_emulated_on_cpu(group):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from llmtrain.engine.parallel.compression import PowerSGDReducer, TopKReducer, powersgd_plan
@@ -22,11 +21,8 @@ from tests.distrun import run_cases
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if not dist.is_initialized():
-        store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield dist.group.WORLD
+def group(one_rank_gloo):
+    return one_rank_gloo  # tests/conftest.py: this process as a 1-rank gloo group
 
 
 def _params(*shapes: tuple[int, ...], seed: int = 0) -> list[nn.Parameter]:

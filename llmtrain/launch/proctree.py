@@ -228,3 +228,11 @@ def signals_to(handler: Callable, signals: Iterable[int] = (signal.SIGINT, signa
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def signals_recorded(received: list[int], signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+    """:func:`signals_to` a handler that only appends each signal number to ``received``: the
+    launchers (local, SSH, Slurm) poll that list from their watch loops and stop the run themselves."""
+    with signals_to(lambda signum, _frame: received.append(signum), signals):
+        yield

@@ -31,7 +31,7 @@ llmtrain) also starts afresh, said in the same way.
 
 from __future__ import annotations
 
-from math import ceil
+from math import ceil, prod
 
 import torch
 
@@ -83,11 +83,9 @@ def fit_to_saved(template: dict[str, dict[str, torch.Tensor]], optimizer, saved_
             size = getattr(meta, "size", None)
             if size is None or tuple(size) == tuple(tensor.shape):
                 continue
-            numel = 1
-            for n in size:
-                numel *= int(n)
-            if 0 <= numel <= bound and all(int(n) >= 0 for n in size):
-                entries[name] = torch.zeros(tuple(int(n) for n in size), dtype=tensor.dtype)
+            dims = tuple(int(n) for n in size)
+            if all(n >= 0 for n in dims) and prod(dims) <= bound:
+                entries[name] = torch.zeros(dims, dtype=tensor.dtype)
 
 
 def load(optimizer, rank: int, part: dict[str, dict[str, torch.Tensor]]) -> None:

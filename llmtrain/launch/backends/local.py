@@ -77,7 +77,7 @@ from llmtrain.launch.envpolicy import EnvVar, Redactor, lock_recipe, run_env
 from llmtrain.launch.events import RunStats
 from llmtrain.launch.launchplan import (ENGINE_MODULE, EXIT_FOR_SIGNAL, LaunchPlan, Rendezvous, describe,
                                        engine_module, local_defaults, local_plan, resolve_recipe, torchrun_argv)
-from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_to
+from llmtrain.launch.proctree import ProcessTree, _pdeathsig_preexec, _signal_all, marked_pids, signals_recorded
 from llmtrain.launch.rundir import RunDir, create_run_dir, new_run_id, reuse_run_dir
 from llmtrain.launch.stream import (Display, LineRouter, PipeReader, WorkerLogTailer, error_file_message,
                                    failure_lines, interrupted_line, parse_failures, stats_summary)
@@ -184,12 +184,9 @@ class LocalRun:
         self.leftovers = 0
         self.launch_id = plan.launch_id  # marks this launch's processes (not the run id: see new_launch_id)
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.signals.append(signum)
-
     def run(self) -> int:
         try:
-            with signals_to(self._on_signal):
+            with signals_recorded(self.signals):
                 return self._run()
         finally:
             self.router.close()

@@ -55,7 +55,7 @@ from llmtrain.launch.events import RunStats
 from llmtrain.cluster.hostfile import HostEntry, Hostfile
 from llmtrain.launch.launchplan import LaunchPlan, describe
 from llmtrain.launch.launchplan import engine_module, resolve_recipe
-from llmtrain.launch.proctree import signals_to
+from llmtrain.launch.proctree import signals_recorded
 from llmtrain.launch.rundir import RunDir, create_run_dir, hostfile_text, new_run_id, reuse_run_dir
 from llmtrain.launch.backends.slurm_retry import STEP_LINE_RE, node_script_name, shrunk_plans, slurm_plan
 from llmtrain.launch.backends.slurm_script import (BASE_ENV, JOB_SCRIPT, NODE_SCRIPT, SlurmOptions, check_run_dir,
@@ -85,6 +85,16 @@ def slurm_hostfile(nodes: int, per_node: int) -> Hostfile:
     return Hostfile(tuple(HostEntry(host=f"slurm-node-{i}", slots=per_node) for i in range(nodes)), source="<slurm>")
 
 
+def validated_plan(recipe, nodes: int, per_node: int):
+    """``(hostfile, plan result)`` for ``nodes`` x ``per_node`` Slurm nodes; the validation's errors
+    raised in one :class:`LLMTrainError` (the batch job and the allocation step check the same way)."""
+    hostfile = slurm_hostfile(nodes, per_node)
+    plan_result = plan_recipe(recipe, hostfile)
+    if not plan_result.valid:
+        raise LLMTrainError(plan_result.validation.errors)
+    return hostfile, plan_result
+
+
 def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Path = "runs",
                  nodes: int | None = None, gpus_per_node: int | None = None, partition: str | None = None,
                  account: str | None = None, time_limit: str | None = None, slurm_args: tuple[str, ...] = (),
@@ -105,10 +115,7 @@ def launch_slurm(recipe, overrides: list[str] | None = None, runs_root: str | Pa
     opts = SlurmOptions(n_nodes, per_node, partition, account, time_limit, recipe.cluster.gpu != "cpu",
                         tuple(slurm_args), requeue)
     opts.check()
-    hostfile = slurm_hostfile(n_nodes, per_node)
-    plan_result = plan_recipe(recipe, hostfile)
-    if not plan_result.valid:
-        raise LLMTrainError(plan_result.validation.errors)
+    hostfile, plan_result = validated_plan(recipe, n_nodes, per_node)
     console = console or Console(highlight=False, soft_wrap=True)
     say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
     for warning in plan_result.validation.warnings:
@@ -216,15 +223,12 @@ class SlurmRun:
         self.step_loop = plan.retry.max_restarts > 0
         self.new_step = False  # the loop announced a new step: re-arm the early stop after this read
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.signals.append(signum)
-
     def run(self) -> int:
         for router, node in zip(self.routers, self.plan.nodes):
             router.create_logs(node.ranks)
         finished = False
         try:
-            with signals_to(self._on_signal):
+            with signals_recorded(self.signals):
                 code = self._watch()
                 finished = True
                 return code
@@ -415,4 +419,4 @@ class SlurmRun:
                 say(line)
 
 
-__all__ = ["launch_slurm", "slurm_plan", "shrunk_plans", "slurm_hostfile", "write_scripts", "write_node_files", "SlurmRun", "failure_code"]
+__all__ = ["launch_slurm", "validated_plan", "slurm_plan", "shrunk_plans", "slurm_hostfile", "write_scripts", "write_node_files", "SlurmRun", "failure_code"]

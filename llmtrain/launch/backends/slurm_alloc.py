@@ -154,19 +154,15 @@ def launch_in_allocation(alloc: Allocation, recipe, overrides: list[str] | None 
     from llmtrain.launch.launchplan import describe, shell_words
     from llmtrain.launch.launchplan import engine_module, resolve_recipe
     from llmtrain.launch.rundir import create_run_dir, new_run_id
-    from llmtrain.launch.backends.slurm import shrunk_plans, slurm_hostfile, slurm_plan, write_node_files
+    from llmtrain.launch.backends.slurm import shrunk_plans, slurm_plan, validated_plan, write_node_files
     from llmtrain.launch.backends.slurm_script import NODE_SCRIPT, check_run_dir, job_environment, node_script
     from llmtrain.launch.backends.slurm_step import StepRun
-    from llmtrain.plan.api import plan_recipe
 
     environ = os.environ if environ is None else environ
     recipe = restore_env(resolve_recipe(recipe, overrides), environ, base_dir=os.getcwd())
     n_nodes = alloc.node_count(nodes)
     per_node, source = alloc.ranks_per_node(gpus_per_node, recipe.cluster.gpus_per_node)
-    hostfile = slurm_hostfile(n_nodes, per_node)
-    plan_result = plan_recipe(recipe, hostfile)
-    if not plan_result.valid:
-        raise LLMTrainError(plan_result.validation.errors)
+    _, plan_result = validated_plan(recipe, n_nodes, per_node)
     console = console or Console(highlight=False, soft_wrap=True)
     say = lambda text, style=None: console.print(Text(text), style=style)  # noqa: E731
     say(f"inside Slurm allocation {alloc.job_id}: {n_nodes} of its {alloc.nodes} node(s) x {per_node} rank(s) "

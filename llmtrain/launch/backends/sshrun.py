@@ -38,7 +38,7 @@ from llmtrain.launch.rundir import RunDir
 from llmtrain.launch.stream import (Display, LineRouter, LineSplitter, failure_lines, interrupted_line, parse_failures,
                                    stats_summary)
 from llmtrain.launch.watchdog import Hang, Watchdog
-from llmtrain.launch.proctree import signals_to
+from llmtrain.launch.proctree import signals_recorded
 
 EXIT_HANG = 124
 EXIT_LOST = 255
@@ -96,12 +96,9 @@ class SSHRun:
         self.hang: Hang | None = None
         self.reason: str | None = None
 
-    def _on_signal(self, signum, _frame) -> None:
-        self.signals.append(signum)
-
     def run(self) -> int:
         try:
-            with signals_to(self._on_signal):
+            with signals_recorded(self.signals):
                 return self._run()
         finally:
             for nr in self.nodes:
