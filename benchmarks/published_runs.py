@@ -2,6 +2,14 @@
 benchmarks/search_rank.py, the tables in docs/planner.md section 7).
 
     python benchmarks/published_runs.py [--tiny] [--out D]   # the rows as JSON (stdout, or D/published_runs.json)
+    python benchmarks/published_runs.py --write              # (re)write benchmarks/published/NN-<run>.yaml
+
+Each row's recipe is also a YAML file in ``benchmarks/published/`` (``--write``), and that file is
+what benchmarks/planner_vs_published.py plans, with ``llmtrain plan FILE --json``. The files are
+generated, not kept by hand: the rows are tables of a few numbers each (a paper's Table 1 is ten
+tuples here), so the generator is the one place a published number or a default is written, and
+tests/test_published.py fails when a file differs from what ``--write`` makes (run it again).
+Each file starts with a comment naming its source, URL, metric, published number and note.
 
 A row is a dict: ``source`` (paper/file and table), ``url``, ``name``, ``metric`` (one of ``METRICS``),
 ``published`` (the number as printed), ``recipe`` (a recipe dict for ``validate_recipe_dict``) and
@@ -15,10 +23,22 @@ model). Rules kept here:
 - features the engine lacks stay out of the recipe (torch.compile speed, async TP, MLA, DualPipe's
   EP overlap) and are named in the note: the row then shows what this engine would do;
 - the pipeline layer split is the planner's balanced one (``search.balanced_split``) where the
-  layers do not divide evenly; the sources do not give theirs.
+  layers do not divide evenly, written into the recipe (``parallel.pp_layers_per_stage``); the
+  sources do not give theirs;
+- zero 0/1 rows (Megatron-LM, Llama 3, NeMo, Megatron-Bridge DDP, DeepSeek-V3) carry
+  ``planner.assume_dp_overlap: true``: those stacks overlap the gradient reduction under PP and
+  ZeRO-1's parameter gather with compute, which the bundled engine does not
+  (llmtrain/recipe/schema_plan.py); FSDP rows do not need it (FSDP's prefetch is the engine's own);
+- ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
+  engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``fa3``
+  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention); torchtitan (SDPA) and
+  llm-foundry (flash-attn 2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's).
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 from llmtrain.plan.search import balanced_split
 from llmtrain.recipe.presets import PRESETS
@@ -59,9 +79,16 @@ def with_split(recipe: dict) -> dict:
     return recipe
 
 
-def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None) -> dict:
+def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
+           attention: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
-    return with_split(dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster))
+    out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
+    planner = {"assume_dp_overlap": True} if parallel.get("zero", 3) in (0, 1) else {}  # (module docstring)
+    if attention:
+        planner["attention_kernel"] = attention
+    if planner:
+        out["planner"] = planner
+    return with_split(out)
 
 
 # Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473), Table 1: GPT on DGX A100 80GB, s = 2048,
@@ -97,8 +124,9 @@ def megatron_rows() -> list[dict]:
             metric="hw TFLOP/s/GPU", published=tflops,
             recipe=recipe(gpt(h, heads, layers, tp), dict(tp=tp, pp=pp, zero=0, pp_schedule="1f1b", sequence_parallel=False),
                           dict(seq_len=2048, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="full"),
-                          gpus, "a100-80g"),
-            note="1F1B, micro batch 1, full recomputation, DDP (zero 0)" if name == "1.7B" else "as above"))
+                          gpus, "a100-80g", attention="materialized"),
+            note="1F1B, micro batch 1, full recomputation, DDP (zero 0); attention with the scores in HBM (2021, "
+                 "before FlashAttention: planner.attention_kernel materialized)" if name == "1.7B" else "as above"))
     return out
 
 
@@ -203,9 +231,11 @@ def nemo_rows() -> list[dict]:
             source="NeMo performance summary", url=NEMO, name=f"{name}, {gpus} H100, TP {tp} PP {pp} CP {cp} VP {vp}, FP8",
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
-                                           activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm"),
+                                           activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
+                          attention="fa3"),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
-                  "does not say)" if name == "GPT3-175B" else "as above")))
+                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel fa3)"
+                  if name == "GPT3-175B" else "as above")))
     return out
 
 
@@ -226,9 +256,11 @@ def bridge_rows() -> list[dict]:
             name=f"{name}, {gpus} {gpu.split('-')[0].upper()}, {'FSDP' if fsdp else 'DDP'} TP {tp} PP {pp} CP {cp} VP {vp}, FP8",
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
-                                                        activation_checkpointing="none", precision="fp8"), gpus, gpu),
+                                                        activation_checkpointing="none", precision="fp8"), gpus, gpu,
+                          attention="fa3"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as plain DDP (zero 0), ring CP, no "
-                  "recomputation (Megatron-Core's default: the table does not say)" if (system, name) == ("DGX-H100", "LLAMA3_8B")
+                  "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
+                  "(planner.attention_kernel fa3)" if (system, name) == ("DGX-H100", "LLAMA3_8B")
                   else "as above")))
     return out
 
@@ -247,15 +279,58 @@ def rows() -> list[dict]:
     return megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows() + deepseek_rows()
 
 
+RECIPES = Path(__file__).resolve().parent / "published"
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower().replace(",", "")).strip("-.")
+
+
+def recipe_file(i: int, row: dict) -> Path:
+    """``benchmarks/published/NN-<run>.yaml``: NN is the row's place in the table (1-based)."""
+    return RECIPES / f"{i + 1:02d}-{slug(row['name'])}.yaml"
+
+
+def recipe_yaml(row: dict, note: str | None = None) -> str:
+    """The row's recipe as YAML, after a comment that names its source and every choice made
+    (``note``: the row's note, spelled out where the table says "as above")."""
+    import yaml  # noqa: PLC0415
+
+    head = [f"source: {row['source']} ({row['url']})", f"run: {row['name']}",
+            f"published: {row['published']:,}" + (f" ({row['published_mfu']:.0%})" if "published_mfu" in row else "")
+            + f" {row['metric']}",
+            f"note: {note or row['note']}", "generated by: python benchmarks/published_runs.py --write (do not edit)"]
+    return "".join(f"# {line}\n" for line in head) + yaml.safe_dump(row["recipe"], sort_keys=False, width=120, default_flow_style=None)
+
+
+def write_recipes() -> list[Path]:
+    """(Re)write every row's recipe file; remove files of rows that no longer exist."""
+    RECIPES.mkdir(exist_ok=True)
+    wanted, note = {}, ""
+    for i, row in enumerate(rows()):
+        note = note if row["note"] == "as above" else row["note"]
+        wanted[recipe_file(i, row)] = recipe_yaml(row, note)
+    for old in RECIPES.glob("*.yaml"):
+        if old not in wanted:
+            old.unlink()
+    for path, text in wanted.items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return list(wanted)
+
+
 def main() -> None:
     import argparse  # noqa: PLC0415
     import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(description="the published runs as JSON")
     ap.add_argument("--tiny", action="store_true", help="accepted for the CI smoke test (the rows are data: same output)")
     ap.add_argument("--out", type=Path, default=None, help="write OUT/published_runs.json instead of stdout")
+    ap.add_argument("--write", action="store_true", help="(re)write the recipe files in benchmarks/published/")
     args = ap.parse_args()
+    if args.write:
+        print(f"wrote {len(write_recipes())} recipes to {RECIPES}")
+        return
     text = json.dumps({"tiny": args.tiny, "results": rows()}, indent=1) + "\n"
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

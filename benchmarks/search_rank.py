@@ -56,9 +56,10 @@ def label(s: tuple[int, int, int, int]) -> str:
     return " ".join(f"{k} {v}" for k, v in zip(("tp", "cp", "pp", "ep"), s) if v > 1 or k == "tp")
 
 
-def search_rank(row: dict, top: int = TOP) -> dict:
+def search_rank(row: dict, top: int = TOP, time_model: str = "v1") -> dict:
     """Where the row's published split lands in ``plan --search`` for its model, GPUs and batch."""
     data = dict(row["recipe"])
+    data["cluster"] = dict(data["cluster"], time_model=time_model)
     data["parallel"] = {k: v for k, v in data["parallel"].items() if k != "pp_layers_per_stage"}
     recipe = validate_recipe_dict(data)
     res = search(recipe, resolve_placement(recipe), top=top, dp_overlap=True)
@@ -104,6 +105,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="plan --search against published layouts")
     ap.add_argument("--tiny", action="store_true", help="CI smoke test: the first Megatron run only, top 20")
     ap.add_argument("--out", type=Path, default=None, help="also write OUT/search_rank.json")
+    ap.add_argument("--time-model", choices=("v1", "v2"), default="v1", help="cluster.time_model of every search")
     args = ap.parse_args()
     all_rows = rows()[:1] if args.tiny else rows()
     results = []
@@ -120,7 +122,7 @@ def main() -> None:
         if key in seen_runs:  # the same split under another schedule: one search answers both
             continue
         seen_runs.add(key)
-        x = search_rank(r, top=20 if args.tiny else TOP)
+        x = search_rank(r, top=20 if args.tiny else TOP, time_model=args.time_model)
         results.append({"source": r["source"], "run": r["name"], **{k: v for k, v in x.items()}})
         ranks.setdefault(r["source"], []).append((x["rank"], x["same_zero_rank"]))
         rank, same = (str(x[k + "rank"]) if x[k + "rank"] else f"> {x[k + 'seen']}" for k in ("", "same_zero_"))
@@ -137,7 +139,7 @@ def main() -> None:
     print("|---|---|---:|")
     for group in layout_groups(all_rows).values():
         pub = [r["published"] for r in group]
-        pred = [predict(r)["predicted"] for r in group]
+        pred = [predict(r, args.time_model)["predicted"] for r in group]
         text = "; ".join(f"{r['name'].rsplit(', ', 1)[-1]} {p:,} -> {q:,.0f}" for r, p, q in zip(group, pub, pred))
         print(f"| {group[0]['source']} | {text} | {kendall_tau(pub, pred):+.2f} |")
     print("\n| source | rows | pooled Kendall tau (each row a different run) |")
@@ -148,7 +150,7 @@ def main() -> None:
     for source, group in by_source.items():
         if len(group) < 3:
             continue
-        tau = kendall_tau([r["published"] for r in group], [predict(r)["predicted"] for r in group])
+        tau = kendall_tau([r["published"] for r in group], [predict(r, args.time_model)["predicted"] for r in group])
         print(f"| {source} | {len(group)} | {tau:+.2f} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

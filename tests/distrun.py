@@ -1,4 +1,8 @@
-"""Helpers to run a multi-rank job with real torchrun and collect rank 0's results."""
+"""Helpers to run a multi-rank job with torchrun's elastic agent and collect rank 0's results.
+
+The job is tests/dist_launch.py: ``elastic_launch`` (what ``torch.distributed.run`` calls) with
+the ranks forked from one process that imported torch and the engine (see its docstring: the
+imports were half of a 16-rank job); tests/dist_worker.py runs the same under plain ``torchrun``."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "dist_worker.py"
+LAUNCH = ROOT / "tests" / "dist_launch.py"
 
 
 def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int, common: list[str] | None = None,
@@ -22,7 +27,7 @@ def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int,
     spec.write_text(json.dumps({"recipe": str(ROOT / recipe), "cases": cases, "steps": steps,
                                 "set": common or [], "out": str(out)}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), str(spec)]
+    cmd = [sys.executable, str(LAUNCH), str(nproc), str(WORKER), str(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

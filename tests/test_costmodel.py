@@ -242,7 +242,7 @@ def engine(tmp_path_factory):
     spec.write_text(json.dumps({"recipe": str(REPO / "recipes/debug.yaml"), "set": COMMON, "out": str(out),
                                 "cases": [{"name": k, "set": v} for k, v in CASES.items()]}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    proc = subprocess.run([sys.executable, str(REPO / "tests/dist_launch.py"), "4",  # torchrun's agent, forked ranks
                            str(REPO / "tests/costmodel_worker.py"), str(spec)], env=env, capture_output=True, text=True,
                           timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-6000:]

@@ -146,7 +146,7 @@ def test_cp4_ring_long_sequence_matches_full_attention(tmp_path):
     its fp32 merge, measured 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails."""
     out = tmp_path / "cp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+    cmd = [sys.executable, str(ROOT / "tests" / "dist_launch.py"), "4",  # torchrun's agent, forked ranks
            str(ROOT / "tests" / "cp_attention_worker.py"), str(out), "4096"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-6000:]

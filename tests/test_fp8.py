@@ -3,7 +3,9 @@ issue 17 items 3-4: what runs on CPU, what is refused, and what the planner does
 
 FP8 all-gather runs here through torchao's CPU emulation (``emulate=True``) in this process (a gloo
 group of one rank, FSDP2 on a 1-rank mesh): the same function the GPU check runs on CUDA without
-emulation (benchmarks/gpu_check_steps/options.py ``fp8_all_gather_runs``). Async TP cannot run
+emulation (benchmarks/gpu_check_steps/options.py ``fp8_all_gather_runs``). fp8 with TP runs on 4 gloo
+ranks in the engine-parity job (tests/fp8_tp_check.py; asserted in tests/test_engine_parity.py); here
+are its validation (accepted, no warning), the conversion filter and the choice of TP styles. Async TP cannot run
 on CPU (CUDA symmetric-memory kernels): its tests are the refusals (validation and the engine's own)
 and the planner's time effect; the GPU check runs it where two GPUs exist.
 """
@@ -73,14 +75,14 @@ def test_refusals_name_the_field_and_reason(sets, field, words):
     assert any(e.startswith(field) and words in e for e in errors), errors
 
 
-def test_fp8_with_tp_is_a_warning_the_engine_refuses():
-    """The planner still plans fp8 + TP (what TorchTitan runs); validation warns that this engine
-    refuses it at start (test_engine_refuses_fp8_on_tp_sharded_linears)."""
-    recipe = load_recipe(REPO / "recipes/debug.yaml", H100 + ["parallel.tp=2"])
-    v = plan_recipe(recipe, None, 1, 4).validation
-    assert not [e for e in v.errors if "fp8" in e.message]
-    assert any(w.path == "train.precision" and "fp8 with parallel.tp 2: the engine does not run this yet" in w.message
-               for w in v.warnings), v.warnings
+def test_fp8_with_tp_is_accepted_without_a_warning():
+    """fp8 + TP runs in the engine (Float8 TP styles; tests/fp8_tp_check.py, GPU check ``fp8_tp``), so
+    plan and launch agree: no error and no fp8 warning, with and without sequence parallelism."""
+    for sp in ("true", "false"):
+        recipe = load_recipe(REPO / "recipes/debug.yaml", H100 + ["parallel.tp=2", f"parallel.sequence_parallel={sp}"])
+        v = plan_recipe(recipe, None, 1, 4).validation
+        assert not [e for e in v.errors if "fp8" in e.message or e.path == "train.precision"], v.errors
+        assert not [w for w in v.warnings if w.path == "train.precision" or "fp8" in w.message], v.warnings
 
 
 def test_accepted_where_they_can_run():
@@ -88,9 +90,9 @@ def test_accepted_where_they_can_run():
     assert not [e for e in _errors(ASYNC) if "async_tp" in e]
 
 
-def test_engine_refuses_fp8_on_tp_sharded_linears(group):
-    """apply_float8 after TP (the engine's order) would fail inside torchao's matmul (mixed Tensor /
-    DTensor, measured with the CPU emulation): it is refused first, in one line naming the field."""
+def test_float8_conversion_must_precede_tp(group):
+    """apply_float8 on Linears already TP-sharded (the wrong order: torchao's matmul would fail with
+    mixed Tensor / DTensor) is refused in one line naming the field and the order to use."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
@@ -99,8 +101,38 @@ def test_engine_refuses_fp8_on_tp_sharded_linears(group):
 
     model = nn.Sequential(nn.Linear(32, 32))
     parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel()})
-    with pytest.raises(LLMTrainError, match=r"^train\.precision: fp8 with tensor parallelism is not supported yet"):
+    with pytest.raises(LLMTrainError, match=r"^train\.precision: fp8 conversion must run before tensor parallelism"):
         apply_float8(model, emulate=True)
+
+
+def test_float8_filter_and_tp_style_choice():
+    """What apply_float8 converts on debug-moe (meta, no group): the 4 blocks' q/k/v/o and block 0's
+    dense MLP (19); never the output head, the router (128 -> 4 experts) or the shared experts (the
+    ``moe`` subtree: bf16, as the planner counts, and expert-TP shards them itself); with LoRA on wq/wv
+    those 8 stay plain too. tensor.py takes torchao's Float8 styles for a region only when all of its
+    column-parallel inputs are Float8Linear (a plain Linear must never receive an FP8 input)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.engine.parallel.float8 import apply_float8, is_float8_linear
+    from llmtrain.engine.parallel.tensor import _styles
+
+    cfg = load_recipe(REPO / "recipes/debug.yaml", ["model.preset=debug-moe"]).model
+    for skip, want in (((), 19), (("wq", "wv"), 11)):
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert apply_float8(model, emulate=True, skip=skip) == want
+        names = {n for n, m in model.named_modules() if is_float8_linear(m)}
+        assert not [n for n in names if ".moe." in n or n == "output"], names
+        assert ("layers.1.attention.wq" in names) is (not skip) and "layers.0.feed_forward.w2" in names
+    attn = model.layers["0"].attention
+    assert _styles(attn.wk, attn.wo) == (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    assert _styles(attn.wq, attn.wk, attn.wv) == (ColwiseParallel, RowwiseParallel, PrepareModuleInput)  # wq skipped
 
 
 def test_engine_refuses_async_tp_off_cuda(group):
@@ -174,3 +206,44 @@ def test_planner_gathers_the_float8_linears_at_one_byte():
         got[on] = (gather.message_bytes, cm.time.step_s)
     assert got[False][0] - got[True][0] == 32 * per_layer
     assert got[True][1] < got[False][1]
+
+
+def test_planner_holds_the_fp8_gathered_weights_at_one_byte():
+    """plan/memory.py param_buffer_bytes with ``fp8_all_gather``: llama3-8b on 8 ranks, tp 1. Zero 3
+    holds two blocks unsharded (current + prefetched): each block's Float8 Linears (q/o 2 x 4096^2,
+    k/v 2 x 4096 x 1024, MLP 3 x 4096 x 14336) at 1 byte instead of 2, so the buffer drops by exactly
+    2 x that many bytes; zero 2 holds all 32 blocks: 32 x. The root (embedding, output head, norms)
+    stays 2-byte. At tp 2 every count halves."""
+    from llmtrain.plan.dims import ParallelDims
+    from llmtrain.plan.memory import dp_mode, fp8_unsharded_numel, param_buffer_bytes
+    from llmtrain.plan.shards import inventory, stage_layers
+
+    m = load_recipe(REPO / "recipes/llama3-8b.yaml", []).model
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336
+    for tp in (1, 2):
+        assert fp8_unsharded_numel(m, range(32), tp) == (32 * per_layer // tp, per_layer // tp)
+        inv = inventory(m, stage_layers(32, 1, 1), [0], tp, 1)
+        for zero, blocks in ((3, 2), (2, 32)):
+            mode = dp_mode(zero, ParallelDims(tp=tp, dp_shard=8 // tp))
+            args = (inv.dense_numel, inv.matmul_numel, mode, "fp8", inv.largest_block, inv.root, "none")
+            bf16, fp8 = param_buffer_bytes(*args), param_buffer_bytes(*args, fp8=fp8_unsharded_numel(m, inv.layers, tp))
+            assert bf16 - fp8 == blocks * per_layer // tp, (tp, zero, bf16, fp8)
+            assert fp8 > 2 * inv.root  # the root's bf16 weights are still there
+
+
+def test_plan_counts_the_fp8_gathered_weight_buffers():
+    """End to end through ``plan_recipe`` + ``estimate`` (what ``llmtrain plan`` prints): llama3-8b,
+    8 H100, zero 3, fp8: ``parallel.fp8_all_gather`` lowers the weight buffers by exactly the two
+    held blocks' Float8 Linears at one byte less each (2 x 218,103,808 bytes), nothing else."""
+    from llmtrain.plan.api import plan_recipe
+    from llmtrain.plan.costmodel import estimate
+
+    def buffers(*extra):
+        r = load_recipe(REPO / "recipes/llama3-8b.yaml", ["cluster.gpu=h100-sxm", "cluster.nodes=1", "cluster.gpus_per_node=8",
+                                                          "train.precision=fp8", "parallel.zero=3", "parallel.tp=1", *extra])
+        plan = plan_recipe(r)
+        assert plan.valid, [e.line() for e in plan.validation.errors]
+        v = plan.validation
+        return estimate(r, v.dims, v.batch, plan.placement, hints=False).worst.other_detail["weight_buffers"]
+
+    assert buffers() - buffers("parallel.fp8_all_gather=true") == 2 * 218_103_808

@@ -93,7 +93,7 @@ def run_worker(spec: dict, path: Path, nproc: int | None) -> dict:
     path.write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(ROOT)}
     worker = str(ROOT / "tests" / "hf_io_worker.py")
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", worker, str(path)]
+    cmd = ([sys.executable, str(ROOT / "tests" / "dist_launch.py"), str(nproc), worker, str(path)]
            if nproc else [sys.executable, worker, "--single", str(path)])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -232,10 +232,10 @@ def test_same_named_runs_side_by_side_do_not_stop_each_other(tmp_path):
     code = ("import sys; from llmtrain.launch.backends.local import relaunch_local; from llmtrain.recipe.load import load_recipe; "
             "sys.exit(relaunch_local(sys.argv[1], load_recipe(sys.argv[1] + '/recipe.lock.yaml')))")
     slow = subprocess.Popen([sys.executable, "-c", code, str(runs[1])], cwd=tmp_path, text=True,
-                            env=cli_env(FAKE_ENGINE_SLEEP="2.5"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            env=cli_env(FAKE_ENGINE_SLEEP="1.2"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline, log = time.monotonic() + 120, runs[1] / "logs" / "rank-1.log"
-        while time.monotonic() < deadline:  # both slow ranks are past step 1: ~27 s of sleeping steps left
+        while time.monotonic() < deadline:  # both slow ranks are past step 1: ~13 s of sleeping steps left
             if log.exists() and "sleeping" in log.read_text(errors="replace"):
                 break
             time.sleep(0.1)

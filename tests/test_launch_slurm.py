@@ -33,6 +33,14 @@ RECIPE = REPO / "recipes" / "debug.yaml"
 CLI = [sys.executable, "-c", "from llmtrain.cli.app import main; main()"]
 STOP_S = 10.0  # the issue's bound: a killed rank or a cancelled launch ends the job within 10 s
 SECRET = "tok-5e3c7a9b1d"
+OTHER = "other-7f1e2d3c4b"  # a launch.env secret: it does travel in the job's environment (warned)
+FILE_PLAIN = "a b;rm -rf ~ $(id)"  # an env file value that must arrive verbatim, nothing run
+
+
+def env_file(path: Path) -> Path:
+    """An env file with a secret-named and a plain variable (launch.env_file)."""
+    path.write_text(f"MY_API_TOKEN={SECRET}\nexport FILE_PLAIN='{FILE_PLAIN}'\n")
+    return path
 TRAINED: dict[str, Path] = {}  # the real training run's directory: the uninterrupted reference of test_launch_slurm_faults
 
 
@@ -41,10 +49,10 @@ def cluster(request, tmp_path_factory):
     return get_cluster(request.config, tmp_path_factory)
 
 
-def write_recipe(path: Path, steps: int = 3, **env: str) -> Path:
+def write_recipe(path: Path, steps: int = 3, *, env_file: Path | None = None, **env: str) -> Path:
     """debug.yaml for 2 nodes x 1 rank (tp 1, dp 2) with gloo on the nodes' interface."""
     launch = {"env": {"GLOO_SOCKET_IFNAME": "eth0", **env}, "env_passthrough": ["FAKE_ENGINE_*"],
-              "rdzv_port": 29400 + os.getpid() % 500, "grace_s": 2}
+              "rdzv_port": 29400 + os.getpid() % 500, "grace_s": 2, **({"env_file": str(env_file)} if env_file else {})}
     text = RECIPE.read_text().replace("steps: 60", f"steps: {steps}").replace("tp: 2", "tp: 1")
     text = text.replace("nodes: 1, gpus_per_node: 4", "nodes: 2, gpus_per_node: 1")
     text = text.replace("warmup_steps: 5", "warmup_steps: 1")
@@ -99,9 +107,11 @@ def test_pure_parts_quote_references_read_exit_codes_and_one_line_messages():
 def test_dry_run_prints_job_script_and_every_node_command_and_creates_nothing(tmp_path):
     """PATH holds no Slurm client: any sbatch/scontrol call would fail the command (exit 2), so
     exit 0 proves the dry run ran none; no runs/ proves it created nothing."""
-    recipe = write_recipe(tmp_path / "r.yaml", MY_API_TOKEN=SECRET, X="a b;echo PWNED")
-    result = cli(base_env(PATH="/nonexistent"), tmp_path, "launch", str(recipe), "--launcher", "slurm", "--dry-run",
-                 "--partition", "gpu", "--account", "proj1", "--time", "01:30:00", "--slurm-arg=--qos=high")
+    (tmp_path / "e").write_text(f"FILE_TOKEN={SECRET}\nFILE_PLAIN=plain-from-file\nX=shadowed\n")
+    recipe = write_recipe(tmp_path / "r.yaml", MY_API_TOKEN=OTHER, X="a b;echo PWNED", env_file=tmp_path / "e")
+    result = cli(base_env(PATH="/nonexistent", HF_TOKEN=OTHER + "-hf"), tmp_path, "launch", str(recipe), "--launcher",
+                 "slurm", "--dry-run", "--partition", "gpu", "--account", "proj1", "--time", "01:30:00",
+                 "--slurm-arg=--qos=high")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr  # no Slurm client on PATH: a dry run runs none
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --account=proj1",
@@ -119,8 +129,16 @@ def test_dry_run_prints_job_script_and_every_node_command_and_creates_nothing(tm
         assert "LLMTRAIN_NODE_ID=" in line and f".{rank} " in line.split("LLMTRAIN_NODE_ID=")[1][:40]
     case_lines = [line for line in out.splitlines() if re.match(r"^[01]\) cd ", line)]
     assert len(case_lines) == 2 and all("MY_API_TOKEN" not in line and "PWNED" not in line for line in case_lines)
-    assert "values are not written here): GLOO_SOCKET_IFNAME MY_API_TOKEN PYTHONPATH X\n" in out
-    assert SECRET not in out + result.stderr
+    # the env file's values never go through Slurm: each node's torchrun starts under envexec, which reads the file
+    envexec = f" -m llmtrain.launch.envexec --env-file {tmp_path / 'e'} --only FILE_PLAIN,FILE_TOKEN -- "
+    assert all(envexec in line and "plain-from-file" not in line for line in case_lines), case_lines[0]
+    assert "values are not written here): GLOO_SOCKET_IFNAME HF_TOKEN MY_API_TOKEN PYTHONPATH X\n" in out  # X: launch.env
+    assert f"# read by each node from launch.env_file {tmp_path / 'e'} (never sent through Slurm): FILE_PLAIN " \
+           "FILE_TOKEN\n" in out
+    assert out.startswith("warning: secrets in the Slurm job's environment, which slurmctld keeps on the controller's "
+                          "disk while it knows the job: HF_TOKEN (passed through from this shell), MY_API_TOKEN "
+                          "(launch.env); put them into launch.env_file"), out
+    assert SECRET not in out + result.stderr and OTHER not in out + result.stderr
     assert out.rstrip().splitlines()[-1].startswith("dry run: nothing was created or submitted")
     assert not (tmp_path / "runs").exists()
 
@@ -170,8 +188,9 @@ def test_slurm_refusals_are_one_line_with_the_fix_and_submit_nothing(cluster, tm
 
 
 def test_real_engine_trains_on_two_slurm_nodes(cluster, tmp_path):
-    """The one real training run: the debug recipe (dp 2) for 3 steps, one rank on each node."""
-    recipe = write_recipe(tmp_path / "r.yaml", steps=3)
+    """The one real training run: the debug recipe (dp 2) for 3 steps, one rank on each node
+    (torchrun started through envexec: the recipe has an env file)."""
+    recipe = write_recipe(tmp_path / "r.yaml", steps=3, env_file=env_file(tmp_path / "e"))
     result = cli(cluster.env(OMP_NUM_THREADS="1"), tmp_path, "launch", str(recipe), "--launcher", "slurm",
                  timeout=240)
     out = result.stdout
@@ -185,12 +204,50 @@ def test_real_engine_trains_on_two_slurm_nodes(cluster, tmp_path):
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert (run / "hostfile").read_text() == f"{n0} slots=1\n{n1} slots=1\n"
     assert (run / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash\n")
+    assert " -m llmtrain.launch.envexec --env-file " in (run / "slurm" / "node.sh").read_text()
     assert cluster.jobs() == [] and run_processes(run.name) == []
     TRAINED["run"] = run
 
 
+def test_env_file_the_nodes_cannot_read_fails_the_check_and_the_launch_in_one_line(cluster, tmp_path):
+    """Each node reads launch.env_file itself (envexec): ``hosts check --launcher slurm`` checks it
+    there, and a launch whose nodes cannot read it fails at once with one line, no traceback.
+    "Not shared storage" is real here: a tmpfs mounted after the cluster started is invisible
+    to the nodes (each slurmd runs in a private mount namespace, tests/slurmcluster.py)."""
+    recipe = write_recipe(tmp_path / "r.yaml", env_file=env_file(tmp_path / "e"))
+    result = cli(cluster.env(), tmp_path, "hosts", "check", "--launcher", "slurm", "--recipe", str(recipe), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [h["checks"]["env_file"]["value"] for h in json.loads(result.stdout)["hosts"]] == [
+        f"{tmp_path / 'e'} readable on {node} with every variable the launcher read" for node in cluster.nodes]
+    private = tmp_path / "private"
+    private.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(private)], check=True)
+    try:
+        recipe = write_recipe(tmp_path / "r.yaml", env_file=env_file(private / "e"))
+        check = cli(cluster.env(), tmp_path, "hosts", "check", "--launcher", "slurm", "--recipe", str(recipe), "--json")
+        assert check.returncode == 1, check.stdout + check.stderr
+        for host, node in zip(json.loads(check.stdout)["hosts"], cluster.nodes):
+            assert host["checks"]["env_file"] == {
+                "name": "env_file", "status": "fail", "value": f"launch.env_file: env file not found: {private / 'e'} on node {node}",
+                "hint": "put the env file on storage every node mounts at the same path (like the run directory), "
+                        "or fix launch.env_file"}
+        launch = cli(cluster.env(), tmp_path, "launch", str(recipe), "--launcher", "slurm", timeout=120)
+    finally:
+        subprocess.run(["umount", str(private)], check=True)
+    out = launch.stdout
+    assert launch.returncode == 2 and "Traceback" not in out + launch.stderr, out + launch.stderr
+    # the first node's line cancels the job (the other node's may not come before)
+    assert any(f"[{node}] llmtrain: launch.env_file: env file not found: {private / 'e'} on node {node}; put the env "
+               "file on storage every node mounts at the same path" in out for node in cluster.nodes), out
+    assert re.search(r"\[launcher\] a rank failed on \S+ \(it cannot read launch.env_file\): cancelling Slurm job", out)
+    assert "== run failed: exit code 2 (Slurm job" in out and SECRET not in out + launch.stderr
+    assert cluster.jobs() == []
+
+
 def _sleeping_job(cluster, tmp_path: Path, **env: str) -> tuple[Background, Path]:
-    recipe = write_recipe(tmp_path / "r.yaml", steps=6, MY_API_TOKEN=SECRET, T_TRICKY="a b;echo PWNED $(id)")
+    """Ranks of fake_engine sleeping on both nodes; MY_API_TOKEN and FILE_PLAIN from an env file."""
+    recipe = write_recipe(tmp_path / "r.yaml", steps=6, OTHER_TOKEN=OTHER, T_TRICKY="a b;echo PWNED $(id)",
+                          env_file=env_file(tmp_path / "e"))
     bg = Background(cluster.env(LLMTRAIN_ENGINE_MODULE="fake_engine", FAKE_ENGINE_SLEEP="60",
                                 UNRELATED_VAR="must-not-travel", **env),
                     tmp_path, "launch", str(recipe), "--launcher", "slurm")
@@ -211,8 +268,16 @@ def _gone(cluster, run_id: str, timeout: float) -> tuple[list[int], list[str]]:
     return run_processes(run_id), cluster.jobs()
 
 
+def job_files(cluster) -> list[Path]:
+    """Every file of slurmctld's StateSaveLocation and the slurmds' SlurmdSpoolDir (tests/slurmcluster.py)."""
+    return [f for sub in ("state", "spool") for f in (cluster.root / sub).rglob("*") if f.is_file()]
+
+
 def test_rank_killed_with_sigkill_ends_the_job_and_the_launch_within_10s(cluster, tmp_path):
-    """Also the job's environment: exactly the policy (secrets arrive literally, never on disk).
+    """Also the job's environment: exactly the policy, secrets arrive literally. The env file's
+    values are on no disk but the env file's: not in the run directory, not in slurmctld's state
+    (the job's ``environment`` file, which exists while the job does and holds the launch.env
+    secret: so the search looks at the right file), not in the slurmds' spool.
 
     Bound: the issue's 10 s from the kill to llmtrain's exit. Measured: 1.5 s on a quiet
     machine; 3-11 s with the 2 cores at load 18-36 (torchrun's own exit after the failure, and
@@ -222,11 +287,18 @@ def test_rank_killed_with_sigkill_ends_the_job_and_the_launch_within_10s(cluster
         for rank in (0, 1):
             data = json.loads((tmp_path / f"env.{rank}.json").read_text())
             assert data["env"]["MY_API_TOKEN"] == SECRET and data["env"]["T_TRICKY"] == "a b;echo PWNED $(id)"
+            assert data["env"]["FILE_PLAIN"] == FILE_PLAIN and data["env"]["OTHER_TOKEN"] == OTHER
             assert "UNRELATED_VAR" not in data["env"] and data["env"]["LLMTRAIN_NODE_ID"] == f"{run.name}.{rank}"
             assert data["netns"] == f"net:[{os.stat(f'/run/netns/{cluster.netns[rank]}').st_ino}]"  # on its node
-        for path in [*run.rglob("*")]:
-            if path.is_file() and "torchrun" not in path.parts:  # torchrun/: the workers' own raw output
-                assert SECRET.encode() not in path.read_bytes(), path
+        job_id = re.search(r"submitted Slurm job (\d+)", bg.text).group(1)
+        stored = list((cluster.root / "state").glob(f"hash.*/job.{job_id}/environment"))
+        assert len(stored) == 1 and OTHER.encode() in stored[0].read_bytes()  # what travels through Slurm is stored
+        assert "warning: secrets in the Slurm job's environment, which slurmctld keeps on the controller's disk " \
+               "while it knows the job: OTHER_TOKEN (launch.env); put them into launch.env_file" in bg.text
+        for path in [*run.rglob("*"), *job_files(cluster)]:
+            if path.is_file():
+                data = path.read_bytes()
+                assert SECRET.encode() not in data and FILE_PLAIN.encode() not in data, path
         worker = next(pid for pid in run_processes(run.name) if b"\0RANK=1\0" in b"\0" + environ(pid))
         os.kill(worker, signal.SIGKILL)
         t0 = time.monotonic()

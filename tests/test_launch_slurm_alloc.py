@@ -13,7 +13,11 @@ import time
 import pytest
 
 from tests.sshhosts import run_processes
-from tests.test_launch_slurm import STOP_S, Background, base_env, cli, cluster, environ, job_names, write_recipe  # noqa: F401
+from tests.test_launch_slurm import (FILE_PLAIN, SECRET, STOP_S, Background, base_env, cli, cluster, env_file,  # noqa: F401
+                                     environ, job_files, job_names, write_recipe)
+
+
+STEP_ONLY = "step-only-9a8b7c6d"  # a launch.env secret of this file only (the batch tests' one IS in slurmctld's state)
 
 
 def _allocation(cluster) -> tuple[str, dict[str, str]]:
@@ -31,7 +35,7 @@ def test_inside_an_allocation_plan_and_launch_use_it_with_one_srun_step(cluster,
     salloc's shell): plan reports 2 nodes; launch trains the debug recipe (dp 2, 3 steps) as one
     step of that job (no new job), both nodes' lines prefixed; after it no step and no process is
     left, and the allocation itself is still there (it is the user's)."""
-    recipe = write_recipe(tmp_path / "r.yaml", steps=3)
+    recipe = write_recipe(tmp_path / "r.yaml", steps=3, env_file=env_file(tmp_path / "e"))  # torchrun under envexec
     job_id, slurm_env = _allocation(cluster)
     try:
         env = cluster.env(OMP_NUM_THREADS="1", **slurm_env)
@@ -62,15 +66,26 @@ def test_inside_an_allocation_plan_and_launch_use_it_with_one_srun_step(cluster,
 @pytest.mark.parametrize("how", ["rank-SIGKILL", "launcher-SIGINT"])
 def test_inside_an_allocation_a_failure_or_ctrl_c_stops_the_step_not_the_allocation(cluster, tmp_path, how):
     """Bound: the issue's 10 s (kill -> llmtrain's exit), as for the batch path. The step is
-    stopped (scancel JOBID.STEPID), every process of the run is gone, the allocation stays."""
-    recipe = write_recipe(tmp_path / "r.yaml", steps=6)
+    stopped (scancel JOBID.STEPID), every process of the run is gone, the allocation stays.
+    The env file's values reach the ranks (envexec on each node) and no file of Slurm's or the run's;
+    nor does a launch.env secret, which travels in the step's environment (srun hands it to slurmd
+    in memory: no warning is printed for it here, unlike for a batch job)."""
+    recipe = write_recipe(tmp_path / "r.yaml", steps=6, OTHER_TOKEN=STEP_ONLY, env_file=env_file(tmp_path / "e"))
     job_id, slurm_env = _allocation(cluster)
     try:
-        bg = Background(cluster.env(LLMTRAIN_ENGINE_MODULE="fake_engine", FAKE_ENGINE_SLEEP="60", **slurm_env),
+        bg = Background(cluster.env(LLMTRAIN_ENGINE_MODULE="fake_engine", FAKE_ENGINE_SLEEP="60",
+                                    FAKE_ENGINE_ENV_DUMP=str(tmp_path / "env"), **slurm_env),
                         tmp_path, "launch", str(recipe))
         n0, n1 = cluster.nodes
         bg.wait_for(f"[{n0}:0] rank 0 sleeping", f"[{n1}:1] rank 1 sleeping")
         run = next((tmp_path / "runs" / "debug").iterdir())
+        for rank in (0, 1):
+            got = json.loads((tmp_path / f"env.{rank}.json").read_text())["env"]
+            assert got["MY_API_TOKEN"] == SECRET and got["FILE_PLAIN"] == FILE_PLAIN and got["OTHER_TOKEN"] == STEP_ONLY
+        for path in [*run.rglob("*"), *job_files(cluster)]:
+            if path.is_file():
+                assert SECRET.encode() not in path.read_bytes() and STEP_ONLY.encode() not in path.read_bytes(), path
+        assert "warning: secrets in the Slurm job's environment" not in bg.text
         try:
             if how == "rank-SIGKILL":
                 os.kill(next(pid for pid in run_processes(run.name) if b"\0RANK=1\0" in b"\0" + environ(pid)),

@@ -58,15 +58,50 @@ def test_docs_table_is_the_scripts_output():
     assert "\n".join(table) in section, "docs/planner.md section 7 is stale: paste `python benchmarks/planner_vs_published.py`"
 
 
-def test_power_cap_slows_the_torchtitan_rows():
+def test_power_cap_slows_the_torchtitan_rows(tmp_path):
     """torchtitan's 500 W H100 rows are planned with cluster.gpu_power_w 500: the cap scales only the
     compute peak by 500/700, so the prediction drops, by at most that factor (communication and
     memory-bound time do not scale)."""
     row = next(r for r in ROWS if r["recipe"]["cluster"].get("gpu_power_w") == 500 and r["metric"] == "tokens/s/GPU")
     uncapped = dict(row, recipe=dict(row["recipe"], cluster={k: v for k, v in row["recipe"]["cluster"].items()
                                                              if k != "gpu_power_w"}))
-    capped, full = planner_vs_published.predict(row)["predicted"], planner_vs_published.predict(uncapped)["predicted"]
+    path = tmp_path / "uncapped.yaml"
+    path.write_text(published_runs.recipe_yaml(uncapped))
+    capped, full = planner_vs_published.predict(row)["predicted"], planner_vs_published.predict(uncapped, path=path)["predicted"]
     assert 500 / 700 - 1e-9 <= capped / full < 1.0
+
+
+def test_recipe_files_are_the_generators_output():
+    """benchmarks/published/ holds exactly one file per row, each what ``published_runs.py --write``
+    writes (the benchmark plans the files: a row edited without rewriting them would be stale)."""
+    want = {published_runs.recipe_file(i, r).name for i, r in enumerate(ROWS)}
+    assert {p.name for p in published_runs.RECIPES.glob("*.yaml")} == want
+    note = ""
+    for i, row in enumerate(ROWS):
+        note = note if row["note"] == "as above" else row["note"]
+        assert published_runs.recipe_file(i, row).read_text() == published_runs.recipe_yaml(row, note), \
+            f"{row['name']}: run `python benchmarks/published_runs.py --write`"
+
+
+def test_the_real_cli_gives_the_benchmarks_number():
+    """One row through a real ``llmtrain plan FILE --json`` process equals the benchmark's in-process
+    number (the same code path), and the text plan marks the DP collectives it priced under
+    ``planner.assume_dp_overlap``."""
+    import json
+    import subprocess
+
+    i, row = next((i, r) for i, r in enumerate(ROWS) if r["source"].startswith("Megatron-Bridge") and
+                  r["recipe"]["parallel"]["zero"] == 0 and r["recipe"]["cluster"]["nodes"] == 8)
+    path = published_runs.recipe_file(i, row)
+    cmd = [sys.executable, "-m", "llmtrain.cli.app", "plan", str(path)]
+    out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True, timeout=120).stdout
+    assert json.loads(out)["time"]["planner_assumptions"] == ["planner.assume_dp_overlap true"]
+    assert json.loads(out)["time"]["tokens_per_s_per_gpu"] == pytest.approx(planner_vs_published.predict(row)["predicted"],
+                                                                           rel=1e-12)
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout
+    dp = [line for line in text.splitlines() if line.strip().startswith("dp ")]
+    assert dp and all("planner.assume_dp_overlap" in line for line in dp)
+    assert "assumes (planner only; the bundled engine does not do this): planner.assume_dp_overlap true" in text
 
 
 def test_pruned_search_keeps_the_fp8_optimum():

@@ -100,3 +100,78 @@ def test_switch_absent_is_v1_and_v2_keeps_bytes():
     assert v2.time.step_s != v1.time.step_s
     assert v2.worst.peak == v1.worst.peak and v2.flops == v1.flops
     assert [(c.op, c.message_bytes, c.count) for c in v2.comms] == [(c.op, c.message_bytes, c.count) for c in v1.comms]
+
+
+# -- issue 18 section 9.1 terms: overlap interference, FSDP per-block waits, launches, attention kernels ----
+
+
+def _shape(**kw):
+    base = dict(b=1, s=8192, seq=8192, h=4096, heads=32, kv_heads=8, hd=128, ffn=14336, vocab=128256, tp=1, sp=False, e=2)
+    return ops.BlockShape(**(base | kw))
+
+
+def test_overlap_slowdown_from_the_ctas_nccl_holds():
+    """With NCCL's 24 CTAs resident, 108 of 132 H100 SMs are left: the GEMMs and attention lose at least
+    24/132 of their rate (wave re-quantization can only add to it), the memory-bound ops nothing, so the
+    lost share sits between the SM share times the compute share and a little above the SM share."""
+    x = _shape()
+    lost = ops.overlap_slowdown(x, H100, 32, 0, True)
+    assert 0.5 * 24 / 132 < lost < 0.3
+    # a GEMM on 108 SMs vs 132: peak scales, and the waves are re-counted on 108 SMs
+    full, fewer = ops.gemm_seconds(8192, 4096, 4096, H100), ops.gemm_seconds(8192, 4096, 4096, H100, sms=108)
+    assert fewer / full >= 132 / 108 - 1e-9
+    cpu = GPUS["cpu"]
+    assert ops.overlap_slowdown(x, cpu, 1, 0, False) == 0.0  # 1 "SM": no NCCL CTAs to hold
+
+
+def test_fsdp_per_block_waits_exceed_the_pooled_window():
+    """4 equal blocks, 1 s of gathers per pass (0.25 s each), 0.6 s of compute (0.15 s per block):
+    each later block waits 0.25 - 0.15 = 0.1 s, so 0.25 + 3 x 0.1 = 0.55 s; v1 pools the slack
+    (0.25 + max(0, 0.75 - 0.6) = 0.4 s). With compute to spare both give only the first gather."""
+    from llmtrain.plan.comm import Comm
+    from llmtrain.plan.steptime import _fsdp_exposed, fsdp_block_exposed
+
+    c = Comm("dp", "all-gather", 8, 1.0, 1, "nvlink", 1.0, "fsdp-gather")
+    assert fsdp_block_exposed(c, 0.25, 0.6) == pytest.approx(0.55, rel=1e-9)
+    assert _fsdp_exposed(c, 0.25, 0.6) == pytest.approx(0.40, rel=1e-9)
+    assert fsdp_block_exposed(c, 0.25, 4.0) == pytest.approx(0.25, rel=1e-9)
+
+
+def test_launches_bound_small_blocks_only():
+    """A pass takes max(GPU, CPU launches): tiny blocks are launch-bound, compile launches fewer
+    kernels; at the published sizes the GPU is busier and launches cost nothing."""
+    tiny = _shape(s=128, seq=128, h=256, heads=4, kv_heads=4, hd=64, ffn=768, vocab=1000)
+    f_gpu, _ = ops.rank_seconds(tiny, H100, 4, 0, False)
+    f_cpu, b_cpu = ops.launch_seconds(tiny, 4, compiled=False, fsdp=False)
+    assert f_cpu == pytest.approx(4 * 20 * 10e-6) and b_cpu == pytest.approx(4 * 28 * 10e-6)
+    assert f_cpu > f_gpu
+    assert ops.launch_seconds(tiny, 4, compiled=True, fsdp=False)[0] < f_cpu
+    full = ops.launch_seconds(tiny.__class__(**{**tiny.__dict__, "recompute": "full"}), 4, False, True)
+    assert full == pytest.approx((4 * 22 * 10e-6, 4 * (28 + 20 + 4) * 10e-6))
+    big = _shape()
+    assert ops.launch_seconds(big, 32, False, True)[0] < ops.rank_seconds(big, H100, 32, 0, False)[0]
+
+
+def test_attention_kernels():
+    """The engine's SDPA (FA2) runs at 35 % of the H100 peak forward; fa3 at 62 %; on A100 fa3 is FA2
+    (no FA3 there); materialized scores (no causal skip) move (4e+1) bytes per score forward."""
+    eng = ops.attention_seconds(1, 8192, 8192, 32, 128, True, H100)
+    fa3 = ops.attention_seconds(1, 8192, 8192, 32, 128, True, H100, kernel="fa3")
+    flops = 4.0 * 8192 * 8192 * 32 * 128 * 0.5
+    assert eng[0] == pytest.approx(flops / (989e12 * 0.35), rel=1e-9)
+    assert fa3[0] == pytest.approx(flops / (989e12 * 0.62), rel=1e-9)
+    a100 = GPUS["a100-80g"]
+    assert ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100, kernel="fa3") == \
+        ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100)
+    mat_f, mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100, kernel="materialized")
+    qk = ops.gemm_seconds(24 * 2048, 2048, 96, a100)
+    assert mat_f == pytest.approx(2 * qk + ops.membound_seconds(9 * 24 * 2048 * 2048, a100), rel=1e-9)
+    assert mat_b > mat_f
+
+
+def test_v2_breakdown_has_the_overlap_term_and_v1_none():
+    """v2's breakdown adds the interference seconds (hidden FSDP traffic x lost share); v1 stays as it was."""
+    v1, v2 = _plan("v1"), _plan("v2")
+    assert "overlap" not in v1.time.breakdown
+    assert v2.time.breakdown["overlap"] > 0
+    assert v2.time.step_s == pytest.approx(sum(v2.time.breakdown.values()), rel=1e-9)

@@ -2,6 +2,9 @@
 
 0. pipeline split (PP > 1): one model chunk per local stage (:mod:`.parallel.pipeline`);
 then for each chunk:
+0b. ``train.precision: fp8``: the blocks' Linears become torchao ``Float8Linear`` s
+   (:mod:`.parallel.float8`) *before* any sharding, as TorchTitan does: TP then shards them with
+   torchao's Float8 styles and FSDP2 shards the converted weights (its FP8 all-gather hooks);
 1. tensor parallel (+ sequence parallel, vocabulary-parallel loss) over the ``tp`` mesh, MoE
    experts included (expert-TP: each expert split over ``tp``);
 2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh, and expert
@@ -61,6 +64,10 @@ def uses_fsdp(recipe: Recipe, meshes: Meshes) -> bool:
 
 def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
     p, t = recipe.parallel, recipe.train
+    if t.precision == "fp8":  # CUDA only (validation refuses it elsewhere): Float8 Linears before TP and FSDP
+        from llmtrain.engine.parallel.float8 import apply_float8
+
+        apply_float8(model, fp8_all_gather=p.fp8_all_gather, skip=tuple(t.lora.target_names) if t.lora else ())
     if meshes.dims.tp > 1:
         apply_tensor_parallel(model, meshes.tp, sequence_parallel=p.sequence_parallel, loss_parallel=True)
     if meshes.dims.cp > 1:
@@ -70,10 +77,6 @@ def parallelize(model: nn.Module, meshes: Meshes, recipe: Recipe) -> nn.Module:
         apply_expert_parallel(model, meshes.ep_root["ep", "tp"] if meshes.dims.tp > 1 else meshes.ep)
     if t.lora is not None:  # adapters on the (TP-sharded) projections, everything else frozen
         apply_lora(model, t.lora, meshes.tp if meshes.dims.tp > 1 else None)
-    if t.precision == "fp8":  # CUDA only (validation refuses it elsewhere): Float8 Linears before FSDP
-        from llmtrain.engine.parallel.float8 import apply_float8
-
-        apply_float8(model, fp8_all_gather=p.fp8_all_gather)
     apply_activation_checkpointing(model, t.activation_checkpointing)
     if p.async_tp:  # CUDA only (validation refuses it elsewhere): before the blocks are compiled
         from llmtrain.engine.parallel.async_tp import enable_async_tp

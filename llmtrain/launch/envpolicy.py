@@ -29,7 +29,10 @@ Values never reach disk: :func:`lock_recipe` is the recipe written to ``recipe.l
 and sources only, :mod:`llmtrain.recipe.lock`), and :func:`restore_env` takes the values again
 from the caller's environment or the env file when a locked recipe is run again (``resume``,
 whole-job retries); a missing one is an error naming it, and a mask is never sent as a value.
-The local launcher applies the same policy (:func:`policy_env`, :func:`launcher_env`).
+The local launcher applies the same policy (:func:`policy_env`, :func:`launcher_env`). Under
+``--launcher slurm`` the values read from the env file (:func:`read_from_file`) are read again by
+each node (:mod:`llmtrain.launch.envexec`) instead of going through Slurm, which keeps a batch
+job's environment on the controller's disk.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED = ("LLMTRAIN_RUN_ID", "LLMTRAIN_RUN_DIR", "LLMTRAIN_NODE_ID", "LLMTRAIN_LAUNCH_ID", "PYTHONUNBUFFERED")
 MAX_ENV_FILE = MIB
 __all__ = ["MASK", "MIN_REDACT", "EnvVar", "is_secret", "read_env_file", "policy_env", "launcher_env", "merge",
-           "shell_assignments", "Redactor", "lock_recipe", "restore_env", "run_env", "env_file_path"]
+           "shell_assignments", "Redactor", "lock_recipe", "restore_env", "run_env", "env_file_path", "read_from_file"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,14 @@ def env_file_path(launch: LaunchConfig, base_dir: str | Path | None = None) -> P
     if base_dir is not None and not path.is_absolute():
         path = Path(base_dir) / path
     return path
+
+
+def read_from_file(policy: Iterable[EnvVar], launch: LaunchConfig) -> list[EnvVar]:
+    """The variables of ``policy`` whose value :func:`policy_env` read from ``launch.env_file``
+    itself: source ``env_file`` and not in ``launch.env`` (an env file's name there holds a value
+    restored from the caller's environment, which the file no longer has). A node that reads the
+    same file gets exactly these (:mod:`llmtrain.launch.envexec`)."""
+    return [v for v in policy if v.source == "env_file" and v.name not in launch.env]
 
 
 def policy_env(launch: LaunchConfig, environ: Mapping[str, str] | None = None,

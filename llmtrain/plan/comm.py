@@ -219,8 +219,8 @@ def fp8_gather_numel(m, layers, tp: int) -> int:
     the Linears engine/parallel/float8.py converts (every block's q/k/v/o, the dense MLP's
     w1/w2/w3; not the output head, the embedding, norms, biases or MoE experts), split over tp.
     Like plan/flops.py ``fp8_matmul_fraction`` it does not apply the engine's multiple-of-16
-    filter (production shapes pass it). Not checked against the engine: fp8 needs CUDA; the GPU
-    check's world-1 run gathers nothing over a link."""
+    filter (production shapes pass it). The engine's gathered float8 weights are counted in the
+    CPU-emulated 4-rank fp8 + TP x FSDP2 case (tests/fp8_tp_check.py)."""
     h, hd = m.hidden, m.head_dim
     attn = 2 * h * m.heads * hd + 2 * h * m.kv_heads * hd
     return sum(attn + (0 if m.is_moe_layer(i) else 3 * h * m.ffn_hidden) for i in layers) // tp

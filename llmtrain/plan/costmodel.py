@@ -35,8 +35,8 @@ from llmtrain.plan.flops import (
 )
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
-    DPMode, best_dp_index, compute_bytes, dp_mode, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
-    param_buffer_bytes, worst_dp_index,
+    DPMode, best_dp_index, compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, model_state_bytes,
+    optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import gradient_ready
@@ -83,6 +83,7 @@ class CostModel:
     worst_rank: int
     hints: list[dict] = field(default_factory=list)
     time_model: str = "v1"  # cluster.time_model: v1 (FLOPs x one efficiency) or v2 (plan/ops.py, plan/commtime.py)
+    assumptions: list[str] = field(default_factory=list)  # planner-only settings in effect (recipe/schema_plan.py)
 
     @property
     def fits(self) -> bool:
@@ -141,7 +142,8 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
 
     other = {
         "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel, mode, t.precision,
-                                             inv.largest_block, inv.root, recompute),
+                                             inv.largest_block, inv.root, recompute,
+                                             fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0)),
         "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,
                                           int(p.dp_bucket_mb * 2**20), pp=dims.pp,
                                           reduce_each=p.fsdp_reduce_each_microbatch),
@@ -199,6 +201,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
              fast: bool = False, hints: bool = True) -> CostModel:
     m, p, t = recipe.model, recipe.parallel, recipe.train
     gpu = cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)  # cluster.gpu_power_w scales the peaks
+    # planner.assume_dp_overlap says in the recipe what dp_overlap=True says here (a published stack's
+    # overlap the engine lacks), so `plan FILE` and `plan --search` price a published run as written
+    dp_overlap = dp_overlap or recipe.planner.assume_dp_overlap
     mode = dp_mode(p.zero, dims)
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
@@ -267,16 +272,21 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
         if v2:
-            f_s, b_s = ops.rank_seconds(shape, gpu, len(inv.layers) - inv.moe_layers, inv.moe_layers, inv.last)
+            dense, moe = len(inv.layers) - inv.moe_layers, inv.moe_layers
+            f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last)
             copies = sum(2 * c.message_bytes * c.count for c in comms if c.phase.startswith("fsdp"))
-            works[-1].fwd_s, works[-1].bwd_s = f_s, b_s + ops.membound_seconds(copies, gpu) / batch.microbatches
+            b_s += ops.membound_seconds(copies, gpu) / batch.microbatches
+            # eager launches: a pass takes the longer of the GPU's work and the CPU's launches (ops.launch_seconds)
+            cpu_f, cpu_b = ops.launch_seconds(shape, len(inv.layers), t.compile, mode.kind == "fsdp")
+            works[-1].fwd_s, works[-1].bwd_s = max(f_s, cpu_f), max(b_s, cpu_b)
+            works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
                    model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap, dims.pp, t.precision,
-                   fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0)
+                   fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0, v2=v2)
     flops = {
         "model_flops_per_token": model_tok, "model_flops_per_step": model_tok * tokens_step,
         "model_flops_per_gpu_per_step": model_tok * tokens_step / world,
@@ -288,7 +298,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                          if lk is not None else ""),
     }
     cm = CostModel(gpu, mode, worst, per_pp, flops, comm_by_rank[st.slowest_pp_rank], bubble, st, _global_rank(dims, worst),
-                   time_model=recipe.cluster.time_model)
+                   time_model=recipe.cluster.time_model, assumptions=planner_assumptions(recipe))
     if hints and not cm.fits:
         from llmtrain.plan.hints import memory_hints  # noqa: PLC0415  (imports validate; avoids a cycle)
 
@@ -353,9 +363,20 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
         "comm": [c.to_dict() for c in cm.comms],
         "bubble_fraction": cm.bubble,
         "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "time_model": cm.time_model,
+                 "planner_assumptions": cm.assumptions,
                  "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12,
                  "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12},  # differs under cluster.gpu_power_w (recipe/gpus.py)
     }
+
+
+def planner_assumptions(recipe: Recipe) -> list[str]:
+    """The recipe's planner-only settings that differ from the engine's behaviour, as ``key value``
+    (``plan`` prints them beside the time: the engine does not do what they price)."""
+    pl = recipe.planner
+    out = ["planner.assume_dp_overlap true"] if pl.assume_dp_overlap else []
+    if pl.attention_kernel != "engine" and recipe.cluster.time_model == "v2":
+        out.append(f"planner.attention_kernel {pl.attention_kernel}")
+    return out
 
 
 def replicated_grad_extra(inv) -> int:

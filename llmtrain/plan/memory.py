@@ -38,6 +38,7 @@ import heapq
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from llmtrain.plan.comm import fp8_gather_numel
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.shards import ParamShape, fsdp_local_numel, fsdp_numel, zero1_loads
 from llmtrain.recipe.schema import bf16_compute
@@ -270,8 +271,19 @@ def compute_bytes(precision: str) -> int:
 
 
 # ---- working buffers ("other") --------------------------------------------------------------------
+def fp8_unsharded_numel(m, layers, tp: int) -> tuple[int, int]:
+    """(every held block, the smallest block share) of weight elements that FSDP2 holds unsharded as
+    float8 under ``parallel.fp8_all_gather``: the converted Linears (plan/comm.py ``fp8_gather_numel``:
+    attention q/k/v/o, the dense MLP; MoE blocks only their attention), split over tp. The second is
+    the least of any held block, so subtracting it from the largest block's bytes never undercounts
+    (exact when all held blocks are alike)."""
+    if not layers:
+        return 0, 0
+    return fp8_gather_numel(m, layers, tp), min(fp8_gather_numel(m, [i], tp) for i in layers)
+
+
 def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, largest_block: int, root_numel: int,
-                       recompute: str) -> int:
+                       recompute: str, fp8: tuple[int, int] = (0, 0)) -> int:
     """Compute copies of the weights that live during forward/backward.
 
     - zero 0/1, bf16: autocast's bf16 copy of every matmul weight, saved for backward. We count
@@ -284,12 +296,22 @@ def param_buffer_bytes(total: int, matmul: int, mode: DPMode, precision: str, la
       backward.
     - FSDP zero 3 (pp = 1): the current and the prefetched block, plus the root module
       (embedding, final norm, output), which the engine never reshards after forward.
+    - ``parallel.fp8_all_gather`` (``fp8`` = :func:`fp8_unsharded_numel`): a Float8 Linear's unsharded
+      weight is the all-gathered float8 data itself, 1 byte per element (torchao's
+      ``fsdp_post_all_gather`` wraps it in a ``Float8TrainingTensor`` with its scale). No bf16 copy
+      exists: the forward matmul takes it as already cast, and ``Float8Linear`` saves that same
+      tensor for backward. Without the option the unsharded weight is bf16 (2 bytes) and the FP8
+      cast per matmul is transient (torchao saves the bf16 weight and casts again in backward), so
+      the 2-byte count stands. Transients not counted either way: FSDP2's flat all-gather output
+      (freed after the copy-out) and, on CUDA, the column-major FP8 copy of one weight that
+      ``_scaled_mm`` needs for the input gradient.
     """
     e = compute_bytes(precision)
     if mode.kind == "fsdp":
+        fp8_all, fp8_block = fp8
         if not mode.reshard_after_forward:
-            return e * total
-        return e * (2 * largest_block + root_numel)
+            return e * total - (e - 1) * fp8_all
+        return e * (2 * largest_block + root_numel) - (e - 1) * 2 * fp8_block
     if not bf16_compute(precision):
         return 0
     return e * (matmul if recompute == "none" else largest_block)

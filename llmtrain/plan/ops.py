@@ -23,6 +23,10 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
 - **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
   element-wise ops, as flops.py counts it); ``selective`` re-runs only the element-wise ops.
 
+Beside the kernels (docs/planner.md section 9): compute slowed while NCCL's CTAs hold SMs
+(:func:`overlap_slowdown`), eager launches bounding small passes (:func:`launch_seconds`), and
+the attention kernel of the stack (``planner.attention_kernel``: the engine's SDPA is FA2).
+
 ``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak (same MAMF fraction:
 no FP8 measurement per GPU was used). LoRA is not modelled here: v2 falls back to v1's compute
 for LoRA recipes (costmodel.py).
@@ -31,6 +35,7 @@ for LoRA recipes (costmodel.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from math import ceil
 
 from llmtrain.recipe.gpus import GPUSpec
@@ -49,20 +54,43 @@ SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h20
 # tile) for small outputs. The reuse penalty of the smaller tiles is an assumption (no per-tile
 # measurement was found): 128x128 at 0.9 and 64x128 at 0.75 of the large tile's rate.
 TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
-# Flash attention (forward, backward) fraction of the bf16 peak for head dim 128 and long sequences:
-# FA2 on A100 (Dao 2023, arXiv:2307.08691: forward 50-73 %, backward lower); FA3/cuDNN on H100 (Shah
-# et al. 2024, arXiv:2407.08608: forward up to 75 %, backward ~ 1.5-1.75x FA2); Blackwell and MI300X:
-# no published training number used: Blackwell assumed at Hopper's, MI300X below FA2-on-A100.
-ATTENTION = {"a100-80g": (0.65, 0.50), "a100-40g": (0.65, 0.50), "h100-sxm": (0.62, 0.48),
-             "h100-pcie": (0.62, 0.48), "h200": (0.62, 0.48), "b200": (0.62, 0.48), "gb200": (0.62, 0.48),
+# Flash attention (forward, backward) fraction of the bf16 peak for head dim 128 and long sequences.
+# ``ATTENTION``: what the engine runs, SDPA's FLASH_ATTENTION backend = FlashAttention-2 (torch 2.13:
+# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False).
+# FA2 on A100: forward 50-73 % (Dao 2023, arXiv:2307.08691; backward lower); FA2 on H100: "only 35 %
+# utilization" (Shah et al. 2024, arXiv:2407.08608, abstract), backward at FA2-on-A100's
+# backward/forward ratio (0.50 / 0.65); Blackwell assumed at Hopper's, MI300X below FA2-on-A100.
+ATTENTION = {"a100-80g": (0.65, 0.50), "a100-40g": (0.65, 0.50), "h100-sxm": (0.35, 0.27),
+             "h100-pcie": (0.35, 0.27), "h200": (0.35, 0.27), "b200": (0.35, 0.27), "gb200": (0.35, 0.27),
              "mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
+# ``planner.attention_kernel: fa3`` (a stack with FA3 / cuDNN fused attention, e.g. Megatron-Core with
+# Transformer Engine): forward up to 75 % on H100 (FA3 abstract), backward ~ 1.5-1.75x FA2's: (0.62,
+# 0.48) on Hopper and Blackwell (assumed), FA2's elsewhere.
+ATTENTION_FA3 = {"h100-sxm": (0.62, 0.48), "h100-pcie": (0.62, 0.48), "h200": (0.62, 0.48), "b200": (0.62, 0.48),
+                 "gb200": (0.62, 0.48)}
+# ``planner.attention_kernel: materialized`` (Megatron-LM 2021, before FlashAttention): the scores
+# ``b x heads x s x s`` go through HBM; HBM bytes per score element forward (fused scale-mask-softmax:
+# read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
+# gradients: read the gradient, probabilities and mask, write the gradient).
+MATERIALIZED_BYTES = (lambda e: 4 * e + 1, lambda e: 5 * e + 1)
 HBM_EFFICIENCY = 0.8  # element-wise kernels reach ~80 % of the datasheet HBM bandwidth (assumption, docs)
+# SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
+# all-gather launched 24 CTAs beside a 132-CTA GEMM, whose time nearly doubled (a second wave;
+# NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
+# because of Tail Effect"); NCCL caps channels at NCCL_MAX_CTAS (32 by default).
+NCCL_CTAS = 24
+# Kernels per block and micro batch (forward, backward): eager as the engine runs it (2 fused norms,
+# 7 GEMMs, RoPE's 3 kernels on q and on k, SDPA, SiLU and the product, 2 residual adds = 20; the
+# backward's 14 GEMMs, attention, norms, RoPE, SwiGLU and the residual gradients = 28); compiled:
+# the GEMMs and attention stay, Inductor fuses the element-wise ops into ~4 / ~5 kernels (assumed).
+KERNELS = {"eager": (20, 28), "compiled": (12, 20), "gemm": 8}  # gemm: GEMMs + attention of the forward
+LAUNCH_S = 10e-6  # CPU cost of one eager op launch (dispatcher + CUDA launch); assumption (docs/planner.md 9)
 
 
-def wave_efficiency(m: int, n: int, gpu: GPUSpec) -> float:
+def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> float:
     """Tile and wave quantization: the share of the SM-time spent on useful output, for the best
     of :data:`TILES` (each at its reuse factor)."""
-    sms = SMS.get(gpu.name, 108)
+    sms = sms or SMS.get(gpu.name, 108)
     best = 0.0
     for tm, tn, factor in TILES:
         waves = ceil(ceil(m / tm) * ceil(n / tn) / sms)
@@ -70,23 +98,29 @@ def wave_efficiency(m: int, n: int, gpu: GPUSpec) -> float:
     return best
 
 
-def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2) -> float:
-    """One ``(m, k) x (k, n)`` GEMM on ``gpu`` (``peak``: the tensor-core peak to use, bf16 default)."""
+def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2,
+                 sms: int | None = None) -> float:
+    """One ``(m, k) x (k, n)`` GEMM on ``gpu`` (``peak``: the tensor-core peak to use, bf16 default;
+    ``sms``: run on only that many SMs, the others held by a concurrent NCCL kernel)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     flops = 2.0 * m * n * k
     peak = gpu.peak_flops_bf16 if peak is None else peak
+    if sms:
+        peak *= sms / SMS.get(gpu.name, 108)
     hbm = gpu.hbm_bytes_per_s or 2e12
     intensity = flops / (e * (m * k + k * n + m * n))
     # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
-    rate = min(peak * MAMF.get(gpu.name, 0.75) * wave_efficiency(int(m), int(n), gpu), intensity * hbm)
+    rate = min(peak * MAMF.get(gpu.name, 0.75) * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
     return flops / rate
 
 
-def gemm_fwd_bwd(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None) -> tuple[float, float]:
+def gemm_fwd_bwd(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None,
+                 sms: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of a linear layer ``y = x W^T``: x ``(m, k)``, W ``(n, k)``; the
     backward is the input gradient ``(m, k)`` and the weight gradient ``(n, k)`` (reduced over m)."""
-    return gemm_seconds(m, n, k, gpu, peak), gemm_seconds(m, k, n, gpu, peak) + gemm_seconds(n, k, m, gpu, peak)
+    return (gemm_seconds(m, n, k, gpu, peak, sms=sms),
+            gemm_seconds(m, k, n, gpu, peak, sms=sms) + gemm_seconds(n, k, m, gpu, peak, sms=sms))
 
 
 def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
@@ -94,11 +128,20 @@ def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
 
 
 def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, causal_skip: bool,
-                      gpu: GPUSpec) -> tuple[float, float]:
-    """(forward, backward) seconds of flash attention over ``heads`` local heads."""
+                      gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2) -> tuple[float, float]:
+    """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
+    SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
+    (SDPA's FA2), ``fa3``, or ``materialized`` (two batched GEMMs forward, four backward, over all
+    blocks, plus the softmax and dropout bytes of every score: :data:`MATERIALIZED_BYTES`)."""
+    if kernel == "materialized":
+        m, scores = b * heads * s_q, b * heads * s_q * s_kv
+        qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs
+        fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
+        return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
     fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * (0.5 if causal_skip else 1.0)
-    f, bw = ATTENTION.get(gpu.name, (0.5, 0.4))
-    peak = gpu.peak_flops_bf16
+    table = ATTENTION_FA3 if kernel == "fa3" and gpu.name in ATTENTION_FA3 else ATTENTION
+    f, bw = table.get(gpu.name, (0.5, 0.4))
+    peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.name, 108)) if sms else 1.0)
     return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
 
 
@@ -127,6 +170,7 @@ class BlockShape:
     ep: int = 1
     recompute: str = "none"
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
+    attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, materialized
 
 
 def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
@@ -149,7 +193,8 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     return fwd, bwd
 
 
-def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool) -> tuple[float, float]:
+@lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
+def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None) -> tuple[float, float]:
     """(forward, backward incl. recomputation) seconds of one block on one rank, one micro batch."""
     tok, t = x.b * x.s, x.tp
     lin = x.fp8_peak or None  # nn.Linear GEMMs under fp8 (MoE experts and the router stay bf16)
@@ -170,10 +215,10 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool) -> tuple[float, float]
         gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
     fwd = bwd = again = 0.0
     for m, n, k, peak, count, recomputed in gemms:
-        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak)
+        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
         fwd, bwd = fwd + count * f, bwd + count * b_
         again += count * f if recomputed else 0.0
-    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.causal_skip, gpu)
+    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.causal_skip, gpu, sms, x.attention, x.e)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":
@@ -183,10 +228,11 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool) -> tuple[float, float]
     return fwd, bwd
 
 
-def head_seconds(x: BlockShape, gpu: GPUSpec) -> tuple[float, float]:
+@lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
+def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
     """Final norm, output GEMM (vocabulary split over TP) and the fp32 cross-entropy."""
     tok = x.b * x.s
-    f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu)
+    f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu, sms=sms)
     logits = x.vocab / x.tp * tok
     # upcast to fp32 (read e, write 4), log-softmax (read 4, write 4) forward; backward read 4 and
     # write the e-byte gradient of the logits, plus the norm (read + write h each way)
@@ -213,18 +259,56 @@ def shape_of(recipe, dims, gpu: GPUSpec, causal_skip: bool) -> BlockShape:
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
                       causal_skip=causal_skip, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
-                      recompute=t.activation_checkpointing, fp8_peak=fp8)
+                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel)
 
 
-def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool) -> tuple[float, float]:
+def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
+                 sms: int | None = None) -> tuple[float, float]:
     """(forward, backward) compute seconds of one micro batch on a pipeline rank holding
-    ``dense_layers`` + ``moe_layers`` blocks (and the output head when ``last``)."""
+    ``dense_layers`` + ``moe_layers`` blocks (and the output head when ``last``); ``sms``: on
+    only that many SMs (:func:`overlap_slowdown`)."""
     fwd = bwd = 0.0
     for n, moe in ((dense_layers, False), (moe_layers, True)):
         if n:
-            f, b = block_seconds(x, gpu, moe)
+            f, b = block_seconds(x, gpu, moe, sms)
             fwd, bwd = fwd + n * f, bwd + n * b
     if last:
-        f, b = head_seconds(x, gpu)
+        f, b = head_seconds(x, gpu, sms)
         fwd, bwd = fwd + f, bwd + b
     return fwd, bwd
+
+
+@lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
+def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool) -> float:
+    """Share of compute throughput lost while an NCCL collective runs beside it (issue 18, 9.1 (a)).
+
+    NCCL's kernels are ordinary CTAs, one per channel, resident for the whole collective, so the
+    compute kernels that overlap it get only ``SMs - NCCL_CTAS`` SMs: the GEMMs lose peak in
+    proportion and re-quantize their waves on fewer SMs (the tail effect), attention loses peak
+    in proportion, memory-bound ops are taken as unaffected (HBM, not SMs, bounds them; NCCL's
+    own HBM traffic is not charged: an under-estimate). Returns ``1 - t(all SMs) / t(fewer)``:
+    a hidden collective of ``T`` seconds costs ``T x`` this much extra compute time."""
+    full = SMS.get(gpu.name, 108)
+    if full <= NCCL_CTAS:
+        return 0.0
+    f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last)
+    f1, b1 = rank_seconds(x, gpu, dense_layers, moe_layers, last, sms=full - NCCL_CTAS)
+    return max(0.0, 1.0 - (f0 + b0) / (f1 + b1)) if f1 + b1 > 0 else 0.0
+
+
+def launch_seconds(x: BlockShape, layers: int, compiled: bool, fsdp: bool) -> tuple[float, float]:
+    """(forward, backward) CPU seconds to launch one micro batch's kernels of ``layers`` blocks
+    (issue 18, 9.1 (c)). The GPU runs behind the CPU's launches; a pass takes
+    ``max(GPU time, CPU launch time)`` (costmodel.py), so launches cost nothing while the GPU is
+    busier. Kernel counts (:data:`KERNELS`) are the engine's block as ops.py prices it; FSDP adds
+    its gather + copy-out per block and pass, reduce-scatter + copy-in in the backward;
+    recomputation re-launches the forward (``full``) or its element-wise kernels (``selective``)."""
+    fwd, bwd = KERNELS["compiled" if compiled else "eager"]
+    elementwise = fwd - KERNELS["gemm"]
+    if x.recompute == "full":
+        bwd += fwd
+    elif x.recompute == "selective":
+        bwd += elementwise
+    if fsdp:
+        fwd, bwd = fwd + 2, bwd + 4
+    return layers * fwd * LAUNCH_S, layers * bwd * LAUNCH_S

@@ -163,6 +163,9 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
            f"compute modeled at {t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak")
     console.print(f"[bold]Time[/] {t['step_s']:.3g} s/step = {parts} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
                   f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] ({how}{hw}{capped})", highlight=False)
+    if t.get("planner_assumptions"):
+        console.print(f"  [bold]assumes[/] (planner only; the bundled engine does not do this): "
+                      f"{', '.join(t['planner_assumptions'])}", highlight=False)
     for rec in d.get("recommendations") or []:  # plan/hier.py
         console.print(f"  [bold]recommendation[/]: {escape(rec['message'])}", highlight=False)
     f = d["flops"]

@@ -20,7 +20,8 @@ family's weight passes (no hooks) a chunk's buckets start after it, so on every 
 the first the last chunk's reduction is exposed whole. ZeRO-1's
 broadcast of the updated parameters runs after the optimizer step (exposed).
 ``dp_overlap=True`` (Megatron-style, used for the published-system comparisons in
-docs/planner.md) also overlaps the PP case and ZeRO-1's broadcast (with the next forward). FSDP2 prefetches the next
+docs/planner.md; in a recipe ``planner.assume_dp_overlap``, and each collective priced so says
+it in its note) also overlaps the PP case and ZeRO-1's broadcast (with the next forward). FSDP2 prefetches the next
 block's all-gather and reduce-scatters the previous block's gradients while computing, so only
 the first block's all-gather, the last block's reduce-scatter and whatever exceeds the compute
 of that pass are exposed. PP point-to-point sends overlap with compute in the steady state;
@@ -50,6 +51,8 @@ BUCKET_BYTES = 25 << 20  # DDP's default bucket (bucket_cap_mb=25), for dp_overl
 # pair sequentially unless a custom overlap callback is given, so nothing is hidden: 1.0.
 # (DeepSeek-V3's DualPipe with its own kernels hides nearly all of it: 0.)
 EP_EXPOSED = 1.0
+# What `plan` prints beside a collective priced under planner.assume_dp_overlap (or dp_overlap=True)
+OVERLAP_NOTE = "; priced overlapped as Megatron-Core does (planner.assume_dp_overlap; the bundled engine does not)"
 
 
 @dataclass
@@ -65,6 +68,8 @@ class RankWork:
     # operation; None = v1, the FLOPs above at peak x COMPUTE_EFFICIENCY
     fwd_s: float | None = None
     bwd_s: float | None = None
+    # v2 only: share of compute throughput lost while a collective runs beside it (ops.overlap_slowdown)
+    overlap_slowdown: float = 0.0
 
 
 @dataclass
@@ -101,6 +106,24 @@ def _fsdp_exposed(c: Comm, block_fraction: float, window: float) -> float:
     return c.count * (per * block_fraction + max(0.0, per * (1 - block_fraction) - window))
 
 
+def fsdp_block_exposed(c: Comm, block_fraction: float, window: float) -> float:
+    """v2: FSDP2's prefetch per block. Block i's all-gather (reduce-scatter) is issued when block
+    i-1's compute starts and block i cannot start before it ends, so each block waits
+    ``max(0, gather_i - compute_(i-1))`` and the first block's gather is exposed whole:
+    ``g_0 + sum_i max(0, g_i - c_(i-1))``, with ``n = 1 / block_fraction`` blocks, the largest
+    block's share first and the rest split evenly, and the pass's compute ``window`` split evenly.
+    v1 (:func:`_fsdp_exposed`) lets one block's surplus hide behind another's slack; this does not."""
+    if not c.count:
+        return 0.0
+    per = c.seconds / c.count
+    n = max(1, round(1 / max(block_fraction, 1e-9)))
+    first = per * min(1.0, block_fraction)
+    if n == 1:
+        return c.count * per
+    rest = (per - first) / (n - 1)
+    return c.count * (first + (n - 1) * max(0.0, rest - window / n))
+
+
 def bucketed_exposed(c: Comm, t_b: float) -> float:
     """Exposed seconds of the engine's bucketed zero 0/1 gradient all-reduce on one pipeline rank.
 
@@ -127,7 +150,11 @@ def bucketed_exposed(c: Comm, t_b: float) -> float:
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
               chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None,
-              precision: str = "bf16", fp8_fraction: float = 0.0) -> StepTime:
+              precision: str = "bf16", fp8_fraction: float = 0.0, v2: bool = False) -> StepTime:
+    """``v2`` (cluster.time_model v2) adds FSDP's per-block waits (:func:`fsdp_block_exposed`) and
+    the compute slowed while collectives overlap it (``overlap`` in the breakdown: the hidden
+    DP seconds x :attr:`RankWork.overlap_slowdown`)."""
+    fsdp_exposed = fsdp_block_exposed if v2 else _fsdp_exposed
     rate = matmul_peak(gpu, precision, fp8_fraction) * efficiency(gpu)
     m = microbatches
     per_rank = []
@@ -148,6 +175,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
             elif c.phase == "step-overlap" and not dp_overlap:  # the engine's buckets, chunk by chunk
                 c.exposed_s = bucketed_exposed(c, t_b)
             elif c.phase in ("step", "step-overlap"):
+                if dp_overlap:
+                    c.note += OVERLAP_NOTE
                 if dp_overlap or c.phase == "step-overlap":  # all but the last bucket hide behind the last backward
                     bucket = c.bucket_bytes or BUCKET_BYTES  # (dp_overlap: ZeRO-1's broadcast behind the next forward)
                     last = c.seconds * min(1.0, bucket / max(1.0, c.message_bytes))
@@ -155,15 +184,16 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 else:
                     c.exposed_s = c.seconds
             elif c.phase == "fsdp-gather":
-                c.exposed_s = _fsdp_exposed(c, w.block_fraction, t_f if c.count <= m else (t_f + t_b) / 2)
+                c.exposed_s = fsdp_exposed(c, w.block_fraction, t_f if c.count <= m else (t_f + t_b) / 2)
             elif c.phase == "fsdp-reduce":
-                c.exposed_s = _fsdp_exposed(c, w.block_fraction, t_b)
+                c.exposed_s = fsdp_exposed(c, w.block_fraction, t_b)
             elif c.dim == "pp":  # the sends along the fill and drain path
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
         optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, gpu.hbm_bytes_per_s or 2e12)
+        hidden = sum(c.seconds - c.exposed_s for c in w.comms if c.dim == "dp")
         per_rank.append(dict(compute=t_f + t_b, tp=by["tp"] / m, cp=by["cp"] / m, ep=by["ep"] / m, dp=by["dp"],
-                             pp=by["pp"], optimizer=optimizer))
+                             pp=by["pp"], optimizer=optimizer, overlap=max(0.0, hidden) * w.overlap_slowdown))
     slowest = max(range(len(per_rank)), key=lambda i: sum(per_rank[i][k] for k in ("compute", "tp", "cp", "ep")))
     s = per_rank[slowest]
     t_mb = s["compute"] + s["tp"] + s["cp"] + s["ep"]
@@ -172,9 +202,12 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
     pp_s = max(r["pp"] for r in per_rank)
     dp_s = max(r["dp"] for r in per_rank)
     opt_s = max(r["optimizer"] for r in per_rank)
-    step = pipeline + bubble_s + dp_s + pp_s + opt_s
+    overlap_s = max(r["overlap"] for r in per_rank)
+    step = pipeline + bubble_s + dp_s + pp_s + opt_s + overlap_s
     breakdown = {"compute": m * s["compute"], "tp_comm": m * s["tp"], "cp_comm": m * s["cp"], "ep_comm": m * s["ep"],
                  "bubble": bubble_s, "dp_comm": dp_s, "pp_comm": pp_s, "optimizer": opt_s}
+    if v2:
+        breakdown["overlap"] = overlap_s
     tflops = model_flops_step / world / step / 1e12
     return StepTime(step, breakdown, tokens_per_step / step / world, tflops, hw_flops_step / world / step / 1e12,
                     tflops * 1e12 / gpu.mfu_peak, slowest)  # the datasheet peak, also under cluster.gpu_power_w

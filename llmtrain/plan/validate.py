@@ -326,7 +326,9 @@ def _even_split(layers: int, stages: int) -> list[int]:
 
 def _check_precision_features(recipe: Recipe, err, warn) -> None:
     """FP8 training (and its FP8 all-gather) and async TP need CUDA hardware; the CPU engine has neither FP8
-    matmuls nor symmetric memory (issue 17). Every missing condition is named at once."""
+    matmuls nor symmetric memory (issue 17). Every missing condition is named at once. fp8 with
+    ``parallel.tp > 1`` is accepted: the engine converts the Linears before TP and shards them with
+    torchao's Float8 TP styles (engine/parallel/float8.py)."""
     from llmtrain.recipe.gpus import GPUS
 
     t, p, gpu = recipe.train, recipe.parallel, recipe.cluster.gpu
@@ -335,14 +337,6 @@ def _check_precision_features(recipe: Recipe, err, warn) -> None:
         why = "the CPU engine has no FP8 matmuls" if gpu == "cpu" else f"cluster.gpu {gpu} has no FP8 tensor cores"
         err(Problem("train.precision", f"fp8 needs CUDA GPUs with FP8 tensor cores: {why}",
                     "use train.precision bf16, or cluster.gpu h100-sxm / h200 / b200"))
-    if t.precision == "fp8" and p.tp > 1:  # engine/parallel/float8.py: measured with torchao's CPU emulation
-        # a warning, not an error: the plan models what TorchTitan runs (published fp8 + TP runs,
-        # benchmarks/published_runs.py; plan --search), only this engine cannot start it yet
-        warn(Problem("train.precision", f"fp8 with parallel.tp {p.tp}: the engine does not run this yet (it refuses at "
-                     "start): it shards the Linears for TP before the Float8 conversion, and torchao's float8 TP needs "
-                     "its own Float8ColwiseParallel / Float8RowwiseParallel plans (plain ones fail with a mixed "
-                     "Tensor/DTensor matmul); the plan shows what TorchTitan's fp8 + TP would do",
-                     "to train with this engine: parallel.tp 1 with fp8 (FSDP / HSDP / PP), or train.precision bf16"))
     if p.async_tp:  # engine/parallel/async_tp.py: inductor's micro-pipeline pass over SP's collectives
         need = [why for bad, why in ((gpu == "cpu", ("CUDA GPUs (its fused all-gather/reduce-scatter matmuls are CUDA "
                                                       "symmetric-memory kernels)")),

@@ -22,6 +22,7 @@ from llmtrain.recipe.gpus import GPUS
 from llmtrain.recipe.model import MODEL_FIELDS, ModelConfig, MoEConfig, RopeScaling  # noqa: F401 (re-exported)
 from llmtrain.recipe.presets import PRESETS  # noqa: F401 (re-exported)
 from llmtrain.recipe.schema_base import BIG, NAME_PATTERN, Strict  # noqa: F401 (re-exported)
+from llmtrain.recipe.schema_plan import PlannerConfig
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed (r, 2 pp - 1 - r)
@@ -401,3 +402,4 @@ class Recipe(Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Cluster for planning without a hostfile.")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="Multi-node launch over SSH: paths, environment, timeouts.")
+    planner: PlannerConfig = Field(default_factory=PlannerConfig, description="Planner-only assumptions about another stack (plan only; the engine ignores them).")

@@ -16,6 +16,15 @@ heads ``[b, s, heads / tp, head_dim]``; they are ``SequenceParallel(sequence_dim
 becomes a replicated DTensor and the input is declared sharded on the head dim, so the weight's
 gradient (a sum over all heads) is reduced over the TP ranks, as torchtitan does for Qwen3.
 
+FP8 (``train.precision: fp8``): the Linears are already torchao ``Float8Linear`` s here (converted
+before TP, engine/parallel/float8.py), and each converted one gets torchao's
+``Float8ColwiseParallel`` / ``Float8RowwiseParallel``: same weight sharding, but the input is cast
+to float8 (tensorwise, the amax all-reduced over the DTensor) before any redistribution and the
+output's gradient is cast in backward. A region's input preparation (``PrepareFloat8ModuleInput``)
+casts once for wq/wk/wv (w1/w3) when all of them are converted, so SP all-gathers the FP8
+activation; if any of them is not (LoRA targets, odd sizes), the plain preparation is kept and
+each converted projection casts its own input. Embedding, output head and norms keep plain styles.
+
 MoE blocks are expert-tensor-parallel (:func:`~llmtrain.engine.parallel.expert.apply_expert_tensor_parallel`):
 each routed and shared expert is split over tp like the dense MLP and the block is one TP region
 (input gathered / copied, partial outputs summed after the combine), so expert memory and FLOPs
@@ -36,6 +45,25 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmtrain.engine.parallel.expert import apply_expert_tensor_parallel
+from llmtrain.engine.parallel.float8 import float8_tp_styles, is_float8_linear
+
+
+def _styles(*linears: nn.Module) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) styles for a TP region whose inputs feed ``linears``:
+    torchao's Float8 styles when every one of them is a ``Float8Linear`` (the input is then cast
+    to FP8 once, before the sequence-parallel all-gather), the plain ones otherwise (a plain
+    Linear must never receive an FP8 input)."""
+    if linears and all(is_float8_linear(m) for m in linears):
+        return float8_tp_styles()
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def _col(linear: nn.Module, **kw) -> ColwiseParallel:
+    return _styles(linear)[0](**kw)
+
+
+def _row(linear: nn.Module, **kw) -> RowwiseParallel:
+    return _styles(linear)[1](**kw)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -55,18 +83,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     parallelize_module(model, tp_mesh, root_plan)
 
     for block in model.layers.values():
+        attn, mlp = block.attention, getattr(block, "feed_forward", None)
         plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "attention.wq": _col(attn.wq),
+            "attention.wk": _col(attn.wk),
+            "attention.wv": _col(attn.wv),
+            "attention.wo": _row(attn.wo, output_layouts=stream),
         }
         # The attention's (and the MLP's) input enters as one Replicate DTensor, so the input
         # gradients of wq/wk/wv (w1/w3) add up as Partial DTensors and are reduced once at that
         # boundary: one all-reduce (SP: reduce-scatter) per region backward instead of one per
         # column-parallel layer (measured by benchmarks/planner_fidelity.py: 7 -> 4 per layer).
-        plan["attention"] = PrepareModuleInput(input_layouts=(stream, None, None),
-                                               desired_input_layouts=(Replicate(), None, None))
+        plan["attention"] = _styles(attn.wq, attn.wk, attn.wv)[2](input_layouts=(stream, None, None),
+                                                                  desired_input_layouts=(Replicate(), None, None))
         if getattr(block.attention, "q_norm", None) is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -79,10 +108,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             apply_expert_tensor_parallel(block.moe, tp_mesh, sequence_parallel=sp)
         else:
             plan.update({
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+                "feed_forward.w1": _col(mlp.w1),
+                "feed_forward.w3": _col(mlp.w3),
+                "feed_forward.w2": _row(mlp.w2, output_layouts=stream),
             })
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+            plan["feed_forward"] = _styles(mlp.w1, mlp.w3)[2](input_layouts=(stream,),
+                                                              desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
 

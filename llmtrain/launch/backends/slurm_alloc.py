@@ -3,7 +3,7 @@
 Under ``salloc`` or in a user's own batch script the nodes are already allocated, so a launch
 must not submit a nested job: it runs **one job step** with ``srun --jobid=ID`` on the
 allocated nodes (:func:`launch_in_allocation`), with the same node script, logs and streaming
-as the batch path (:class:`~llmtrain.launch.backends.slurm.SlurmRun`); only the end and the stop differ
+as the batch path (:class:`~llmtrain.launch.backends.slurm_watch.SlurmRun`); only the end and the stop differ
 (:class:`StepRun`).
 
 Decisions:
@@ -25,10 +25,14 @@ Decisions:
 * **The step's environment is exactly the policy**, as the batch job's
   (:func:`~llmtrain.launch.backends.slurm_script.job_environment`) plus ``MASTER_ADDR``; the
   allocation's own ``SLURM_*`` do not travel (``--jobid`` names the job), so an enclosing
-  ``SLURM_NTASKS`` etc. cannot change the step.
+  ``SLURM_NTASKS`` etc. cannot change the step. The env file's values are not in it either: the
+  node script reads them on each node (:mod:`llmtrain.launch.envexec`), as in a batch job. srun
+  hands a step's environment to slurmd in memory; measured on the test cluster (Slurm 22.05),
+  no file under StateSaveLocation or SlurmdSpoolDir holds it, so passthrough / ``launch.env``
+  secrets get no warning here (a batch job's environment is on slurmctld's disk: they do there).
 * **The end is srun's exit** (``--kill-on-bad-exit=1``): its code is the step's, except that
   srun returns 143 when kill-on-bad-exit SIGTERMed the siblings of the failing task; once a
-  failure was seen in the stream the run's code is then 1 (:func:`~llmtrain.launch.backends.slurm.failure_code`).
+  failure was seen in the stream the run's code is then 1 (:func:`~llmtrain.launch.backends.slurm_watch.failure_code`).
 * **Stopping** (Ctrl-C, SIGTERM, SIGHUP, a launcher error, the first failed rank):
   ``scancel JOBID.STEPID`` of this run's step (found by its name ``llmtrain-<run id>`` in
   ``squeue -s``), falling back to two SIGINTs to srun within one second (srun's own "abort the

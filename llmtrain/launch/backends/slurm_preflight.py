@@ -34,6 +34,12 @@ Decisions:
 * **Clock skew** is measured against the middle of the srun call, with half its duration as the
   error bar (as over SSH, where it is one round trip): a step that waited for its allocation has
   a wide bar, so only a gross skew fails there (munge refuses skews above its 5-minute TTL anyway).
+* **The env file** (``launch.env_file``): a launch's nodes read it themselves at task start
+  (:mod:`llmtrain.launch.envexec`: its values never go through Slurm), so each task runs envexec
+  on it first, with the names the launcher reads from it, and the check ``env_file`` fails on a
+  node that cannot read it at that path or reads another file (a name missing): envexec's own
+  line, in the table's "problems and fixes" and in ``--json`` (no column of its own: most
+  recipes have no env file, and a tenth column squeezes the fixes column into folds).
 * **It always ends**: at most ``CHECK_TIMEOUT_S`` for the allocation and the step; on expiry,
   Ctrl-C or an error the check's job (or, inside an allocation, the step) is cancelled by its
   name, then srun is stopped.
@@ -58,8 +64,12 @@ from llmtrain.launch.preflight import PROBE, HostReport, _cross_check, _judge, l
 
 CHECK_TIMEOUT_S = 300.0
 DEFAULT_TIME = "5"  # minutes: the check's job is short, which lets backfill start it early
+# the table's columns; ``env_file`` (only with a recipe's launch.env_file) is in the JSON and, failed, in the fixes
 SLURM_CHECKS = ("slurm", "python", "workdir", "torch", "llmtrain", "gpus", "disk", "port", "clock")
+# $5/$6: the env file and its names, checked on the node exactly as a launch's task start does (envexec)
 WRAPPER = ('echo "@@node ${SLURMD_NODENAME:-$(hostname)}"; p=0; [ "${SLURM_NODEID:-0}" = 0 ] && p="$3"; '
+           'if [ -n "$5" ]; then e=$("$0" -m llmtrain.launch.envexec --env-file "$5" --only "$6" -- true 2>&1 </dev/null); '
+           'rc=$?; echo "@@envfile $rc $(echo "$e" | head -n 1)"; fi; '
            '"$0" -c "$1" "$2" "$p" "$4"; echo "@@exit $?"')
 
 
@@ -95,13 +105,16 @@ def _job_name() -> str:
 
 
 def srun_argv(name: str, nodes: int, python: str, runs_root: str, port: int, workdir: str,
-              job_id: str | None = None, hosts: list[str] | None = None, options: list[str] = ()) -> list[str]:
-    """The check step: one labelled task per node running the probe through the wrapper."""
+              job_id: str | None = None, hosts: list[str] | None = None, options: list[str] = (),
+              env_file: str = "", env_names: tuple[str, ...] = ()) -> list[str]:
+    """The check step: one labelled task per node running the probe through the wrapper (and,
+    with ``env_file``, :mod:`llmtrain.launch.envexec` on it first, as the launch's node script does)."""
     argv = ["srun", f"--job-name={name}", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--label",
             "--kill-on-bad-exit=0"]
     if job_id:
         argv += [f"--jobid={job_id}", f"--nodelist={','.join(hosts or [])}"]
-    return [*argv, *options, "/bin/sh", "-c", WRAPPER, python, PROBE, runs_root, str(port), workdir]
+    return [*argv, *options, "/bin/sh", "-c", WRAPPER, python, PROBE, runs_root, str(port), workdir, env_file,
+            ",".join(env_names)]
 
 
 def parse_output(stdout: str, stderr: str, nodes: int) -> list[dict[str, Any]]:
@@ -122,13 +135,16 @@ def parse_output(stdout: str, stderr: str, nodes: int) -> list[dict[str, Any]]:
                     task["probe"] = json.loads(rest[len("@@probe "):])
                 except ValueError:
                     task["err"].append("unreadable probe line")
+            elif rest.startswith("@@envfile "):
+                code, _, words = rest[len("@@envfile "):].partition(" ")
+                task["envfile"] = (int(code) if code.isdigit() else -1, words.removeprefix("llmtrain: ").strip())
             elif rest.startswith("@@exit ") and rest.split()[-1].isdigit():
                 task["exit"] = int(rest.split()[-1])
     return tasks
 
 
 def judge_task(index: int, task: dict[str, Any], slots: int, python: str, workdir: str, port: int,
-               expect_gpus: bool, gpu_kind: str, t0: float, t1: float, local: dict) -> HostReport:
+               expect_gpus: bool, gpu_kind: str, t0: float, t1: float, local: dict, env_file: str = "") -> HostReport:
     host = task["host"] or f"node {index}"
     report = HostReport(ProbeNode(index, host, slots, python, workdir, NodeTarget(host, host)))  # type: ignore[arg-type]
     if task["host"] is None:
@@ -153,7 +169,20 @@ def judge_task(index: int, task: dict[str, Any], slots: int, python: str, workdi
         report.add("gpus", "fail", f"no GPU visible on {host} (no nvidia-smi) for {slots} rank(s); the recipe's "
                                    f"cluster.gpu is {gpu_kind}",
                    "pick a GPU --partition, or a CPU recipe (--set cluster.gpu=cpu)", f"none/{slots}")
+    if env_file:
+        _judge_env_file(report, task.get("envfile"), env_file, host)
     return report
+
+
+def _judge_env_file(report: HostReport, result: tuple[int, str] | None, path: str, host: str) -> None:
+    """``launch.env_file`` as the node's task start reads it (envexec's own line when it fails)."""
+    from llmtrain.launch.envexec import SHARED_HINT
+
+    if result is not None and result[0] == 0:
+        report.add("env_file", "ok", f"{path} readable on {host} with every variable the launcher read", short="ok")
+        return
+    detail = (result[1] if result else "") or "the check did not run"
+    report.add("env_file", "fail", detail.split("; put the env file")[0][:300], SHARED_HINT, "unreadable")
 
 
 def _filtered_env(environ: Mapping[str, str]) -> dict[str, str]:
@@ -235,8 +264,13 @@ def run_slurm_preflight(recipe, runs_root: str | Path, nodes: int | None = None,
         slurmctl.will_run([f"--nodes={n}", "--ntasks-per-node=1", *options], env)
         where = (f"{n} node(s) of partition {part.name} that Slurm picks now (a later launch job may get others)"
                  + ("" if ask_gpus or not expect_gpus else "; its nodes have no GPU GRES, so none were asked for"))
+    from llmtrain.launch.envpolicy import env_file_path, policy_env, read_from_file
+
+    names = tuple(v.name for v in read_from_file(policy_env(launch, environ, base_dir=os.getcwd()), launch))
+    env_file = str(env_file_path(launch, os.getcwd()).absolute()) if names else ""  # type: ignore[union-attr]
     name = _job_name()
-    argv = srun_argv(name, n, python, runs, launch.rdzv_port, workdir, alloc.job_id if alloc else None, hosts, options)
+    argv = srun_argv(name, n, python, runs, launch.rdzv_port, workdir, alloc.job_id if alloc else None, hosts, options,
+                     env_file, names)
     say(f"checking {where}: one srun task per node (job name {name}; at most {timeout:g} s)")
     t0 = time.time()
     try:
@@ -282,7 +316,7 @@ def run_slurm_preflight(recipe, runs_root: str | Path, nodes: int | None = None,
                             "fix what Slurm names; nothing is left running", path="--launcher slurm")
     local = local_versions()
     reports = [judge_task(i, t, per_node, python, workdir, launch.rdzv_port, expect_gpus, recipe.cluster.gpu,
-                          t0, t1, local) for i, t in enumerate(tasks)]
+                          t0, t1, local, env_file) for i, t in enumerate(tasks)]
     _cross_check(reports)
     return reports
 

@@ -27,9 +27,26 @@ Decisions:
 
 * **Secret values never reach these files.** Only the launcher's own variables (run ids,
   paths) are written; the env policy's variables reach the job through sbatch's environment
-  (``--export=ALL``), which the launcher builds in memory (:func:`job_environment`). Slurm
-  itself keeps a job's environment in slurmctld's state directory while the job lives: that is
-  the scheduler's storage, not the run directory, and is how every Slurm job gets its variables.
+  (``--export=ALL``), which the launcher builds in memory (:func:`job_environment`).
+* **The env file's values never go through Slurm either.** slurmctld writes every batch job's
+  environment to the controller's disk (``StateSaveLocation/hash.N/job.ID/environment``, kept
+  until the job record is purged, ``MinJobAge`` after the job ends; measured on the test
+  cluster, Slurm 22.05). So the variables whose value came from ``launch.env_file``
+  (:func:`~llmtrain.launch.envpolicy.read_from_file`) are left out of the job's environment, and
+  each node's command runs torchrun through :mod:`llmtrain.launch.envexec` (``PYTHON -m
+  llmtrain.launch.envexec --env-file PATH --only A,B -- PYTHON -m torch.distributed.run ...``),
+  which reads the same file at the same path on the node when the task starts. The file must
+  therefore be on shared storage, like the run directory; a node that cannot read it fails its
+  task at once with one line naming ``launch.env_file``. Its path, never its content, is in
+  ``node.sh``. A step's environment (``srun``, each step of the job and inside an allocation)
+  reaches slurmd in memory only: measured, no file under StateSaveLocation or SlurmdSpoolDir
+  holds it; the env file goes through envexec there too, for one rule.
+* **Secret-named variables of the other sources** (passed through from this shell, e.g.
+  ``HF_TOKEN``; ``launch.env``) still travel in sbatch's environment -- that is how a Slurm job
+  gets variables, and anything else would write them somewhere (a file the nodes read) or need
+  the submitter alive for the job's whole life (a job outlives its submitter, requeues
+  included). :func:`secrets_warning` says so at submission and in ``--dry-run``: one line naming
+  them (names only) and the fix, ``launch.env_file``.
 * **The job's environment is exactly the policy**, as over SSH: sbatch runs with a small base
   (``PATH HOME USER LOGNAME SHELL LANG LC_* TZ TMPDIR``, the login environment an SSH node would
   have), ``SLURM_CONF``, plus the policy. Nothing else of this machine's environment travels:
@@ -48,6 +65,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -55,7 +73,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from llmtrain.errors import LLMTrainError
-from llmtrain.launch.launchplan import LaunchPlan, node_command
+from llmtrain.launch.envpolicy import EnvVar, env_file_path, read_from_file
+from llmtrain.launch.launchplan import LaunchPlan, NodePlan, node_command
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.+-]{1,128}$")
 TIME_RE = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$|^\d+-\d{1,2}$|^(UNLIMITED|INFINITE)$")  # MM, MM:SS, HH:MM:SS, D-HH[:MM[:SS]]
@@ -140,8 +159,11 @@ def job_script(plan: LaunchPlan, opts: SlurmOptions, invalid: Mapping[int, str] 
     if retry.max_restarts > 0 and retry.exclude_lost_hosts:
         lines.append("#SBATCH --no-kill")  # a node Slurm marks down does not end the job: the loop goes on without it
     lines += [f"#SBATCH {arg}" for arg in opts.extra]
-    names = " ".join(v.name for v in plan.policy) or "(none)"
+    path, from_file = file_env(plan)
+    names = " ".join(v.name for v in plan.policy if v.name not in from_file) or "(none)"
     lines.append(f"# environment (from llmtrain's policy; values are not written here): {names}")
+    if from_file:
+        lines.append(f"# read by each node from launch.env_file {path} (never sent through Slurm): {' '.join(from_file)}")
     if retry.max_restarts > 0 or opts.requeue:
         from llmtrain.launch.backends.slurm_retry import steps_loop
 
@@ -165,8 +187,9 @@ def node_script(plan: LaunchPlan) -> str:
              f"(while :; do : > {shlex.quote(plan.run_dir)}/logs/slurm/alive-\"${{SLURM_NODEID:-x}}\"; sleep {HEARTBEAT_S}; "
              "done) </dev/null >/dev/null 2>&1 &",
              'case "${SLURM_NODEID:-}" in']
+    path, from_file = file_env(plan)
     for node in plan.nodes:
-        lines.append(f"{node.node_rank}) {node_command(node, node.launcher_vars())} ;;")
+        lines.append(f"{node.node_rank}) {node_command(through_env_file(node, path, from_file), node.launcher_vars())} ;;")
     lines += [f'*) echo "llmtrain: unexpected SLURM_NODEID=${{SLURM_NODEID:-unset}} (this job has {len(plan.nodes)} '
               'nodes)" >&2; exit 2 ;;', "esac"]
     return "\n".join(lines) + "\n"
@@ -174,9 +197,62 @@ def node_script(plan: LaunchPlan) -> str:
 
 def job_environment(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """sbatch's environment, hence the job's (``--export=ALL``): the base login variables and
-    Slurm's own from ``environ``, then the policy's variables with their values (in memory)."""
+    Slurm's own from ``environ``, then the policy's variables with their values (in memory),
+    except those each node reads from the env file itself (:func:`file_env`)."""
     environ = os.environ if environ is None else environ
     env = {k: v for k, v in environ.items()
            if k in BASE_ENV or k.startswith("LC_") or k == "SLURM_CONF"}
-    env.update({v.name: v.value for v in plan.policy})
+    _, from_file = file_env(plan)
+    env.update({v.name: v.value for v in plan.policy if v.name not in from_file})
     return env
+
+
+def file_env(plan: LaunchPlan, base_dir: str | None = None) -> tuple[str, list[str]]:
+    """``(absolute env file path, names)``: the variables whose value came from ``launch.env_file``,
+    which the nodes read themselves (:mod:`llmtrain.launch.envexec`); ``("", [])`` when none.
+    A relative path is taken under ``base_dir`` (default: the current directory, as the policy
+    read it, :func:`~llmtrain.launch.launchplan.build_plan`)."""
+    names = [v.name for v in read_from_file(plan.policy, plan.launch)]
+    path = env_file_path(plan.launch, base_dir or os.getcwd())
+    if not names or path is None:
+        return "", []
+    return str(path.absolute()), names
+
+
+def through_env_file(node: NodePlan, path: str, names: list[str]) -> NodePlan:
+    """``node`` whose command first runs :mod:`llmtrain.launch.envexec` with the node's python,
+    which sets ``names`` from the env file and execs the rest (no names: ``node`` as is)."""
+    if not names:
+        return node
+    words = (node.python, "-m", "llmtrain.launch.envexec", "--env-file", path, "--only", ",".join(names), "--")
+    return dataclasses.replace(node, wrapper=(*words, *node.wrapper))
+
+
+def travelling_secrets(plan: LaunchPlan) -> list[EnvVar]:
+    """The policy's variables that go through sbatch's environment (so onto slurmctld's disk) and
+    are secret: a secret name, an env file's name whose value was restored from this shell, or a
+    value with a token shape / URL user-info (:mod:`llmtrain.launch.secrets`)."""
+    _, from_file = file_env(plan)
+    return [v for v in plan.policy if v.name not in from_file and (v.secret or v.shown() != v.value)]
+
+
+SOURCE_WORDS = {"passthrough": "passed through from this shell", "env": "launch.env",
+                "env_file": "launch.env_file's name, value from this shell"}
+
+
+def secrets_warning(plan: LaunchPlan) -> str | None:
+    """One line naming (never showing) the secrets that reach slurmctld's disk, and the fix; None when none."""
+    found = travelling_secrets(plan)
+    if not found:
+        return None
+    names = ", ".join(f"{v.name} ({SOURCE_WORDS.get(v.source, v.source)})" for v in found)
+    return (f"secrets in the Slurm job's environment, which slurmctld keeps on the controller's disk while it knows "
+            f"the job: {names}; put them into launch.env_file (each node reads it at task start, nothing of it goes "
+            "through Slurm), or stop passing them (docs/launch.md, Slurm)")
+
+
+def warn_secrets(plan: LaunchPlan, say) -> None:
+    """``say`` the :func:`secrets_warning` line (yellow), if any: at submission and in ``--dry-run``."""
+    line = secrets_warning(plan)
+    if line:
+        say(f"warning: {line}", "yellow")

@@ -4,7 +4,7 @@ With ``--max-restarts K`` the watched process is the retry loop (``bash RUN/slur
 :mod:`llmtrain.launch.backends.slurm_retry`) running one srun step per attempt; a failed rank cancels
 the step only (the loop restarts it), Ctrl-C/SIGTERM stops the loop first, then the step.
 
-It streams exactly as the batch path's :class:`~llmtrain.launch.backends.slurm.SlurmRun` (the same node
+It streams exactly as the batch path's :class:`~llmtrain.launch.backends.slurm_watch.SlurmRun` (the same node
 files in the run directory, the same routers and early stop on the first failed rank); only
 the end (srun's exit, not squeue) and the stop (the step, never the user's allocation) differ.
 """
@@ -16,7 +16,7 @@ import subprocess
 import time
 
 from llmtrain.launch.backends import slurmctl
-from llmtrain.launch.backends.slurm import SlurmRun, failure_code
+from llmtrain.launch.backends.slurm_watch import SlurmRun
 from llmtrain.launch.backends.slurm_alloc import Allocation, step_id
 
 
@@ -48,7 +48,7 @@ class StepRun(SlurmRun):
         rc = self.proc.returncode
         code = 128 - rc if rc < 0 else rc
         if code and (self.failed or self.stopped_for_failure or (self.step_loop and code >= 128)):
-            code = failure_code(code)  # srun's 143: kill-on-bad-exit's SIGTERM hid the failing task's code
+            code = self._failure_code(code)  # srun's 143: kill-on-bad-exit's SIGTERM hid the failing task's code
         deadline = time.monotonic() + 10
         while self._live() and time.monotonic() < deadline:
             time.sleep(0.1)  # the step's processes are gone once squeue -s no longer lists it

@@ -1,0 +1,34 @@
+"""The recipe's ``planner`` section: settings that change what ``llmtrain plan`` prices, never what runs.
+
+Why a section of its own: every other key describes a run the bundled engine executes. These
+keys describe a *different* stack's behaviour so that a published run (Megatron-Core, Meta's
+Llama 3 stack) can be written as a recipe and planned with the CLI (benchmarks/published/,
+docs/planner.md section 7). The engine ignores them; ``plan`` says, next to each collective it
+prices under such an assumption, that it did (plan/steptime.py).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from llmtrain.recipe.schema_base import Strict
+
+
+class PlannerConfig(Strict):
+    """Planner-only assumptions (the engine ignores them): price another stack's overlap and kernels."""
+
+    assume_dp_overlap: bool = Field(
+        False, description="Planner only; the bundled engine does not do this. Price the zero 0/1 data-parallel "
+                           "communication as Megatron-Core's overlap_grad_reduce + overlap_param_gather do: all but the "
+                           "last gradient bucket hidden behind the backward also under PP (not chunk by chunk as the "
+                           "engine's buckets), and ZeRO-1's parameter broadcast hidden behind the next forward (the "
+                           "engine runs it after the optimizer step). For planning a published run; plan marks each "
+                           "collective priced this way.")
+    attention_kernel: Literal["engine", "fa3", "materialized"] = Field(
+        "engine", description="Planner only (time model v2); the bundled engine always runs SDPA. The attention kernel "
+                              "to price: engine (SDPA's FlashAttention-2 backend, what the engine runs), fa3 (a stack "
+                              "with FlashAttention-3 / cuDNN fused attention, e.g. Megatron-Core with Transformer "
+                              "Engine on Hopper), materialized (scores in HBM with a fused softmax and dropout, as "
+                              "Megatron-LM before FlashAttention). docs/planner.md section 9.")
