@@ -285,14 +285,16 @@ def run_slurm_preflight(recipe, runs_root: str | Path, nodes: int | None = None,
         received.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGTERM, signal.SIGHUP)} \
+    # SIGINT too, as the launchers do (proctree.signals_recorded): a process started in the
+    # background of a script inherits SIGINT ignored, and Ctrl-C must still cancel the check's job
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} \
         if threading.current_thread() is threading.main_thread() else {}
     try:
         try:
             out, err = proc.communicate(timeout=timeout)
         except KeyboardInterrupt:
             if not received:
-                raise  # Ctrl-C: the CLI's "interrupted", exit 130
+                raise  # a KeyboardInterrupt not from a signal handled here (other threads): the CLI's "interrupted"
             _stop(proc, name, alloc.job_id if alloc else None, environ)
             finished = True
             say(f"{signal.Signals(received[0]).name} received: the check's job was cancelled")

@@ -54,6 +54,7 @@ _log.addHandler(logging.NullHandler())
 _log.propagate = False  # paramiko logs tracebacks for failures we report as one sentence
 
 KEEPALIVE_S = 5
+PROXY_EXIT_WAIT_S = 1.0  # how long a failed connection waits for its ProxyCommand to exit (_proxy_exit)
 
 
 class SSHError(Exception):
@@ -193,10 +194,20 @@ def connect(target: SSHTarget, opts: SSHOptions) -> Connection:
         conn.transport.set_keepalive(KEEPALIVE_S)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one sentence
         proxy = getattr(hop_conn, "_llmtrain_proxy", None)
-        proxy_exit = proxy.process.poll() if proxy is not None else None
+        proxy_exit = _proxy_exit(proxy.process) if proxy is not None else None
         close(conn)
         raise describe(hop, exc, opts, time.monotonic() - t0, proxy_exit) from None
     return conn
+
+
+def _proxy_exit(process, wait_s: float = PROXY_EXIT_WAIT_S) -> int | None:
+    """The ProxyCommand's exit code if it ended or ends within ``wait_s`` (a proxy that failed closes
+    its stdout, which paramiko sees, a moment before the kernel reports its exit: polling at once
+    raced that and named the failure "did not connect" instead of its exit code); None if it runs on."""
+    try:
+        return process.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def close(conn: Connection | None) -> None:
