@@ -117,9 +117,9 @@ def fsdp_block_exposed(c: Comm, block_fraction: float, window: float) -> float:
         return 0.0
     per = c.seconds / c.count
     n = max(1, round(1 / max(block_fraction, 1e-9)))
-    first = per * min(1.0, block_fraction)
     if n == 1:
         return c.count * per
+    first = per * min(1.0, block_fraction)
     rest = (per - first) / (n - 1)
     return c.count * (first + (n - 1) * max(0.0, rest - window / n))
 

@@ -116,8 +116,9 @@ def apply_float8(model: nn.Module, fp8_all_gather: bool = False, emulate: bool =
     float8 = _torchao_float8()
     config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather, emulate=emulate)
     before = sum(isinstance(m, nn.Linear) for m in model.modules())
+    skipped = frozenset(skip)
     float8.convert_to_float8_training(model, config=config,
-                                      module_filter_fn=lambda m, fqn: _convertible(m, fqn, frozenset(skip)))
+                                      module_filter_fn=lambda m, fqn: _convertible(m, fqn, skipped))
     after = sum(type(m) is nn.Linear for m in model.modules())
     return before - after
 
