@@ -3,6 +3,7 @@
     python benchmarks/planner_vs_published.py                    # prints the markdown table (time model v1)
     python benchmarks/planner_vs_published.py --time-model both  # v1 and v2 side by side (section 9.1)
     python benchmarks/planner_vs_published.py --time-model v2 --without interference,fa2   # what terms move
+    python benchmarks/planner_vs_published.py --memory           # peak memory against torchtitan's readings
 
 Each row is a published run written as a recipe file, ``benchmarks/published/NN-<run>.yaml``
 (generated from benchmarks/published_runs.py with ``--write``; the row's source and choices are
@@ -102,11 +103,34 @@ def median(xs: list[float]) -> float:
     return sorted(xs)[len(xs) // 2]
 
 
+def memory_table() -> None:
+    """``--memory``: the rows that publish a memory reading (torchtitan's ``Memory(GiB)``: the
+    largest ``torch.cuda.max_memory_reserved`` over the ranks, read every 10 steps) against the
+    planner's peak (allocator reserve and fragmentation included, section 1.3); the time model does
+    not change memory. Median and rows within 15 % on stderr."""
+    print("| source | run | published GiB | predicted GiB | error | note |")
+    print("|---|---|---:|---:|---:|---|")
+    errs = []
+    for i, row in enumerate(rows()):
+        if "published_memory_gib" not in row:
+            continue
+        p = predict(row, "v1", recipe_file(i, row))
+        err = p["peak_gib"] / row["published_memory_gib"] - 1
+        errs.append(abs(err))
+        print(f"| {row['source']} | {row['name']} | {row['published_memory_gib']:.1f} | {p['peak_gib']:.1f} | {err:+.0%} | "
+              f"{row['note']} |")
+    print(f"\nmemory: median |error| {median(errs):.0%}, within 15%: {sum(e <= 0.15 for e in errs)} of {len(errs)}",
+          file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     """``--time-model v1|v2|both`` (default v1): ``both`` prints v1 and v2 side by side, and per
     source group the median |error| and rows within 15 % (stderr). ``--without T,...``: v2 with
     those terms off (:data:`TERMS`, :func:`switch_off`)."""
     args = sys.argv[1:] if argv is None else argv
+    if "--memory" in args:
+        memory_table()
+        return
     models = ["v1"]
     if "--time-model" in args:
         i = args.index("--time-model")

@@ -32,7 +32,11 @@ model). Rules kept here:
 - ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
   engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``fa3``
   for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention); torchtitan (SDPA) and
-  llm-foundry (flash-attn 2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's).
+  llm-foundry (flash-attn 2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
+- ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
+  casts into cast-transpose kernels and the norms before the GEMMs, where the engine runs torchao's;
+- ``planner.loss: unchunked`` for torchtitan (``F.cross_entropy`` over the whole fp32 logits; the
+  engine chunks): memory only, what ``--memory`` compares with torchtitan's readings.
 """
 
 from __future__ import annotations
@@ -53,7 +57,13 @@ FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
 BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.11 container (read from the fork "
           "pufanyi/Megatron-Bridge at 21a2ced)")
 NEMO = "NVIDIA/NeMo docs/source/performance/performance_summary.md (NeMo 24.07, commit 070a0bb)"
-TITAN_NOTE = "Grand Teton H100s: 96 GB HBM2e, 500 W (planned with cluster.gpu_power_w 500 on the 80 GB SXM entry)"
+TITAN_NOTE = ("Grand Teton H100s (cluster.gpu h100-96g: 96 GB HBM2e at 2.4 TB/s) at their default 500 W limit "
+              "(cluster.gpu_power_w 500)")
+TRAINY = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
+# torchtitan's "selective op" AC (torchtitan/parallelisms/parallelize_llama.py at 9dec370, the same at
+# e7c0cae) saves every mm and SDPA output except every second mm of a block: the engine's selective_mm.
+# Its loss is F.cross_entropy over the whole fp32 logits: planner.loss unchunked (memory only).
+TITAN_AC = "selective_mm"
 
 
 def gpt(h: int, heads: int, layers: int, tp: int, vocab: int = 51200, seq: int = 2048) -> dict:
@@ -80,12 +90,16 @@ def with_split(recipe: dict) -> dict:
 
 
 def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
-           attention: str | None = None) -> dict:
+           attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     planner = {"assume_dp_overlap": True} if parallel.get("zero", 3) in (0, 1) else {}  # (module docstring)
     if attention:
         planner["attention_kernel"] = attention
+    if loss:
+        planner["loss"] = loss
+    if fp8_casts:
+        planner["fp8_casts"] = fp8_casts
     if planner:
         out["planner"] = planner
     return with_split(out)
@@ -152,51 +166,57 @@ def torchtitan_rows() -> list[dict]:
         dict(source="torchtitan docs/performance.md", url=a100, name="Llama 3 8B, 64 A100, FSDP, local batch 1",
              metric="tokens/s/GPU", published=2973,
              recipe=recipe(dict(preset="llama3-8b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
-                                                                       activation_checkpointing="selective"), 64, "a100-80g"),
-             note="selective (op) AC; published MFU 58.2%"),
+                                                                       activation_checkpointing=TITAN_AC), 64, "a100-80g",
+                           loss="unchunked"),
+             note="torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss); published MFU 58.2%"),
         dict(source="torchtitan docs/performance.md", url=a100, name="Llama 3 70B, 64 A100, FSDP, local batch 1",
              metric="tokens/s/GPU", published=331,
              recipe=recipe(dict(preset="llama3-70b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
-                                                                        activation_checkpointing="full"), 64, "a100-80g"),
-             note="full AC; published MFU 51.7%"),
+                                                                        activation_checkpointing="full"), 64, "a100-80g",
+                           loss="unchunked"),
+             note="full AC, unchunked loss (planner.loss); published MFU 51.7%"),
     ]
-    fsdp8b = dict(seq_len=8192, micro_batch_size=2, activation_checkpointing="selective")
-    for table, gpus, tps, fp8 in (("Table 1", 8, 5762, False), ("Table 1", 8, 8532, True), ("Table 3", 128, 5605, False)):
+    fsdp8b = dict(seq_len=8192, micro_batch_size=2, activation_checkpointing=TITAN_AC)
+    for table, gpus, tps, fp8, gib in (("Table 1", 8, 5762, False, 82.4), ("Table 1", 8, 8532, True, 76.8),
+                                       ("Table 3", 128, 5605, False, 67.0)):
         out.append(dict(
             source=f"torchtitan H100 2024-12 {table}", url=TITAN_2412,
             name=f"Llama 3.1 8B, {gpus} H100 500 W, FSDP, local batch 2" + (", compile + Float8" if fp8 else ", eager"),
-            metric="tokens/s/GPU", published=tps,
+            metric="tokens/s/GPU", published=tps, published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
                           fsdp8b | dict(global_batch_size=2 * gpus) | (dict(precision="fp8", compile=True) if fp8 else {}),
-                          gpus, "h100-sxm", power=500),
-            note=TITAN_NOTE + ("; torch.compile's speed-up is not modelled (eager: 5,762, compile: 6,667)" if fp8
-                               else "; selective (op) AC; they quote 33-39 % MFU" if gpus == 8 else "")))
+                          gpus, "h100-96g", power=500, loss="unchunked"),
+            note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss)"
+            + ("; torch.compile's speed-up is not modelled (eager: 5,762, compile: 6,667)" if fp8
+               else "; they quote 33-39 % MFU" if gpus == 8 else "")))
     out.append(dict(
         source="torchtitan H100 2024-12 Table 4", url=TITAN_2412, name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8",
-        metric="tokens/s/GPU", published=829,
+        metric="tokens/s/GPU", published=829, published_memory_gib=71.9,
         recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3),
                       dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
-                           precision="fp8", compile=True), 256, "h100-sxm", power=500),
+                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
         note="compile + Float8, full AC; async TP (876) is not in the engine"))
-    for sched, v, tps in (("1f1b", 1, 100), ("interleaved-1f1b", 2, 128)):
+    for sched, v, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
         out.append(dict(
             source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,
             name=f"Llama 3.1 405B, 512 H100 500 W, FSDP 8 TP 8 PP 8, {sched}", metric="tokens/s/GPU", published=tps,
+            published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v),
                           dict(seq_len=8192, micro_batch_size=1, global_batch_size=256, activation_checkpointing="full",
-                               precision="fp8", compile=True), 512, "h100-sxm", power=500),
+                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
             note=("compile + Float8 + async TP (async TP not modelled); FSDP under PP run as zero 2 (the engine's rule); "
                   "micro batch 1 (torchtitan's default)" + ("; v = 2 (the table does not give v)" if v > 1 else ""))))
     for name, preset, gpus, mb, ac, tps in (("70B", "llama3.1-70b", 256, 16, "full", 597.3),
-                                            ("8B", "llama3.1-8b", 64, 12, "selective", 4378)):
+                                            ("8B", "llama3.1-8b", 64, 12, TITAN_AC, 4378)):
         out.append(dict(
             source="torchtitan async TP 2025-06", url=TITAN_ASYNC,
             name=f"Llama 3.1 {name}, {gpus} H100 500 W, FSDP {gpus // 8} TP 8, bf16, vanilla TP", metric="tokens/s/GPU",
             published=tps,
             recipe=recipe(dict(preset=preset), dict(tp=8, zero=3),
                           dict(seq_len=8192, micro_batch_size=mb, global_batch_size=mb * gpus // 8, activation_checkpointing=ac,
-                               compile=True), gpus, "h100-sxm", power=500),
-            note=f"torch.compile (not modelled), {ac} AC, local batch {mb}; seq 8,192 (the file does not say: torchtitan's default)"))
+                               compile=True), gpus, "h100-96g", power=500, loss="unchunked"),
+            note=f"torch.compile (not modelled), {'per op SAC (selective_mm)' if ac == TITAN_AC else ac + ' AC'}, local batch "
+                 f"{mb}; seq 8,192 (the file does not say: torchtitan's default); h100-96g at 500 W, unchunked loss"))
     return out
 
 
@@ -232,10 +252,10 @@ def nemo_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
-                          attention="fa3"),
+                          attention="fa3", fp8_casts="fused"),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
-                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel fa3)"
-                  if name == "GPT3-175B" else "as above")))
+                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel fa3) and fused "
+                  "fp8 cast-transpose kernels (planner.fp8_casts fused)" if name == "GPT3-175B" else "as above")))
     return out
 
 
@@ -257,10 +277,11 @@ def bridge_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
-                          attention="fa3"),
+                          attention="fa3", fp8_casts="fused"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as plain DDP (zero 0), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
-                  "(planner.attention_kernel fa3)" if (system, name) == ("DGX-H100", "LLAMA3_8B")
+                  "(planner.attention_kernel fa3) and fused fp8 casts (planner.fp8_casts fused)"
+                  if (system, name) == ("DGX-H100", "LLAMA3_8B")
                   else "as above")))
     return out
 
@@ -275,8 +296,26 @@ def deepseek_rows() -> list[dict]:
         note="180K H800 GPU hours per trillion tokens; trained in FP8 with DualPipe overlapping EP, which the model does not capture")]
 
 
+def trainy_rows() -> list[dict]:
+    """Trainy's torchtitan runs on H200 (last, so that adding them kept the earlier rows' file numbers)."""
+    out = []
+    for nodes, tps, gib in ((4, 10938, 47.96), (8, 10753, 46.97)):
+        out.append(dict(
+            source="Trainy H200 2025-06", url=TRAINY,
+            name=f"Llama 3.1 8B, {8 * nodes} H200, FSDP, local batch 2, compile + Float8", metric="tokens/s/GPU",
+            published=tps, published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3, fp8_all_gather=True),
+                          dict(seq_len=8192, micro_batch_size=2, global_batch_size=16 * nodes, activation_checkpointing=TITAN_AC,
+                               precision="fp8", compile=True), 8 * nodes, "h200", loss="unchunked"),
+            note=("torchtitan e7c0cae on WhiteFiber H200s: compile + Float8 with fp8 all-gather, the 8B config's selective "
+                  "op AC (selective_mm), seq 8,192; torch.compile's speed-up is not modelled; unchunked loss"
+                  if nodes == 4 else "as above")))
+    return out
+
+
 def rows() -> list[dict]:
-    return megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows() + deepseek_rows()
+    return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
+            + deepseek_rows() + trainy_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

@@ -3,10 +3,11 @@
 One 4-rank job covers both degrees: the 4 ranks form one CP 4 group, and also two CP 2 groups
 ({0, 1} and {2, 3}) that each run the whole sequence independently. Every rank builds the same
 random fp64 q, k, v for the whole sequence, runs full causal SDPA as the reference, then runs
-each CP method on its own shard (zigzag for ring, contiguous for the others) and compares its
-outputs and the gradients of its shard of q, k, v. The report holds the worst error over all
-ranks per (degree, method), and for ring also a bf16 run (the kernels' half-precision path:
-bf16 blocks, fp32 lse and merge) next to plain bf16 SDPA's error, both against fp64.
+each CP method on its own shard (zigzag for ring and allgather, contiguous for ulysses) and
+compares its outputs and the gradients of its shard of q, k, v. The report holds the worst error
+over all ranks per (degree, method), and for ring and allgather also a bf16 run (the kernels'
+half-precision path: bf16 blocks, fp32 lse and merge; allgather also adds its two chunks' dK/dV
+of the shared prefix in bf16) next to plain bf16 SDPA's error, all against fp64.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/cp_attention_worker.py OUT.json SEQ
 """
@@ -63,8 +64,9 @@ def main() -> None:
         for method in METHODS:
             report[f"cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads))
     group, cp_rank = groups[world]
-    report["bf16_ring"] = _worst(_errors("ring", group, world, cp_rank, seq, inputs, ref_out, ref_grads,
-                                         torch.bfloat16))
+    for method in ("ring", "allgather"):
+        report[f"bf16_{method}"] = _worst(_errors(method, group, world, cp_rank, seq, inputs, ref_out, ref_grads,
+                                                  torch.bfloat16))
     plain = [t.to(torch.bfloat16).requires_grad_() for t in inputs[:3]]
     out = F.scaled_dot_product_attention(*plain, is_causal=True)
     out.backward(inputs[3].to(torch.bfloat16))

@@ -179,10 +179,22 @@ def test_fp32_bf16_and_recompute_move_memory_the_right_way():
     plan = _plan("recipes/llama3-8b.yaml", ["train.global_batch_size=64"])
     v = plan.validation
     peaks = {}
-    for mode in ("none", "selective", "full"):
+    hw = {}
+    for mode in ("none", "selective", "selective_mm", "full"):
         r = plan.recipe.model_copy(update={"train": plan.recipe.train.model_copy(update={"activation_checkpointing": mode})})
-        peaks[mode] = estimate(r, v.dims, v.batch, plan.placement, hints=False).worst.activations
-    assert peaks["none"] > peaks["selective"] > peaks["full"] > 0
+        cost = estimate(r, v.dims, v.batch, plan.placement, hints=False)
+        peaks[mode], hw[mode] = cost.worst.activations, cost.flops["hardware_flops_per_step"]
+    assert peaks["none"] > peaks["selective"] > peaks["selective_mm"] > peaks["full"] > 0
+    assert hw["none"] == hw["selective"] < hw["selective_mm"] < hw["full"]
+
+
+def test_selective_mm_that_does_not_fit_is_told_to_recompute_fully():
+    """selective_mm is not on the hints' recomputation ladder (none -> selective -> full): from it the
+    next rung is full (plan/hints.py), never selective (more memory)."""
+    text = render_text(plan_to_dict(_plan("recipes/llama3-405b.yaml", ["train.activation_checkpointing=selective_mm",
+                                                                       "train.seq_len=16384"])))
+    assert "does not fit" in text and "--set train.activation_checkpointing=full ->" in text
+    assert "activation_checkpointing=selective " not in text and "activation_checkpointing=none" not in text
 
 
 # ---- the real engine ----------------------------------------------------------------------------------
@@ -201,6 +213,13 @@ CASES = {
     # selective keeps wo's reduced output, not its partial sum, and nothing of w2 (engine/parallel/checkpointing.py)
     "tp2_selective": ["parallel.tp=2", "parallel.sequence_parallel=false", "train.activation_checkpointing=selective"],
     "zero1_selective": ["parallel.zero=1", "train.activation_checkpointing=selective"],
+    # torchtitan's op policy: selective less wk's, w3's and (without TP) wo's outputs; under TP wo
+    # keeps selective's rule (reduced output saved); MoE blocks lose only wk's and wo's; LoRA keeps
+    # the adapters' outputs
+    "zero1_selective_mm": ["parallel.zero=1", "train.activation_checkpointing=selective_mm"],
+    "tp2_sp_selective_mm": ["parallel.tp=2", "train.activation_checkpointing=selective_mm"],
+    "moe_zero1_selective_mm": MOE + ["parallel.zero=1", "train.activation_checkpointing=selective_mm"],
+    "lora_ddp_selective_mm": LORA + ["train.activation_checkpointing=selective_mm"],
     "tp2_fsdp2": ["parallel.tp=2", "parallel.zero=3"],
     "zero3_full": ["parallel.zero=3", "train.activation_checkpointing=full"],
     "moe_ep2_zero1": MOE + ["parallel.zero=1", "parallel.ep=2"],
@@ -303,6 +322,8 @@ def test_engine_cases_are_not_trivial(engine):
     ("debug-dense", "none", "all-linear"), ("debug-dense", "full", "[wq,wv]"), ("debug-dense", "none", "[w1]"),
     ("debug-dense", "full", "all-linear"),  # an adapter on w2: the recomputation re-runs the frozen w2
     ("debug-dense", "selective", "[wo,w2]"),
+    # selective_mm re-runs the forward GEMMs of wk, wo (tp 1) and the dense w3 (MoE blocks: none)
+    ("debug-dense", "selective_mm", None), ("debug-moe", "selective_mm", None), ("debug-dense", "selective_mm", "all-linear"),
 ])
 def test_flops_match_flop_counter(preset, recompute, lora):
     torch = pytest.importorskip("torch")
@@ -361,3 +382,20 @@ def test_lora_inventory_names_shapes_and_trainability_match_the_engine(targets):
             for p in rank_params(recipe.model, [list(range(recipe.model.layers))], [0], 1, 1, lora_key(recipe.train.lora))}
     assert plan == engine
     assert any(trainable for _, trainable in plan.values()) and not all(trainable for _, trainable in plan.values())
+
+
+def test_selective_mm_recompute_flops_by_tp_and_block_kind():
+    """selective_mm's extra hardware FLOPs per token (forward GEMMs re-run, plan/flops.py), by hand:
+    wk + wo + w3 at tp 1; under TP wo keeps its saved reduction (not re-run); an MoE block has no
+    dense w3. The FlopCounterMode comparison above checks the tp 1 engine."""
+    from llmtrain.plan.flops import recompute_flops_per_token
+
+    m = load_recipe(REPO / "recipes/debug.yaml", ["model.preset=debug-moe", "parallel.tp=1"]).model
+    h, kv, q = m.hidden, m.kv_heads * m.head_dim, m.heads * m.head_dim
+    dense = next(i for i in range(m.layers) if not m.is_moe_layer(i))
+    moe = next(i for i in range(m.layers) if m.is_moe_layer(i))
+    assert recompute_flops_per_token(m, dense, 64, "selective_mm") == (2.0 * h * (kv + q + m.ffn_hidden), 0.0)
+    assert recompute_flops_per_token(m, dense, 64, "selective_mm", tp=2) == (2.0 * h * (kv + m.ffn_hidden), 0.0)
+    assert recompute_flops_per_token(m, moe, 64, "selective_mm") == (2.0 * h * (kv + q), 0.0)
+    assert recompute_flops_per_token(m, moe, 64, "selective_mm", tp=4) == (2.0 * h * kv, 0.0)
+    assert recompute_flops_per_token(m, dense, 64, "selective") == (0.0, 0.0)

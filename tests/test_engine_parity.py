@@ -44,6 +44,8 @@ CASES = {
     "tp2_fsdp2": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true"],
     "tp2_fsdp2_ac_selective": ["parallel.tp=2", "parallel.zero=3", "train.activation_checkpointing=selective"],
     "zero1_ac_selective": ["parallel.zero=1", "train.activation_checkpointing=selective"],
+    # torchtitan's op policy at the recipe's tp 2 + SP: wk / w3 recomputed as DTensor mm, wo keeps its saved reduction
+    "zero1_ac_selective_mm": ["parallel.zero=1", "train.activation_checkpointing=selective_mm"],
     # issue 16: zero 0/1 reduce bucket by bucket during the last backward. Small buckets cut the
     # gradients into several per block. tp 2 (the recipe's) x dp 2 with micro batch 1: 4
     # accumulated backward passes per step, only the last starts reductions, DTensor grads

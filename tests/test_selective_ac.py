@@ -6,8 +6,14 @@
   so w2's exit hook never runs in backward). LoRA on every projection too.
 - w2's output (the block's last matmul) is not kept: the policy stores a placeholder for it,
   and the bytes saved after forward are below plain "save every mm" SAC by w2's output size.
+- ``selective_mm`` (torchtitan's op policy, by module): the same exact gradients, with and
+  without LoRA; in the SAC storage the mm outputs of wk, wo (no TP here) and w3 are marked for
+  recomputation (no tensor held) while wq's, wv's and w1's are saved, also with LoRA adapters on
+  every projection (their own mm outputs stay saved: decided by module, the adapters' extra
+  matmuls do not shift which base outputs go); the bytes saved fall by exactly those outputs.
 Multi-rank TP (the partial sums, the saved reduction) is covered by tests/test_engine_parity.py
-(tp2_fsdp2_ac_selective, zero1_ac_selective at tp 2) and the byte counts by tests/test_costmodel.py.
+(tp2_fsdp2_ac_selective, zero1_ac_selective and zero1_ac_selective_mm at tp 2 + SP) and the byte
+counts by tests/test_costmodel.py (tp2_sp_selective_mm: wo's reduced output kept under TP).
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ def _grads(model, passes: int = 2):
     return out
 
 
+@pytest.mark.parametrize("mode", ["selective", "selective_mm"])
 @pytest.mark.parametrize("lora", [False, True])
-def test_selective_gradients_equal_no_recomputation(lora):
-    ref, got = _grads(_model("none", lora)), _grads(_model("selective", lora))
+def test_selective_gradients_equal_no_recomputation(lora, mode):
+    ref, got = _grads(_model("none", lora)), _grads(_model(mode, lora))
     for a, b in zip(ref, got):
         assert set(a) == set(b) and a
         for k in a:
@@ -88,3 +95,56 @@ def test_w2_output_is_not_kept(monkeypatch):
         measured[plain] = sum(_stored_bytes(st) for st in storages)
     w2_out = 2 * 32 * 128 * 4  # [b s, hidden] fp32, per block; two blocks
     assert measured[True] - measured[False] == 2 * w2_out, measured  # torch's SAC "save every mm" keeps it
+
+
+# the block's matmuls in forward order (engine/models/llama.py); with LoRA each base mm is
+# followed by its lora_a and lora_b mm (LoRALinear.forward)
+ORDER = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+_CONTEXT = ck._selective_context  # the unpatched one (each test may patch it more than once)
+
+
+def _block_storages(mode: str, lora: bool, monkeypatch) -> list:
+    original = _CONTEXT
+    storages = []
+
+    def context(region=None):
+        modes = original(region)
+        storages.append(modes[0].storage)
+        return modes
+
+    monkeypatch.setattr(ck, "_selective_context", context)
+    _model(mode, lora)(torch.randint(0, 512, (2, 32)))
+    return storages
+
+
+def _held(entry) -> torch.Tensor | None:
+    leaves = entry if isinstance(entry, (tuple, list)) else [entry]
+    vals = [getattr(leaf, "val", None) for leaf in leaves]
+    return vals[0] if isinstance(vals[0], torch.Tensor) else None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_selective_mm_recomputes_wk_wo_w3_outputs(lora, monkeypatch):
+    storages = _block_storages("selective_mm", lora, monkeypatch)
+    assert len(storages) == 2  # one per block (two blocks)
+    widths = {"wq": 128, "wk": 64, "wv": 64, "wo": 128, "w1": 352, "w3": 352, "w2": 128}  # debug: h 128, kv 64, f 352
+    per = 3 if lora else 1  # base, lora_a, lora_b
+    for storage in storages:
+        mm = storage[torch.ops.aten.mm.default]
+        assert len(mm) == per * len(ORDER)
+        for i, name in enumerate(ORDER):
+            base = _held(mm[per * i])
+            if name in ("wk", "wo", "w3"):
+                assert base is None, f"{name}'s output is in the SAC storage"
+            elif name != "w2":  # w2: a placeholder (test_w2_output_is_not_kept)
+                assert base is not None and tuple(base.shape) == (64, widths[name]), name
+            if lora:  # lora_a's [b s, rank] and lora_b's output stay saved (w2's lora_b: a placeholder)
+                a, b = _held(mm[per * i + 1]), _held(mm[per * i + 2])
+                assert a is not None and tuple(a.shape) == (64, 4), name
+                assert (b is None) == (name == "w2"), name
+    # bytes: exactly wk's, wo's and w3's outputs fewer than selective, per block
+    sel = sum(_stored_bytes(st) for st in _block_storages("selective", lora, monkeypatch))
+    got = sum(_stored_bytes(st) for st in storages)
+    assert sel - got == 2 * 64 * (64 + 128 + 352) * 4, (sel, got)

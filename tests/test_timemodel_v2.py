@@ -155,15 +155,15 @@ def test_launches_bound_small_blocks_only():
 def test_attention_kernels():
     """The engine's SDPA (FA2) runs at 35 % of the H100 peak forward; fa3 at 62 %; on A100 fa3 is FA2
     (no FA3 there); materialized scores (no causal skip) move (4e+1) bytes per score forward."""
-    eng = ops.attention_seconds(1, 8192, 8192, 32, 128, True, H100)
-    fa3 = ops.attention_seconds(1, 8192, 8192, 32, 128, True, H100, kernel="fa3")
+    eng = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100)
+    fa3 = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100, kernel="fa3")
     flops = 4.0 * 8192 * 8192 * 32 * 128 * 0.5
     assert eng[0] == pytest.approx(flops / (989e12 * 0.35), rel=1e-9)
     assert fa3[0] == pytest.approx(flops / (989e12 * 0.62), rel=1e-9)
     a100 = GPUS["a100-80g"]
-    assert ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100, kernel="fa3") == \
-        ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100)
-    mat_f, mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, True, a100, kernel="materialized")
+    assert ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="fa3") == \
+        ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100)
+    mat_f, mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="materialized")
     qk = ops.gemm_seconds(24 * 2048, 2048, 96, a100)
     assert mat_f == pytest.approx(2 * qk + ops.membound_seconds(9 * 24 * 2048 * 2048, a100), rel=1e-9)
     assert mat_b > mat_f
@@ -175,3 +175,21 @@ def test_v2_breakdown_has_the_overlap_term_and_v1_none():
     assert "overlap" not in v1.time.breakdown
     assert v2.time.breakdown["overlap"] > 0
     assert v2.time.step_s == pytest.approx(sum(v2.time.breakdown.values()), rel=1e-9)
+
+
+@pytest.mark.parametrize("tp, moe", [(1, False), (2, False), (1, True)])
+def test_selective_mm_recomputes_the_wk_w3_wo_forward_gemms(tp, moe):
+    """``selective_mm`` (torchtitan's op policy) costs selective's backward plus the forward GEMMs
+    of wk, the dense w3 and, without TP, wo, hand-built from gemm_seconds; forward unchanged; the
+    backward launches those 3 (tp 2: 2; MoE: no dense w3) GEMM kernels more."""
+    extra = dict(experts=8, top_k=2, expert_ffn=1792) if moe else {}
+    sel, mm = (_shape(tp=tp, sp=tp > 1, recompute=r, **extra) for r in ("selective", "selective_mm"))
+    (fs, bs), (fm, bm) = ops.block_seconds(sel, H100, moe), ops.block_seconds(mm, H100, moe)
+    tok, q, kv = 8192, 32 * 128 / tp, 8 * 128 / tp
+    again = ops.gemm_seconds(tok, kv, 4096, H100)
+    again += ops.gemm_seconds(tok, 4096, q, H100) if tp == 1 else 0.0
+    again += 0.0 if moe else ops.gemm_seconds(tok, 14336 / tp, 4096, H100)
+    assert fm == pytest.approx(fs, rel=1e-12) and bm == pytest.approx(bs + again, rel=1e-9)
+    assert again > 0.05 * fs  # 23 % of the block's forward (tp 1), 19 % (tp 2), 10 % (MoE: wk, wo): a real term
+    n = 1 + (tp == 1) + (not moe)
+    assert ops.launch_seconds(mm, 4, False, False)[1] == pytest.approx(ops.launch_seconds(sel, 4, False, False)[1] + 4 * n * 10e-6)

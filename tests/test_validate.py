@@ -168,7 +168,35 @@ def test_ring_seq_len_divisible_by_2cp():
     assert plan_of(debug({"parallel": {"cp": 4}, "train": {"seq_len": 104}})).valid
 
 
-@pytest.mark.parametrize("method, cp, seq_len, gpus", [("allgather", 3, 100, 6), ("ulysses", 2, 101, 8)])
+def test_allgather_seq_len_divisible_by_2cp():
+    # all-gather CP shards zigzag like the ring (Llama 3's 2 x cp chunks, engine/parallel/context.py):
+    # 105 is a multiple of cp = 3 (enough for the old contiguous shards) but not of 6
+    data = debug({"parallel": {"cp": 3, "cp_method": "allgather"}, "train": {"seq_len": 105}})
+    p = find(errors(data, gpus=6), "train.seq_len",
+             "seq_len (105) not divisible by 2 x cp for load-balanced allgather attention = 6")
+    assert p.hint == "use a seq_len that is a multiple of 6" and "\n" not in p.message
+    assert plan_of(debug({"parallel": {"cp": 3, "cp_method": "allgather"}, "train": {"seq_len": 108}}), gpus=6).valid
+
+
+@pytest.mark.parametrize("method, need, bad", [("ring", 4, 6), ("allgather", 4, 6), ("ulysses", 2, 7)])
+def test_eval_seq_len_divisible_like_training(method, need, bad):
+    # llmtrain eval's own copy of the rule (engine/eval_main.py names --seq-len): 6 is a multiple
+    # of cp = 2 but not of the zigzag methods' 2 x cp = 4
+    from llmtrain.engine.eval_main import eval_recipe
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.recipe.load import validate_recipe_dict
+
+    model = validate_recipe_dict(debug()).model
+    sets = ["parallel.cp=2", f"parallel.cp_method={method}"]
+    assert eval_recipe(model, 8 * need, 1, sets).parallel.cp_method == method
+    with pytest.raises(LLMTrainError) as info:
+        eval_recipe(model, bad, 1, sets)
+    (problem,) = info.value.problems
+    assert problem.path == "--seq-len" and problem.hint == f"use a --seq-len that is a multiple of {need}"
+    assert problem.message == f"--seq-len {bad}: parallel.cp=2 ({method}) shards each window in {need} equal chunks"
+
+
+@pytest.mark.parametrize("method, cp, seq_len, gpus", [("ulysses", 2, 101, 8)])
 def test_other_cp_methods_need_seq_len_divisible_by_cp(method, cp, seq_len, gpus):
     data = debug({"parallel": {"cp": cp, "cp_method": method}, "train": {"seq_len": seq_len}})
     p = find(errors(data, gpus=gpus), "train.seq_len", f"seq_len ({seq_len}) not divisible by cp = {cp}")

@@ -63,7 +63,7 @@ def eval_recipe(model, seq_len: int, batch: int, sets: list[str]):
         raise LLMTrainError("parallel.dp_shard=-1: eval needs explicit degrees (the world size is their product)",
                             "set parallel.dp_shard to a number", path="--set")
     if p.cp > 1:  # plan's own check names train.seq_len, which is --seq-len here
-        need = 2 * p.cp if p.cp_method == "ring" else p.cp
+        need = 2 * p.cp if p.cp_method in ("ring", "allgather") else p.cp  # zigzag: 2 cp chunks
         if seq_len % need:
             raise LLMTrainError(f"--seq-len {seq_len}: parallel.cp={p.cp} ({p.cp_method}) shards each window in "
                                 f"{need} equal chunks", f"use a --seq-len that is a multiple of {need}", path="--seq-len")

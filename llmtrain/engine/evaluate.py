@@ -28,8 +28,8 @@ Decisions:
   one group see the same windows, and the per-window losses are summed in float64 and
   all-reduced over the data-parallel group.
 * **Context parallelism.** Labels are built on the whole window, then inputs and labels are
-  sharded by the trainer's global positions (``cp_positions``: zigzag for ring, contiguous for
-  ulysses / allgather), and RoPE gets those positions. Each cp rank sums the losses of its own
+  sharded by the trainer's global positions (``cp_positions``: zigzag for ring and allgather,
+  contiguous for ulysses), and RoPE gets those positions. Each cp rank sums the losses of its own
   tokens (the ignored last label sits on whichever rank holds position N-1); the sums, divided
   by the global N-1, are all-reduced over ``dp_cp`` (data and context ranks).
 * **Pipeline parallelism.** A forward-only pass over the chunks the ranks hold, in the
@@ -199,7 +199,7 @@ class _Forward:
     the round split into microbatches of ``micro`` windows, whose last stage computes the sums.
 
     With CP the windows and their labels (built on the whole window) are sharded by the same
-    global positions the trainer uses (:func:`cp_positions`: zigzag for ring), RoPE gets those
+    global positions the trainer uses (:func:`cp_positions`: zigzag for ring and allgather), RoPE gets those
     positions, and each rank's sums cover only its tokens: the caller all-reduces them over the
     cp group (part of ``dp_cp``). Returns None on pipeline ranks without the last stage."""
 

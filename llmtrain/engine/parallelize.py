@@ -10,7 +10,7 @@ then for each chunk:
 2. context parallel attention (ring / ulysses / allgather) over the ``cp`` mesh, and expert
    parallelism (experts sharded over ``ep``, all-to-all dispatch);
    then LoRA adapters when ``train.lora`` (:mod:`.finetune.lora`: base weights frozen);
-3. activation checkpointing (none / selective / full) per block;
+3. activation checkpointing (none / selective / selective_mm / full) per block;
 4. ``torch.compile`` per block (optional);
 5. data parallel by ``parallel.zero`` (FSDP2 for 2/3, gradient all-reduce for 0/1).
 

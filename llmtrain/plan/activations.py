@@ -33,7 +33,11 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
   outputs of the matmuls and of SDPA, except the row-parallel ones: ``wo``'s output is kept
   reduced under TP (``bsh e / n``; the partial sum is discarded) and ``w2``'s not at all (the
   block output feeds only the next block, which keeps it as its input); full recomputation keeps
-  the block input.
+  the block input. ``selective_mm`` (torchtitan's op policy) keeps selective's terms less the
+  outputs of wk (``bs kv e / t``), w3 (``bsf e / t``) and, without TP, wo (``bsh e``): they are
+  recomputed from what is saved anyway (wk's and w3's inputs are the recomputed norms of the
+  saved block input and residual, wo's input the saved SDPA output). MoE blocks lose only wk's
+  (and wo's); under LoRA the adapters' outputs stay.
 - LoRA (:func:`lora_layer_terms`): autograd saves a tensor only for a gradient it computes. A
   frozen projection saves nothing (its input gradient needs only the weight); a frozen norm weight
   drops the normalized input (kept only for the weight gradient); each adapter saves its input
@@ -76,7 +80,7 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     """Activation bytes per transformer layer, Korthikanti et al. 2022, Table 2 (16-bit activations)."""
     if recompute == "full":
         return 2.0 * s * b * h
-    attn = 0.0 if recompute == "selective" else 5.0 * a * s / h
+    attn = 0.0 if recompute in ("selective", "selective_mm") else 5.0 * a * s / h
     if sp:
         return s * b * h / t * (34.0 + attn)
     return s * b * h * (10.0 + 24.0 / t + attn / t)
@@ -149,14 +153,18 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
     q = bs * x.heads * x.head_dim // t
     kv = bs * x.kv_heads * x.head_dim // t
     lse = LSE * x.b * (x.heads // t) * x.s
-    if recompute == "selective":  # outputs of wq, wk, wv, SDPA (out + lse), and wo's: under TP its reduced
-        # output ([b, s/t, h] with SP), not the partial sum (discarded: engine/parallel/checkpointing.py)
+    if recompute in ("selective", "selective_mm"):  # outputs of wq, wk, wv, SDPA (out + lse), and wo's: under
+        # TP its reduced output ([b, s/t, h] with SP), not the partial sum (discarded: engine/parallel/checkpointing.py)
         out = {"qkv_proj_out": e * (q + 2 * kv), "attn_out": e * q + lse, "wo_out": e * bs * x.h // x.n}
+        if recompute == "selective_mm":  # wk's output recomputed; wo's too without TP (under TP: selective's rule)
+            out["qkv_proj_out"] -= e * kv
+            if t == 1:
+                del out["wo_out"]
         if x.cp > 1 and x.cp_method == "ring":  # the policy keeps every kernel block's output + lse: rank
             del out["attn_out"]  # cp-1 runs cp blocks of all its queries (priced), rank 0 (cp+1)/2 of them
             out["ring_saved_blocks"] = x.cp * (e * q + lse)  # (engine/parallel/context_ring.py; unverified on CPU)
-        elif x.cp > 1 and x.cp_method == "allgather":  # two kernel blocks (before the chunk, diagonal) on ranks > 0
-            out["attn_out"] = 2 * (e * q + lse)
+        elif x.cp > 1 and x.cp_method == "allgather":  # each zigzag chunk (half the queries): two kernel blocks
+            out["attn_out"] = 2 * (e * q + lse)  # (before it, diagonal); rank 0's first chunk has no prefix: 1.5x
         return out
     out = _norm(x)
     out["attn_input"] = (3 if x.autocast else 1) * bs * x.h * e
@@ -176,7 +184,9 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
         return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}
     if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy
         return {"qkv_attn_out": 5 * e * q, "attn_lse": lse}
-    # allgather: q, the output and K/V of the whole sequence (kernel blocks, no mask tensor)
+    # allgather: q, the output and K/V of the whole sequence (one PrefixCausalAttention call for both
+    # zigzag chunks: K/V saved once, the copies reordered into global order; the gathered rank-order
+    # buffers are freed), kernel blocks, no mask tensor
     return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse}
 
 
@@ -187,20 +197,34 @@ def cp_transient_bytes(x: ActShape) -> int:
     Q), the K/V/dK/dV received (2 e Q + 2 acc Q) and the contiguous copies of the model's transposed
     k, v sent (2 e Q): ``(5 acc + 4 e) Q``; the forward's (running output, K/V in flight, one block)
     is smaller. Counted live tensor by tensor on CPU (fp32 and bf16, cp 2 and 4: exact), and
-    benchmarks/cp_memory.py measures it."""
+    benchmarks/cp_memory.py measures it.
+
+    All-gather (``engine/parallel/context.py``; zigzag: two query chunks of ``c`` = half the local
+    tokens): its peak is in ``PrefixCausalAttention``'s backward on rank 0, beyond the saved
+    full-sequence K/V: the dq accumulator (acc Q), the full-sequence dK and dV (``2 cp e Q``) and
+    the largest block's gradients — the second chunk's prefix of ``(2 cp - 1) c`` keys:
+    ``(2 cp - 1) e Q`` for its dK/dV and ``e Q / 2`` for its dq: ``(acc + (4 cp - 1/2) e) Q``. The
+    forward's reorder (one extra full-sequence V, ``cp e Q``) and backward's (dK in rank order
+    while dV waits, after the saved K/V are freed) stay below it. Measured on CPU (RSS, 16K
+    tokens, 1 head of 64, fp32): cp 2 9.2 Q, cp 4 17.8 Q against 8.5 Q and 16.5 Q here (the rest:
+    the CPU kernel's own buffers; in bf16 its fp32 accumulators add 4-8 bf16 Q more, not
+    counted). (The contiguous shards before: ``(acc + (4 cp - 1) e) Q``, priced ``2 e Q`` then.)"""
     if x.cp <= 1:
         return 0
+    acc = max(x.e, LSE)
+    one = x.b * x.s * x.heads * x.head_dim // x.tp  # elements of one local q-sized tensor
     if x.cp_method == "ring":
-        acc = max(x.e, LSE)
-        return (5 * acc + 4 * x.e) * x.b * x.s * x.heads * x.head_dim // x.tp
-    return 2 * x.e * x.b * x.s * x.heads * x.head_dim // x.tp  # all-to-all / gather buffers
+        return (5 * acc + 4 * x.e) * one
+    if x.cp_method == "allgather":
+        return acc * one + (8 * x.cp - 1) * x.e * one // 2
+    return 2 * x.e * one  # ulysses: the all-to-all buffers
 
 
 def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
     bs, e = x.b * x.s, x.e
     f = bs * x.ffn // x.tp
-    if recompute == "selective":  # outputs of w1, w3 (w2's output, the block's last op, is discarded)
-        return {"mlp_proj_out": e * 2 * f}
+    if recompute in ("selective", "selective_mm"):  # outputs of w1, w3 (w2's output, the block's last op,
+        return {"mlp_proj_out": e * (2 if recompute == "selective" else 1) * f}  # is discarded; selective_mm: w3's too
     out = _norm(x)
     out["mlp_input"] = (2 if x.autocast else 1) * bs * x.h * e
     out["swiglu"] = 4 * e * f
@@ -214,7 +238,8 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
     t_tok, k, e, h = x.b * x.s, x.top_k, x.e, x.h
     f, sf = x.expert_ffn // x.tp, x.shared_ffn // x.tp
     slots = t_tok * k
-    if recompute == "selective":  # outputs of router, each expert's gate/up/down, shared w1/w3/w2
+    if recompute in ("selective", "selective_mm"):  # outputs of router, each expert's gate/up/down, shared
+        # w1/w3/w2 (selective_mm too: an MoE block has no feed_forward.w3, engine/parallel/checkpointing.py)
         return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * f + h)
                                      + t_tok * (2 * sf + h) * (1 if sf else 0))}
     out = _norm(x)
@@ -240,8 +265,9 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]
     bs, e, t = x.b * x.s, x.e, x.tp
     q, kv, f = bs * x.heads * x.head_dim // t, bs * x.kv_heads * x.head_dim // t, bs * x.ffn // t
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
-    if recompute == "selective":  # + the adapters' own matmul outputs (A x and B A x)
-        base = dict(_layer_terms(_without_lora(x), False, "selective", False))
+    if recompute in ("selective", "selective_mm"):  # + the adapters' own matmul outputs (A x and B A x;
+        # selective_mm recomputes only the frozen bases' mm of wk, w3, wo: the adapters' outputs stay)
+        base = dict(_layer_terms(_without_lora(x), False, recompute, False))
         # lora_b's output on a row-parallel projection is a partial sum, discarded like the base's
         # (wo without TP: kept, it is part of the attention output); on w2 always discarded
         out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": 0 if t > 1 else bs * x.h, "w1": f, "w3": f, "w2": 0}
@@ -294,7 +320,7 @@ def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) ->
     if x.lora is not None and not moe:
         return tuple(lora_layer_terms(x, recompute, first).items())
     out: dict[str, int] = {}
-    if recompute == "selective":
+    if recompute in ("selective", "selective_mm"):
         out["block_input"] = x.b * x.s * x.h * x.r // x.n
     _add(out, attention_terms(x, recompute))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))

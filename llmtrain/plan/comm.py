@@ -43,7 +43,9 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
 - TP, per layer and micro batch: 2 all-reduces forward and 2 backward of ``bshe``; with
   sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
   recomputation re-runs the forward ones (the engine's selective policy saves matmul and
-  SDPA outputs, not collective outputs). Plus one all-reduce for the embedding (forward) and
+  SDPA outputs, not collective outputs). ``selective_mm`` re-runs the same ones: its extra
+  recomputed GEMMs (wk, w3; wo only without TP, so never wo's reduction) read the gathered
+  norm outputs that ``selective`` re-gathers anyway. Plus one all-reduce for the embedding (forward) and
   one for the output layer's input (backward). MoE layers count like dense ones: with expert-TP
   (``engine/parallel/expert.py``) the block is one TP region whose input is copied (SP: gathered)
   and whose partial output is all-reduced (SP: reduce-scattered) after the combine, the dense
@@ -67,6 +69,8 @@ from math import ceil, log2
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
+from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
+    POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
 
 LINK_EFFICIENCY = 0.8  # NCCL bus bandwidth / link bandwidth for large messages (nccl-tests on DGX)
 LATENCY_S = {"nvlink": 5e-6, "network": 15e-6}  # per algorithm step
@@ -258,61 +262,6 @@ def group_spans(dims: ParallelDims, placement: Placement, fast: bool = False) ->
                 size *= dims.degree(name)
         out[key] = size > 1 and spans_nodes(dims, placement, names, fast)
     return out
-
-
-POWERSGD_MIN_RATE = 2.0  # torch's PowerSGDState.min_compression_rate (engine/parallel/compression.py)
-
-
-def powersgd_rank_of(shape: tuple[int, ...], rank: int) -> int:
-    """The engine's choice (``compression.powersgd_plan``, torch's ``_should_compress``): the rank a
-    gradient of ``shape`` is approximated with, as matrix ``(shape[0], rest)``; 0 = sent whole."""
-    if len(shape) < 2:
-        return 0
-    n = shape[0]
-    cols = 1
-    for x in shape[1:]:
-        cols *= x
-    r = min(rank, n, cols)
-    return r if (n + cols) * r * POWERSGD_MIN_RATE < n * cols else 0
-
-
-def powersgd_start(recipe) -> int:
-    """``parallel.powersgd_start_step`` as the engine runs it: the recipe's value, or torch's advice
-    (``PowerSGDState`` docstring: start with 10 % of the training steps, no fewer than the
-    learning-rate warm-up) when it is left out."""
-    p, t = recipe.parallel, recipe.train
-    if p.powersgd_start_step is not None:
-        return p.powersgd_start_step
-    return max(t.schedule.warmup_steps, ceil(t.steps / 10))
-
-
-def compressed_grad_bytes(kind: str, shapes: tuple, rank: int, ratio: float, group: int) -> list[tuple[str, str, int]]:
-    """(op, what, message bytes) of each collective one compressed gradient averaging issues per
-    step, as engine/parallel/compression.py does: PowerSGD one fp32 all-reduce of the
-    uncompressed tensors, one of every ``P`` (``n x r``), one of every ``Q`` (``m x r``); top-k one
-    all-gather of ``k`` fp32 values + ``k`` int32 indices per rank (message: the gathered size)."""
-    if kind == "topk":
-        numel = sum(_numel(s) for s in shapes)
-        k = min(numel, max(1, ceil(ratio * numel))) if numel else 0
-        return [("all-gather", "top-k values + int32 indices", group * 8 * k)] if k else []
-    plain = ps = qs = 0
-    for s in shapes:
-        r = powersgd_rank_of(s, rank)
-        if r:
-            ps += s[0] * r
-            qs += _numel(s) // s[0] * r
-        else:
-            plain += _numel(s)
-    out = [("all-reduce", "uncompressed (1-D, small)", 4 * plain), ("all-reduce", "PowerSGD P", 4 * ps),
-           ("all-reduce", "PowerSGD Q", 4 * qs)]
-    return [o for o in out if o[2]]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def compressed_grad_comms(c: CommSpec, shapes: tuple, group: int, lk: Link, what: str) -> list[Comm]:

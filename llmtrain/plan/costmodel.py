@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from llmtrain.plan import activations as act
-from llmtrain.plan import commtime, ops
+from llmtrain.plan import commtime, fp8time, ops
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
+    attention_executed,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token,
 )
@@ -100,7 +101,8 @@ def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) ->
         e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
-        hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0))
+        hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
+        chunked_loss=recipe.planner.loss == "engine")
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
@@ -228,18 +230,18 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     comm_by_rank: list[list[Comm]] = []
     tokens_mb = t.micro_batch_size * seq // dims.cp
     spans = group_spans(dims, placement, fast)
-    # SDPA with is_causal (no CP, or Ulysses) skips fully masked blocks: half the 12 h s attention
-    # FLOPs per token are never executed. The ring and all-gather CP attention apply an explicit
-    # mask to full blocks, so they execute all of them.
-    causal_kernel = dims.cp == 1 or p.cp_method == "ulysses"
-    skipped_attention = 6.0 * m.hidden * seq if causal_kernel else 0.0
+    # The causal kernels never execute the masked score blocks: of the 12 h s attention FLOPs per
+    # token only flops.attention_executed's share runs (1/2 for every method: causal SDPA, Ulysses,
+    # the zigzag ring and the zigzag all-gather)
+    executed = attention_executed(dims.cp, p.cp_method)
+    skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
     v2 = recipe.cluster.time_model == "v2" and lk is None  # LoRA: v1's compute (plan/ops.py)
-    shape = ops.shape_of(recipe, dims, gpu, causal_kernel) if v2 else None
+    shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
         fwd = bwd = 0.0
-        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk):
+        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk, dims.tp):
             # Time, not FLOP counting: causal SDPA kernels skip the masked half of the scores
             # (a third of them in the forward)
             split -= skipped_attention
@@ -274,13 +276,17 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         if v2:
             dense, moe = len(inv.layers) - inv.moe_layers, inv.moe_layers
             f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last)
+            # fp8: torchao's scaling casts and layout copies beside the FP8 GEMMs (plan/fp8time.py)
+            share = 1 / max(1, dims.dp_shard * dims.cp) if p.fp8_all_gather and mode.kind == "fsdp" else 1.0
+            c_f, c_b = fp8time.cast_seconds(shape, gpu, dense, moe, t.compile or recipe.planner.fp8_casts == "fused", share)
+            f_s, b_s = f_s + c_f, b_s + c_b
             copies = sum(2 * c.message_bytes * c.count for c in comms if c.phase.startswith("fsdp"))
             b_s += ops.membound_seconds(copies, gpu) / batch.microbatches
             # eager launches: a pass takes the longer of the GPU's work and the CPU's launches (ops.launch_seconds)
             cpu_f, cpu_b = ops.launch_seconds(shape, len(inv.layers), t.compile, mode.kind == "fsdp")
             works[-1].fwd_s, works[-1].bwd_s = max(f_s, cpu_f), max(b_s, cpu_b)
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last)
-    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk):
+    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
@@ -306,13 +312,13 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     return cm
 
 
-def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk) -> list[tuple]:
+def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1) -> list[tuple]:
     """``(count, (split, replicated, recompute split, recompute replicated), (forward split, forward
     replicated))`` FLOPs per token of the given blocks, grouped: by kind (dense, MoE) without LoRA
     (the forward is a third); with LoRA block 0 differs from the others (its input needs no
     gradient), so each block is its own group (cached per block in :mod:`llmtrain.plan.flops`)."""
     if lk is not None:
-        return [(1, block_flops_per_token(m, i, seq, lk) + recompute_flops_per_token(m, i, seq, recompute, lk),
+        return [(1, block_flops_per_token(m, i, seq, lk) + recompute_flops_per_token(m, i, seq, recompute, lk, tp),
                  forward_flops_per_token(m, i, seq, lk)) for i in layers]
     out = []
     n_moe = sum(1 for layer in layers if is_moe_layer(m, layer)) if m.is_moe else 0
@@ -320,7 +326,7 @@ def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk) -> l
         if n:
             layer = next(layer for layer in layers if is_moe_layer(m, layer) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
-            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute), (split / 3, rep / 3)))
+            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute, tp=tp), (split / 3, rep / 3)))
     return out
 
 
@@ -376,6 +382,10 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
     out = ["planner.assume_dp_overlap true"] if pl.assume_dp_overlap else []
     if pl.attention_kernel != "engine" and recipe.cluster.time_model == "v2":
         out.append(f"planner.attention_kernel {pl.attention_kernel}")
+    if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
+        out.append(f"planner.fp8_casts {pl.fp8_casts}")
+    if pl.loss != "engine":
+        out.append(f"planner.loss {pl.loss}")
     return out
 
 

@@ -80,8 +80,9 @@ def head_flops_per_token(model: ModelConfig, lora=None) -> float:
 
 
 def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, recompute: str,
-                              lora=None) -> tuple[float, float]:
-    """Extra hardware FLOPs per token of block ``layer`` from activation recomputation.
+                              lora=None, tp: int = 1) -> tuple[float, float]:
+    """Extra hardware FLOPs per token of block ``layer`` from activation recomputation (``tp``:
+    the tensor-parallel degree, which only ``selective_mm`` depends on).
 
     ``full`` re-runs the block's forward in backward: one third of its forward + backward FLOPs
     (the output layer is not checkpointed), minus the block's last matmul -- torch's
@@ -90,7 +91,13 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     the residual add, which saves nothing (dense: ``w2``; MoE: the shared experts' ``w2``).
     ``selective`` keeps every matmul and SDPA output (``engine/parallel/checkpointing.py``) and
     recomputes only element-wise ops (norms, RoPE, SiLU, residual adds): no matmul FLOPs, 0.
+    ``selective_mm`` (torchtitan's op policy) re-runs the forward GEMMs of ``wk``, the dense MLP's
+    ``w3`` and, without TP, ``wo`` (under TP wo keeps selective's rule; MoE blocks have no dense
+    ``w3``); under LoRA the frozen bases' GEMMs only (the adapters' outputs stay saved). Hardware
+    FLOPs only: the model FLOPs do not change.
     """
+    if recompute == "selective_mm":
+        return _mm_recompute_flops(model, layer, tp), 0.0
     if recompute != "full":
         return 0.0, 0.0
     if lora is not None:
@@ -108,6 +115,18 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     if model.is_moe_layer(layer):
         return split / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn, replicated / 3.0
     return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0
+
+
+def _mm_recompute_flops(m: ModelConfig, layer: int, tp: int) -> float:
+    """Forward FLOPs per token of the GEMMs ``selective_mm`` recomputes (tp-split; biases as
+    :func:`block_flops_per_token` counts them, 2 per element)."""
+    kv = m.kv_heads * m.head_dim
+    out = 2.0 * (kv * m.hidden + (kv if m.qkv_bias else 0))  # wk
+    if tp == 1:
+        out += 2.0 * m.hidden * m.heads * m.head_dim  # wo (no bias)
+    if not m.is_moe_layer(layer):
+        out += 2.0 * m.hidden * m.ffn_hidden  # w3
+    return out
 
 
 # ---- LoRA ---------------------------------------------------------------------------------------
@@ -169,3 +188,19 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     u = proj("w3", f, h, True, r_grad)
     proj("w2", h, f, False, g or u)
     return split, rep
+
+
+def attention_executed(cp: int, method: str) -> float:
+    """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
+    slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
+    Causal SDPA without CP and Ulysses (each rank a causal kernel over the whole sequence of its
+    heads) skip the masked half. The zigzag ring (engine/parallel/context_ring.py) runs one causal
+    diagonal block and ``cp - 1`` unmasked half blocks per rank. All-gather CP shards zigzag too
+    (Llama 3's 2 x cp chunks, engine/parallel/context.py): with ``c = S / 2 cp``, rank ``r``'s
+    chunks at offsets ``r c`` and ``(2 cp - 1 - r) c`` run ``c (r c) + c (2 cp - 1 - r) c + c^2 =
+    s_local S / 2`` scores (diagonals counted half) on every rank. (Contiguous all-gather shards,
+    before, gave rank ``r`` ``(r + 1/2) / cp``, the last rank setting the pace.) ``method`` stays
+    a parameter for a method that is not balanced."""
+    if cp == 1 or method in ("ulysses", "ring", "allgather"):
+        return 0.5
+    raise ValueError(f"attention_executed: unknown cp_method {method!r}")

@@ -34,7 +34,9 @@ def _variants(recipe: Recipe, placement: Placement) -> list[tuple[str, Recipe]]:
 
     if p.zero < 3:
         out.append((f"parallel.zero={p.zero + 1}", par(zero=p.zero + 1)))
-    for mode in RECOMPUTE[RECOMPUTE.index(t.activation_checkpointing) + 1:]:
+    # selective_mm (not on the ladder) sits between selective and full: the next step is full
+    rung = "selective" if t.activation_checkpointing == "selective_mm" else t.activation_checkpointing
+    for mode in RECOMPUTE[RECOMPUTE.index(rung) + 1:]:
         out.append((f"train.activation_checkpointing={mode}", tr(activation_checkpointing=mode)))
     if p.tp * 2 <= min(n.slots for n in placement.nodes):
         out.append((f"parallel.tp={p.tp * 2}", par(tp=p.tp * 2, dp_shard=-1)))

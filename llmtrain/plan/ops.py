@@ -16,12 +16,15 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   FlashAttention-2 on A100, Dao 2023; FlashAttention-3 / cuDNN class on Hopper and later, Shah
   et al. 2024), forward ``4 s_q s_kv d`` per head, backward 2.5x the forward (the kernels
   recompute the scores: the papers' own FLOP convention for the backward rate), halved when the
-  causal kernel skips masked blocks (SDPA without CP, or Ulysses; ring / all-gather CP mask).
+  part the kernels execute (``flops.attention_executed``: 1/2 for causal SDPA, Ulysses and the
+  zigzag ring and all-gather).
 - **Memory-bound ops** (RMSNorm, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
   gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
   datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
 - **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
-  element-wise ops, as flops.py counts it); ``selective`` re-runs only the element-wise ops.
+  element-wise ops, as flops.py counts it); ``selective`` re-runs only the element-wise ops;
+  ``selective_mm`` (torchtitan's op policy) those and the forward GEMMs of wk, the dense MLP's
+  w3 and, without TP, wo (engine/parallel/checkpointing.py).
 
 Beside the kernels (docs/planner.md section 9): compute slowed while NCCL's CTAs hold SMs
 (:func:`overlap_slowdown`), eager launches bounding small passes (:func:`launch_seconds`), and
@@ -90,7 +93,7 @@ LAUNCH_S = 10e-6  # CPU cost of one eager op launch (dispatcher + CUDA launch); 
 def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> float:
     """Tile and wave quantization: the share of the SM-time spent on useful output, for the best
     of :data:`TILES` (each at its reuse factor)."""
-    sms = sms or SMS.get(gpu.name, 108)
+    sms = sms or SMS.get(gpu.rates_key, 108)
     best = 0.0
     for tm, tn, factor in TILES:
         waves = ceil(ceil(m / tm) * ceil(n / tn) / sms)
@@ -107,11 +110,11 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None 
     flops = 2.0 * m * n * k
     peak = gpu.peak_flops_bf16 if peak is None else peak
     if sms:
-        peak *= sms / SMS.get(gpu.name, 108)
+        peak *= sms / SMS.get(gpu.rates_key, 108)
     hbm = gpu.hbm_bytes_per_s or 2e12
     intensity = flops / (e * (m * k + k * n + m * n))
     # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
-    rate = min(peak * MAMF.get(gpu.name, 0.75) * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
+    rate = min(peak * MAMF.get(gpu.rates_key, 0.75) * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
     return flops / rate
 
 
@@ -127,7 +130,7 @@ def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
     return nbytes / ((gpu.hbm_bytes_per_s or 2e12) * HBM_EFFICIENCY)
 
 
-def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, causal_skip: bool,
+def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed: float,
                       gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
     SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
@@ -138,10 +141,10 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, causal_s
         qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs
         fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
         return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
-    fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * (0.5 if causal_skip else 1.0)
-    table = ATTENTION_FA3 if kernel == "fa3" and gpu.name in ATTENTION_FA3 else ATTENTION
-    f, bw = table.get(gpu.name, (0.5, 0.4))
-    peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.name, 108)) if sms else 1.0)
+    fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * executed
+    table = ATTENTION_FA3 if kernel == "fa3" and gpu.rates_key in ATTENTION_FA3 else ATTENTION
+    f, bw = table.get(gpu.rates_key, (0.5, 0.4))
+    peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.rates_key, 108)) if sms else 1.0)
     return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
 
 
@@ -162,7 +165,7 @@ class BlockShape:
     sp: bool
     e: int  # activation bytes
     cp: int = 1
-    causal_skip: bool = True
+    attn_executed: float = 0.5  # share of the full score blocks the kernels run (flops.attention_executed)
     experts: int = 0  # MoE: routed experts, top-k, shared experts, their width, EP degree
     top_k: int = 0
     shared: int = 0
@@ -202,6 +205,9 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     # (m, n, k, peak, count, recomputed under full AC): wq, wk, wv, wo, then the MLP
     gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
              (tok, x.h, q, lin, 1, True)]
+    # selective_mm re-runs these forward GEMMs: wk, wo without TP (under TP its reduced output is
+    # saved), the dense MLP's w3 (below; an MoE block has none)
+    again_mm = gemm_seconds(tok, kv, x.h, gpu, lin, sms=sms) + (gemm_seconds(tok, x.h, q, gpu, lin, sms=sms) if t == 1 else 0.0)
     if moe:
         local = max(1, x.experts // max(1, x.ep))
         per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
@@ -213,18 +219,21 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
             gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
     else:
         gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
+        again_mm += gemm_seconds(tok, x.ffn / t, x.h, gpu, lin, sms=sms)
     fwd = bwd = again = 0.0
     for m, n, k, peak, count, recomputed in gemms:
         f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
         fwd, bwd = fwd + count * f, bwd + count * b_
         again += count * f if recomputed else 0.0
-    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.causal_skip, gpu, sms, x.attention, x.e)
+    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.attn_executed, gpu, sms, x.attention, x.e)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":
         bwd += again + af + ef_s
     elif x.recompute == "selective":
         bwd += ef_s
+    elif x.recompute == "selective_mm":
+        bwd += ef_s + again_mm
     return fwd, bwd
 
 
@@ -248,7 +257,7 @@ def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu
     return membound_seconds(unsharded_params * (gathers * 2 * e + reduces * 2 * reduce_bytes), gpu)
 
 
-def shape_of(recipe, dims, gpu: GPUSpec, causal_skip: bool) -> BlockShape:
+def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     """The :class:`BlockShape` of a validated recipe's micro batch on one rank."""
     from llmtrain.plan.memory import compute_bytes  # noqa: PLC0415  (memory imports the schema)
 
@@ -257,7 +266,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, causal_skip: bool) -> BlockShape:
     return BlockShape(b=t.micro_batch_size, s=t.seq_len // dims.cp, seq=t.seq_len, h=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads, hd=m.head_dim, ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp,
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
-                      causal_skip=causal_skip, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
+                      attn_executed=attn_executed, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
                       recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel)
 
@@ -288,7 +297,7 @@ def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers:
     in proportion, memory-bound ops are taken as unaffected (HBM, not SMs, bounds them; NCCL's
     own HBM traffic is not charged: an under-estimate). Returns ``1 - t(all SMs) / t(fewer)``:
     a hidden collective of ``T`` seconds costs ``T x`` this much extra compute time."""
-    full = SMS.get(gpu.name, 108)
+    full = SMS.get(gpu.rates_key, 108)
     if full <= NCCL_CTAS:
         return 0.0
     f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last)
@@ -302,13 +311,16 @@ def launch_seconds(x: BlockShape, layers: int, compiled: bool, fsdp: bool) -> tu
     ``max(GPU time, CPU launch time)`` (costmodel.py), so launches cost nothing while the GPU is
     busier. Kernel counts (:data:`KERNELS`) are the engine's block as ops.py prices it; FSDP adds
     its gather + copy-out per block and pass, reduce-scatter + copy-in in the backward;
-    recomputation re-launches the forward (``full``) or its element-wise kernels (``selective``)."""
+    recomputation re-launches the forward (``full``) or its element-wise kernels (``selective``; and
+    ``selective_mm`` also the GEMMs of wk, wo without TP and w3 in a dense model: MoE blocks have none)."""
     fwd, bwd = KERNELS["compiled" if compiled else "eager"]
     elementwise = fwd - KERNELS["gemm"]
     if x.recompute == "full":
         bwd += fwd
     elif x.recompute == "selective":
         bwd += elementwise
+    elif x.recompute == "selective_mm":
+        bwd += elementwise + 1 + (x.tp == 1) + (x.experts == 0)
     if fsdp:
         fwd, bwd = fwd + 2, bwd + 4
     return layers * fwd * LAUNCH_S, layers * bwd * LAUNCH_S

@@ -152,7 +152,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     if recipe.cluster.time_model == "v2":  # v2 never runs a FLOP faster than the measured matmul ceiling
         from llmtrain.plan.ops import MAMF  # noqa: PLC0415
 
-        rate = matmul_peak(gpu, t.precision, fp8) * max(efficiency(gpu), MAMF.get(gpu.name, 1.0))
+        rate = matmul_peak(gpu, t.precision, fp8) * max(efficiency(gpu), MAMF.get(gpu.rates_key, 1.0))
     tokens_gpu = gbs * t.seq_len / world
     moe_tok = moe_flops_per_token(m, t.seq_len)
     dense_tok = flops_per_token(m, t.seq_len, t.lora) - moe_tok  # LoRA: fewer FLOPs, the floor must stay a lower bound

@@ -36,9 +36,10 @@ def state_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dpcp: int) -> f
 
 def skipped_attention(recipe: Recipe, cp: int) -> float:
     """Attention FLOPs per token that causal SDPA never executes (see costmodel.estimate)."""
+    from llmtrain.plan.flops import attention_executed  # noqa: PLC0415
+
     m, p = recipe.model, recipe.parallel
-    causal = cp == 1 or p.cp_method == "ulysses"
-    return 6.0 * m.hidden * recipe.train.seq_len * m.layers if causal else 0.0
+    return 12.0 * m.hidden * recipe.train.seq_len * m.layers * (1.0 - attention_executed(cp, p.cp_method))
 
 
 def recompute_tok(recipe: Recipe, tp: int, cp: int) -> float:
@@ -81,7 +82,10 @@ def needs_full_recompute(recipe: Recipe, placement: Placement, base: dict, gbs: 
 
     With LoRA, selective recomputation can keep MORE than none (it saves the frozen projections'
     outputs and the adapters', which a frozen weight's backward does not need), so there both are
-    tried."""
+    tried. ``selective_mm`` (less memory than selective) is not on the search's recomputation
+    ladder (search.py RECOMPUTE): the search never prices it, so the bound, measured against
+    selective, stays a floor of what the search prices (a split that would fit only with
+    selective_mm is priced with full recomputation, as the search would run it)."""
     zero = 2 if base["pp"] > 1 else 3
     for mode in ("selective",) if recipe.train.lora is None else ("selective", "none"):
         variant = make_variant(recipe, dict(base, zero=zero, dp_replicate=1, dp_shard=dp),

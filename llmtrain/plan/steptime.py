@@ -98,7 +98,7 @@ def matmul_peak(gpu: GPUSpec, precision: str = "bf16", fp8_fraction: float = 0.0
 
 
 def efficiency(gpu: GPUSpec) -> float:
-    return COMPUTE_EFFICIENCY.get(gpu.name, 0.55)
+    return COMPUTE_EFFICIENCY.get(gpu.rates_key, 0.55)
 
 
 def _fsdp_exposed(c: Comm, block_fraction: float, window: float) -> float:

@@ -136,9 +136,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
 
     # -- context parallelism and sequence splits ----------------------------------------------
     if p.cp > 1:
-        need = 2 * p.cp if p.cp_method == "ring" else p.cp
+        zigzag = p.cp_method in ("ring", "allgather")  # 2 cp chunks: rank r holds r, 2cp-1-r (engine/parallel/context.py)
+        need = 2 * p.cp if zigzag else p.cp
         if t.seq_len % need:
-            why = "2 x cp for load-balanced ring attention" if p.cp_method == "ring" else "cp"
+            why = f"2 x cp for load-balanced {p.cp_method} attention" if zigzag else "cp"
             err(Problem("train.seq_len", f"seq_len ({t.seq_len}) not divisible by {why} = {need}",
                         f"use a seq_len that is a multiple of {need}"))
         if p.cp_method == "ulysses":

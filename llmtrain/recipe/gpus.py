@@ -50,6 +50,13 @@ class GPUSpec:
     nvlink_domain: int = 1  # GPUs on one NVLink/NVSwitch/xGMI fabric
     tdp_w: float = 0.0  # maximum board power (0: no power model, cluster.gpu_power_w refused)
     nominal_peak_flops_bf16: float = 0.0  # the datasheet bf16 peak, for MFU (0: = peak_flops_bf16)
+    die: str = ""  # the catalog entry with the same compute chip, whose measured kernel rates apply ("": this one)
+
+    @property
+    def rates_key(self) -> str:
+        """The name per-GPU kernel constants are keyed by (plan/ops.py, plan/steptime.py): a board
+        variant of a chip (other memory, other power) uses its chip's measured rates."""
+        return self.die or self.name
 
     @property
     def mfu_peak(self) -> float:
@@ -70,6 +77,7 @@ GPUS: dict[str, GPUSpec] = {
     "b200": GPUSpec("b200", 2250 * T, 180 * GB, 1800 * GB, NIC_400G, 4500 * T, 8.0 * T, 8, 1000),
     "h100-pcie": GPUSpec("h100-pcie", 756 * T, 80 * GB, 128 * GB, NIC_200G, 1513 * T, 2.0 * T, 2, 350),
     "a100-40g": GPUSpec("a100-40g", 312 * T, 40 * GB, 600 * GB, NIC_200G, 0.0, 1.555 * T, 8, 400),
+    "h100-96g": GPUSpec("h100-96g", 989 * T, 96 * GB, 900 * GB, NIC_400G, 1979 * T, 2.4 * T, 8, 700, die="h100-sxm"),
     "mi300x": GPUSpec("mi300x", 1307.4 * T, 192 * GB, 896 * GB, NIC_400G, 2614.9 * T, 5.3 * T, 8, 750),
     "cpu": GPUSpec("cpu", 1e11, 16 * GB, 10 * GB, 1 * GB, 0.0, 5e10, 1, 0),
 }
@@ -87,6 +95,10 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
                    "https://resources.nvidia.com/en-us-tensor-core/nvidia-tensor-core-gpu-datasheet"),
                   ("NVIDIA H100 PCIe GPU product brief PB-11133-001_v02 (TDP 350 W, > 2,000 GB/s)",
                    "https://manuals.plus/m/56b0c3ef7d0a1c470c0af8f05a0bd1f29a778007472ba941201fbbb185c9bccd")],
+    "h100-96g": [("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Hardware (Meta's Grand Teton H100: "
+                  "96 GB HBM2e at 2.4 TB/s, 8 per host on NVLink, 400 Gb/s RDMA per GPU, 500 W default limit, "
+                  "700 W TDP; 'peak TFLOPs between SXM and NVL')",
+                  "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")],
     "h200": [("NVIDIA H200 Tensor Core GPU product page / datasheet (SXM: 141 GB HBM3e, 4.8 TB/s, NVLink 900 GB/s, "
               "up to 700 W; compute as H100 SXM)", "https://www.nvidia.com/en-us/data-center/h200/"),
              ("third-party summary of the same (H100 vs H200 table: 4.8 TB/s, 700 W, 900 GB/s)",
@@ -119,6 +131,9 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
 # Numbers no datasheet gives: the NIC per GPU belongs to the node design.
 ASSUMED: dict[str, str] = {
     "h100-sxm": "NIC: DGX H100, 8x ConnectX-7 400 Gb/s, one per GPU (kept from the earlier catalog)",
+    "h100-96g": "compute: the H100 SXM's peaks and kernel rates (die h100-sxm): the source says only that the peak "
+                "lies between SXM and NVL, so the SXM figure is the ceiling; NVLink 900 GB/s as the SXM board; NIC 400 Gb/s per GPU "
+                "as the source states",
     "h200": "NIC: HGX H200 reference design, one 400 Gb/s ConnectX-7 per GPU (as DGX H100)",
     "a100-80g": "NIC: DGX A100, 8x ConnectX-6 HDR 200 Gb/s", "a100-40g": "NIC: DGX A100, 8x ConnectX-6 HDR 200 Gb/s",
     "b200": "NIC: DGX B200, 8x ConnectX-7 400 Gb/s",

@@ -57,7 +57,7 @@ class ParallelConfig(Strict):
         None, description="Explicit uneven split: transformer layers of each stage (pp x pp_virtual_stages entries, summing to model.layers)."
     )
     cp_method: Literal["ring", "ulysses", "allgather"] = Field(
-        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V)."
+        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V gathered, zigzag balanced)."
     )
     dp_bucket_mb: float = Field(
         25.0, gt=0, le=65536,
@@ -209,8 +209,11 @@ class TrainConfig(Strict):
     precision: Literal["fp32", "bf16", "fp8"] = Field(
         "bf16", description="fp32, or bf16 params/compute with fp32 reductions and master weights; fp8 (CUDA with FP8 "
                             "tensor cores only): bf16 plus torchao Float8 linear layers (tensorwise scaling).")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="Recompute activations in backward: none, selective (attention/matmul outputs saved), full (per block)."
+    activation_checkpointing: Literal["none", "selective", "selective_mm", "full"] = Field(
+        "none", description="Recompute activations in backward: none, selective (attention/matmul outputs saved), "
+                            "selective_mm (as selective, and the outputs of every second matmul of a block -- wk, w3, and "
+                            "wo without TP -- are recomputed instead of saved: torchtitan's op policy; less memory than "
+                            "selective, about one extra forward matmul in three), full (per block)."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed for weights, data and dropout; identical on every rank.")
@@ -282,7 +285,7 @@ class ClusterConfig(Strict):
 
     nodes: int = Field(1, ge=1, le=BIG, description="Nodes.")
     gpus_per_node: int = Field(8, ge=1, le=1024, description="GPUs (ranks) per node.")
-    gpu: Literal["h100-sxm", "h200", "a100-80g", "gb200", "b200", "h100-pcie", "a100-40g", "mi300x", "cpu"] = Field(
+    gpu: Literal["h100-sxm", "h200", "a100-80g", "gb200", "b200", "h100-pcie", "a100-40g", "h100-96g", "mi300x", "cpu"] = Field(
         "h100-sxm", description=f"GPU kind from the catalog (recipe/gpus.py, docs/planner.md): {', '.join(GPUS)}."
     )
     gpu_power_w: float | None = Field(

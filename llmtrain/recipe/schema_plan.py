@@ -32,3 +32,14 @@ class PlannerConfig(Strict):
                               "with FlashAttention-3 / cuDNN fused attention, e.g. Megatron-Core with Transformer "
                               "Engine on Hopper), materialized (scores in HBM with a fused softmax and dropout, as "
                               "Megatron-LM before FlashAttention). docs/planner.md section 9.")
+    loss: Literal["engine", "unchunked"] = Field(
+        "engine", description="Planner only (memory); the bundled engine always runs its chunked cross-entropy. The "
+                              "loss to count: engine (chunked, one chunk's fp32 logits at a time), unchunked "
+                              "(F.cross_entropy over the whole [b, s, vocab/tp] logits upcast to fp32, as torchtitan "
+                              "2024 and other stacks that do not chunk). docs/planner.md section 7.")
+    fp8_casts: Literal["engine", "fused"] = Field(
+        "engine", description="Planner only (time model v2, train.precision fp8); the bundled engine runs torchao's "
+                              "casts. How to price the fp8 scaling casts beside the FP8 GEMMs: engine (torchao "
+                              "Float8Linear: eager amax + cast kernels and layout copies, fused when train.compile), "
+                              "fused (a stack whose casts are fused cast-transpose kernels, e.g. Transformer Engine: "
+                              "priced as the compiled kernels). plan/fp8time.py.")

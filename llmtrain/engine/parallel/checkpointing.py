@@ -6,6 +6,8 @@
   of matmuls and of scaled-dot-product attention — the expensive ops — and recomputes the cheap
   element-wise ones (norms, SiLU, RoPE, residual adds), which hold most of the activation bytes
   of a block relative to their compute (Korthikanti et al. 2022 make the same trade-off).
+- ``selective_mm``: ``selective`` that also recomputes wk's, w3's (and without TP wo's) matmul
+  output: torchtitan's op policy (below).
 
 The row-parallel projections (issue 16; docs/planner.md §8 found them to be most of the saved
 bytes at TP 8): under DTensor TP, ``wo``'s and ``w2``'s ``mm`` returns a *Partial* sum of the full
@@ -33,10 +35,35 @@ within the 2 % there; per layer and micro batch the saved bytes fall from ``e (q
 projections follow the same rule (``lora_b``'s output is a Partial sum of the projection's width;
 ``lora_a``'s ``[b s, rank]`` output is kept: ``lora_b`` saves it for its weight gradient).
 
+``selective_mm`` is ``selective`` with the outputs of every second matmul of a block recomputed
+instead of saved: torchtitan's default op policy (its ``_save_list`` minus every second
+``aten.mm`` by a per-block counter, parallelize_llama.py at 9dec370: wk, wo and w3 of the Llama
+block), for the planner to describe the published torchtitan runs. It is decided **by module,
+not by counting** matmuls, so that LoRA adapters (two more ``mm`` per target), TP, the CP
+attention blocks and MoE blocks do not shift which outputs go: the base ``mm`` of the
+``nn.Linear`` modules ``attention.wk``, ``feed_forward.w3`` and ``attention.wo`` returns
+PREFER_RECOMPUTE (forward hooks tell the policy it is inside one of them, and not inside their
+``lora_a`` / ``lora_b``, whose outputs stay saved as in ``selective``). ``wo`` only without TP:
+under TP its ``mm`` output is the Partial sum, whose recomputation would re-run the reduction —
+a collective — in backward, so ``wo`` keeps selective's rule (reduced output saved, partial sum
+discarded) and torchtitan's recomputation of it is not copied. Nothing new is saved for the
+recomputation: wk's and w3's inputs are the attention / MLP norms' outputs, recomputed from the
+saved block input and residual as in ``selective``; wo's input is the saved SDPA output; the
+residual ``h`` after attention (the MLP norm's input) is recomputed from wo's recomputed output.
+Cost: the forward GEMMs of wk, w3 (and wo without TP) once more in backward, about one extra
+forward matmul in three; saved: their outputs (``e bs (kv + f)``, ``+ e bsh`` without TP). A block
+without those modules keeps selective's rule for what it lacks: an MoE block (``moe`` instead
+of ``feed_forward``: grouped experts are parameters, not Linears; the shared experts' ``w3`` is
+``moe.shared.w3``) recomputes only wk (and wo without TP). Under ``torch.compile`` (checked on
+CPU, one process: gradients equal no recomputation) dynamo breaks the graph at the checkpoint,
+since the hooks mutate the region ("HOP: Unsafe side effect"; selective's row-parallel hooks do
+the same), so the checkpointed region is not compiled as one graph.
+
 "Discard" is built on torch's own selective-checkpoint modes (private in torch 2.13:
 ``_CachingTorchDispatchMode`` and the storage layout it shares with ``_CachedTorchDispatchMode``):
 the policy says MUST_SAVE and the stored value is then swapped for a placeholder. Where those
-names are missing (another torch), the policy degrades to saving the partial sums as before.
+names are missing (another torch), the policy degrades to saving the partial sums as before
+(selective_mm's recomputed outputs still go: the public policy sees ``ctx.op_output``).
 """
 
 from __future__ import annotations
@@ -71,20 +98,37 @@ _REDUCTIONS = {  # the row-parallel output's reduction under DTensor TP (functio
 _DISCARD = "discard"  # neither saved nor recomputed: a placeholder in recompute (module docstring)
 
 
+# (owner, name) of the projections whose base ``mm`` output ``selective_mm`` recomputes (wo: without TP)
+RECOMPUTED_MM = (("attention", "wk"), ("feed_forward", "w3"), ("attention", "wo"))
+
+
 class _Region:
-    """Which row-parallel projection of one block is running (set by forward hooks, also in recompute)."""
+    """Which projection of one block is running (set by forward hooks, also in recompute): the
+    row-parallel ones (``module``), and for ``selective_mm`` the one whose ``mm`` is recomputed."""
 
     def __init__(self):
         self.module: nn.Linear | None = None
         self.tail = False  # w2: the block's last op, nothing of it is needed
         self.adapter_in = False  # inside a LoRA ``lora_a`` (its output is saved)
+        self.recompute: nn.Linear | None = None  # selective_mm: inside wk / w3 / wo, not their adapters
 
 
 def _partial(x) -> bool:
     return isinstance(x, DTensor) and any(p.is_partial() for p in x.placements)
 
 
+def _recomputed(region: _Region, op, out) -> bool:
+    """selective_mm: the base mm of wk, w3 or wo (wo's Partial sum under TP keeps selective's rule)."""
+    r = region.recompute
+    if r is None or op not in _MATMULS:
+        return False
+    o = out[0] if isinstance(out, (tuple, list)) else out
+    return isinstance(o, torch.Tensor) and o.shape[-1] == r.out_features and not _partial(o)
+
+
 def _decide(region: _Region, op, out):
+    if _recomputed(region, op, out):
+        return CheckpointPolicy.PREFER_RECOMPUTE
     m = region.module
     if m is not None and not region.adapter_in:
         o = out[0] if isinstance(out, (tuple, list)) else out
@@ -139,9 +183,17 @@ if _CachingTorchDispatchMode is not None:
             return out
 
 
+def _region_policy(region: _Region, ctx, op, *args, **kwargs):  # no discard mode: plain SAC + selective_mm's rule
+    if _recomputed(region, op, getattr(ctx, "op_output", None)):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return _policy(ctx, op, *args, **kwargs)
+
+
 def _selective_context(region: _Region | None = None):
-    if region is None or _CachingTorchDispatchMode is None:
+    if region is None:
         return create_selective_checkpoint_contexts(_policy)
+    if _CachingTorchDispatchMode is None:
+        return create_selective_checkpoint_contexts(partial(_region_policy, region))
     from collections import defaultdict
     storage = defaultdict(dict)
     return _DiscardingMode(region, storage), _CachedTorchDispatchMode(None, storage)
@@ -156,7 +208,11 @@ def _leave(region: _Region, module, args, output):
 
 
 def _reset(region: _Region, module, args):
-    region.module, region.tail, region.adapter_in = None, False, False
+    region.module, region.tail, region.adapter_in, region.recompute = None, False, False, None
+
+
+def _set_recompute(region: _Region, linear: nn.Linear | None, *hook_args):
+    region.recompute = linear
 
 
 def _set_adapter(region: _Region, value: bool, *hook_args):
@@ -185,17 +241,38 @@ def _track_row_parallel(block: nn.Module) -> _Region:
     return region
 
 
+def _track_recomputed_mm(block: nn.Module, region: _Region) -> None:
+    """``selective_mm``: hooks that tell the policy when wk, w3 or wo runs, outside its adapters
+    (by module, so adapters, TP, CP and MoE blocks do not shift anything; module docstring)."""
+    for owner, name in RECOMPUTED_MM:
+        linear = getattr(getattr(block, owner, None), name, None)
+        if not isinstance(linear, nn.Linear):  # MoE block: no feed_forward.w3, selective's rule
+            continue
+        linear.register_forward_pre_hook(partial(_set_recompute, region, linear))
+        linear.register_forward_hook(partial(_set_recompute, region, None))
+        for adapter_name in ("lora_a", "lora_b"):  # the adapters' outputs stay saved
+            adapter = getattr(linear, adapter_name, None)
+            if isinstance(adapter, nn.Module):
+                adapter.register_forward_pre_hook(partial(_set_recompute, region, None))
+                adapter.register_forward_hook(partial(_set_recompute, region, linear))
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """``mode``: ``train.activation_checkpointing`` (none, selective, selective_mm, full)."""
     if mode == "none":
         return
+    if mode not in ("selective", "selective_mm", "full"):
+        raise ValueError(f"train.activation_checkpointing: unknown mode {mode!r}; use none, selective, selective_mm or full")
     layers = model.layers
     for key in list(layers.keys()):
         block = layers[key]
         if mode == "full":
             layers[key] = checkpoint_wrapper(block, preserve_rng_state=False)
-        else:
-            context = partial(_selective_context, _track_row_parallel(block))
-            layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=context)
+            continue
+        region = _track_row_parallel(block)
+        if mode == "selective_mm":
+            _track_recomputed_mm(block, region)
+        layers[key] = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=partial(_selective_context, region))
 
 
 def apply_compile(model: nn.Module) -> None:

@@ -7,16 +7,20 @@ repeated to the query heads). Every collective that carries gradients is either 
 op from ``torch.distributed._functional_collectives`` or a custom autograd Function below; never
 ``torch.distributed.nn.functional`` (wrong gradients on gloo for non-contiguous grads, trap 2).
 
-Sequence sharding (:func:`cp_positions`): ``ring`` uses the load-balanced "zigzag" split — the
-sequence is cut into ``2 cp`` chunks and cp rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, so
-under a causal mask every rank has the same amount of work; ``ulysses`` and ``allgather`` use
-contiguous chunks. Inputs, labels and RoPE positions are sharded identically and positions stay
-global, so the model computes exactly the full-sequence attention.
+Sequence sharding (:func:`cp_positions`): ``ring`` and ``allgather`` use the load-balanced
+"zigzag" split — the sequence is cut into ``2 cp`` chunks and cp rank ``r`` holds chunks ``r`` and
+``2 cp - 1 - r``, so under a causal mask every rank has the same amount of work; ``ulysses`` uses
+contiguous chunks (each rank runs the whole sequence of its heads: balanced anyway). Inputs,
+labels and RoPE positions are sharded identically and positions stay global, so the model
+computes exactly the full-sequence attention.
 
-- ``allgather``: K and V are all-gathered (backward: reduce-scatter) and rank ``r``'s queries
-  attend to the prefix of the sequence up to their own chunk, causally aligned bottom-right:
-  two kernel blocks merged by their log-sum-exp (``context_blocks.PrefixCausalAttention``), no
-  mask tensor. Simple; K/V memory is the full sequence.
+- ``allgather`` (Llama 3's CP, Dubey et al. 2024, arXiv:2407.21783, section 3.3.2: "2 x CP
+  chunks so each CP rank receives two chunks for better load balancing"): K and V are
+  all-gathered (backward: reduce-scatter), reordered from rank order into global order, and each
+  of the rank's two query chunks attends to the prefix of the sequence up to itself, causally
+  aligned bottom-right: two kernel blocks per chunk merged by their log-sum-exp, no mask tensor
+  (``context_blocks.PrefixCausalAttention``, one call for both chunks). Balanced like the ring
+  (:func:`allgather_attention`); K/V memory is the full sequence.
 - ``ulysses`` (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns sequence shards of all
   heads into the full sequence of ``heads / cp`` heads, plain causal attention runs locally, and
   a second all-to-all turns it back. Needs heads divisible by tp x cp.
@@ -44,7 +48,7 @@ def cp_positions(seq_len: int, cp: int, cp_rank: int, method: str) -> torch.Tens
     """Global positions of the tokens this cp rank holds, in local order."""
     if cp == 1:
         return torch.arange(seq_len)
-    if method == "ring":
+    if method in ("ring", "allgather"):  # zigzag (module docstring)
         chunk = seq_len // (2 * cp)
         first, second = cp_rank, 2 * cp - 1 - cp_rank
         return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
@@ -59,21 +63,80 @@ def shard_sequence(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+def allgather_offsets(s_local: int, cp: int, cp_rank: int) -> tuple[int, int]:
+    """Global offsets of this rank's two zigzag query chunks (``c = s_local / 2`` tokens each, in
+    local order): chunks ``r`` and ``2 cp - 1 - r`` of the ``2 cp`` (:func:`cp_positions`)."""
+    c = s_local // 2
+    return cp_rank * c, (2 * cp - 1 - cp_rank) * c
+
+
+def zigzag_order(cp: int) -> list[int]:
+    """For each global chunk ``g`` of the ``2 cp``, its index in the all-gathered rank order
+    ``[r0.c0, r0.c1, r1.c0, r1.c1, ...]`` (rank ``r``'s first local chunk is global ``r``, its
+    second ``2 cp - 1 - r``)."""
+    return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
+
+
 def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int):
-    """Queries of the local shard (contiguous chunk ``cp_rank``) against the all-gathered K/V."""
-    k_full = _gather_seq(k, group, cp)
-    v_full = _gather_seq(v, group, cp)
-    return PrefixCausalAttention.apply(q, k_full, v_full, cp_rank * q.shape[2])
+    """Queries of the local zigzag shard (global chunks ``r`` and ``2 cp - 1 - r``) against the
+    all-gathered K/V of the whole sequence ``S``, reordered into global order.
+
+    Work (``c = S / 2 cp``; a causal diagonal block executes half its scores): the chunk at offset
+    ``o`` runs ``c o`` unmasked scores plus ``c^2 / 2`` on its diagonal, so rank ``r`` executes
+    ``c (r c) + c (2 cp - 1 - r) c + c^2 = 2 cp c^2 = s_local S / 2``: exactly 1/2 of a full
+    ``[s_local, S]`` block on every rank, as the ring (contiguous shards gave rank ``r``
+    ``(r + 1/2) / cp``: the last rank nearly twice the average, and every layer's gather waits for
+    it). Key ranges: ``(r + 1) c + (2 cp - r) c = (2 cp + 1) c`` keys read on every rank.
+
+    Memory: the saved tensors are those of the contiguous version (q, the output, the lse and K/V
+    of the whole sequence — the reordered copies; the gathered rank-order buffers are freed as
+    soon as they are reordered, since neither the gather's nor the reorder's backward needs them).
+    The reorder costs one more full-sequence K (then V) buffer for the moment of the copy in
+    forward, and one full-sequence dK (then dV) in backward (the gradient put back into rank
+    order for the reduce-scatter); the call's peak stays in the attention's backward
+    (``plan/activations.cp_transient_bytes``)."""
+    offsets = allgather_offsets(q.shape[2], cp, cp_rank)
+    order = zigzag_order(cp)
+    k_full = _gather_seq(k, group, cp, order)
+    v_full = _gather_seq(v, group, cp, order)
+    return PrefixCausalAttention.apply(q, k_full, v_full, offsets)
 
 
-def _gather_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
+def _gather_seq(x: torch.Tensor, group, cp: int, order: list[int] | None = None) -> torch.Tensor:
     # all_gather_tensor gathers along dim 0: move the sequence there and back
     flat = x.permute(2, 0, 1, 3).contiguous()  # [s, b, h, d]
     # wait here, while ``flat`` (a temporary) is alive: the collective then never outlives the
     # buffers it reads (a gloo send thread once segfaulted reading freed memory in a CP job under
     # heavy load; not proven to be this, but nothing overlaps here anyway: SDPA waits next)
     gathered = wait_tensor(all_gather_tensor_autograd(flat, gather_dim=0, group=group))  # [cp*s, b, h, d]
+    del flat
+    if order is not None:  # rank order -> global order; the rank-order buffer is freed on rebinding
+        gathered = ChunkOrder.apply(gathered, order)
     return gathered.permute(1, 2, 0, 3)
+
+
+class ChunkOrder(torch.autograd.Function):
+    """``x`` (contiguous, sequence on dim 0, ``len(order)`` equal chunks) with its chunks put in
+    ``order`` (output chunk ``i`` = input chunk ``order[i]``): one copy, and a backward that is the
+    inverse reorder (autograd through slices or ``index_select`` would build full-size zeros per
+    slice, or ``index_add`` into zeros). Saves no tensor."""
+
+    @staticmethod
+    def forward(ctx, x, order: list[int]):
+        ctx.inverse = [0] * len(order)
+        for i, j in enumerate(order):
+            ctx.inverse[j] = i
+        return _take_chunks(x, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _take_chunks(grad.contiguous(), ctx.inverse), None
+
+
+def _take_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
+    # one cat of views: no index tensor (on CUDA, building one from a list is a blocking copy)
+    c = x.shape[0] // len(order)
+    return torch.cat([x.narrow(0, j * c, c) for j in order])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -146,28 +146,61 @@ def default_scale(q: torch.Tensor) -> float:
     return 1.0 / math.sqrt(q.shape[-1])
 
 
+def prefix_blocks(offsets: tuple[int, ...], s: int) -> list[tuple[slice, slice, bool]]:
+    """The kernel blocks of :class:`PrefixCausalAttention`: ``(query rows, key range, causal)``.
+
+    The ``s`` local queries are ``len(offsets)`` equal consecutive chunks; chunk ``i`` sits at
+    global positions ``[offsets[i], offsets[i] + c)``, ``c = s / len(offsets)``, and sees keys
+    ``[0, offsets[i] + c)``: its diagonal chunk (causal, first: it gives every row a key) and,
+    unless the chunk starts the sequence, the keys before it (fully visible). Pure: the
+    balance test counts the work from it."""
+    c = s // len(offsets)
+    blocks = []
+    for i, off in enumerate(offsets):
+        rows = slice(i * c, (i + 1) * c)
+        blocks.append((rows, slice(off, off + c), True))
+        if off:
+            blocks.append((rows, slice(0, off), False))
+    return blocks
+
+
 class PrefixCausalAttention(torch.autograd.Function):
-    """Queries at global positions ``[offset, offset + s)`` against keys ``[0, offset + s)`` of the
-    gathered K/V: a causal mask aligned bottom-right. SDPA's ``is_causal`` is aligned top-left, so
-    this runs two kernel blocks — the keys before the queries' own chunk, fully visible, and the
-    diagonal chunk, causal — merged with their lse; keys after ``offset + s`` are never touched
-    (their gradient is zero). Chosen over a dense ``[s, S]`` boolean mask (what the all-gather
-    method used before: O(s S) memory, and SDPA on CPU then runs its masked path) and over
-    padding the queries (wasted work)."""
+    """Query chunks at global offsets against the gathered K/V (global order): each chunk's
+    causal mask is aligned bottom-right on its keys ``[0, offset + c)``. SDPA's ``is_causal`` is
+    aligned top-left, so each chunk runs two kernel blocks (:func:`prefix_blocks`) — the keys
+    before the chunk, fully visible, and the diagonal chunk, causal — merged with their lse into
+    that chunk's rows of one output; keys after a chunk are never touched by it (their gradient
+    is zero). ``offsets`` is an int (one chunk: all of ``q``) or a tuple (the all-gather method's
+    two zigzag chunks, ``context.allgather_offsets``). Chosen over a dense ``[s, S]`` boolean mask
+    (what the all-gather method used before: O(s S) memory, and SDPA on CPU then runs its masked
+    path), over padding the queries (wasted work), and over one Function call per chunk (which
+    would save K/V once but the output twice — the chunks' and their concatenation, wo's input —
+    and return a full-size dK/dV per call for autograd to add).
+
+    Saved for backward: q, k, v, the output (in q's dtype, returned to the model as well, in the
+    ``[b, s, h, d]`` memory layout so the model's ``out.transpose(1, 2).reshape`` is a view) and
+    the acc-dtype lse: the same as plain SDPA, with K/V of the whole sequence. Backward
+    accumulates dK/dV of overlapping key ranges (two chunks see the same prefix) in k's dtype, as
+    autograd would sum two uses of one tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, offset: int):
-        s, scale = q.shape[2], default_scale(q)
-        blocks = [(slice(offset, offset + s), True)] + ([(slice(0, offset), False)] if offset else [])
-        out = lse = None
+    def forward(ctx, q, k, v, offsets):
+        offsets = (offsets,) if isinstance(offsets, int) else tuple(offsets)
+        (b, h, s, d), scale, acc = q.shape, default_scale(q), acc_dtype(q.dtype)
+        blocks = prefix_blocks(offsets, s)
+        # fresh accumulators (never a kernel's output mutated: start_accumulators' reason)
+        out = torch.empty(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
+        lse = torch.empty(b, h, s, dtype=acc, device=q.device)
         aux = []
-        for keys, causal in blocks:
-            blk_out, blk_lse, a = block_forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
+        for rows, keys, causal in blocks:
+            blk_out, blk_lse, a = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale)
             aux.append(a)
-            if out is None:
-                out, lse = start_accumulators(blk_out, blk_lse)
+            if causal:  # each chunk's first block
+                out[:, :, rows].copy_(blk_out)
+                lse[:, :, rows].copy_(blk_lse)
             else:
-                merge_(out, lse, blk_out, blk_lse)
+                merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+            del blk_out, blk_lse
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.blocks, ctx.aux, ctx.scale = blocks, aux, scale
@@ -176,11 +209,13 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq = None
+        dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        for (keys, causal), aux in zip(ctx.blocks, ctx.aux):
-            dqb, dkb, dvb = block_backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, causal, ctx.scale, aux)
-            dq = dqb.to(acc_dtype(q.dtype)) if dq is None else dq.add_(dqb)
-            dk[:, :, keys] = dkb  # the blocks' key ranges are disjoint: no accumulation
-            dv[:, :, keys] = dvb
+        for (rows, keys, causal), aux in zip(ctx.blocks, ctx.aux):
+            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                           out[:, :, rows], lse[:, :, rows], causal, ctx.scale, aux)
+            dq[:, :, rows].add_(dqb)
+            dk[:, :, keys].add_(dkb)
+            dv[:, :, keys].add_(dvb)
+            del dqb, dkb, dvb
         return dq.to(q.dtype), dk, dv, None
