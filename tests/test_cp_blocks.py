@@ -37,20 +37,19 @@ def _inputs(seed: int, s_q: int, s_k: int):
     return q, k, v
 
 
-@pytest.mark.parametrize("offset", [0, S, 2 * S])
-def test_prefix_causal_attention_matches_masked_sdpa_also_under_selective_recompute(offset):
-    q0, k0, v0 = _inputs(offset, S, 3 * S)
-    w = torch.randn(16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+def _against_masked_sdpa(q0, k0, v0, mask, offsets, tail=lambda out: out):
+    """PrefixCausalAttention(offsets), plain and under selective recomputation, against masked SDPA:
+    the plain run within TOL of the reference, the recomputed one bitwise equal to the plain one;
+    returns the plain run's [output, dq, dk, dv]."""
     runs = {}
     for mode in ("reference", "plain", "selective"):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        if mode == "reference":  # key j visible to local query i iff j <= offset + i
-            mask = torch.arange(3 * S)[None, :] <= offset + torch.arange(S)[:, None]
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask) @ w
+        if mode == "reference":
+            out = tail(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         elif mode == "plain":
-            out = PrefixCausalAttention.apply(q, k, v, offset) @ w
+            out = tail(PrefixCausalAttention.apply(q, k, v, offsets))
         else:
-            out = checkpoint(lambda a, b, c: PrefixCausalAttention.apply(a * 1.0, b * 1.0, c * 1.0, offset) @ w,
+            out = checkpoint(lambda a, b, c: tail(PrefixCausalAttention.apply(a * 1.0, b * 1.0, c * 1.0, offsets)),
                              q, k, v, use_reentrant=False, context_fn=_selective_context)
         out.pow(2).sum().backward()
         runs[mode] = [out.detach(), q.grad, k.grad, v.grad]
@@ -58,7 +57,16 @@ def test_prefix_causal_attention_matches_masked_sdpa_also_under_selective_recomp
         assert (got - ref).abs().max().item() < TOL
     for got, ref in zip(runs["selective"], runs["plain"]):
         assert torch.equal(got, ref)
-    assert runs["plain"][2][:, :, offset + S:].abs().sum().item() == 0  # keys after the chunk: untouched
+    return runs["plain"]
+
+
+@pytest.mark.parametrize("offset", [0, S, 2 * S])
+def test_prefix_causal_attention_matches_masked_sdpa_also_under_selective_recompute(offset):
+    q0, k0, v0 = _inputs(offset, S, 3 * S)
+    w = torch.randn(16, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.arange(3 * S)[None, :] <= offset + torch.arange(S)[:, None]  # key j visible to query i iff j <= offset + i
+    plain = _against_masked_sdpa(q0, k0, v0, mask, offset, tail=lambda out: out @ w)
+    assert plain[2][:, :, offset + S:].abs().sum().item() == 0  # keys after the chunk: untouched
 
 
 @pytest.mark.parametrize("cp, rank", [(2, 0), (2, 1), (3, 1)])
@@ -69,24 +77,9 @@ def test_two_zigzag_chunks_match_masked_sdpa_also_under_selective_recompute(cp, 
     q0, k0, v0 = _inputs(cp + rank, seq // cp, seq)
     offsets = allgather_offsets(seq // cp, cp, rank)
     assert offsets == (pos[0].item(), pos[seq // cp // 2].item())
-    runs = {}
-    for mode in ("reference", "plain", "selective"):
-        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        if mode == "reference":  # key j visible to local query i iff j <= its global position
-            mask = torch.arange(seq)[None, :] <= pos[:, None]
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif mode == "plain":
-            out = PrefixCausalAttention.apply(q, k, v, offsets)
-        else:
-            out = checkpoint(lambda a, b, c: PrefixCausalAttention.apply(a * 1.0, b * 1.0, c * 1.0, offsets),
-                             q, k, v, use_reentrant=False, context_fn=_selective_context)
-        out.pow(2).sum().backward()
-        runs[mode] = [out.detach(), q.grad, k.grad, v.grad]
-    for got, ref in zip(runs["plain"], runs["reference"]):
-        assert (got - ref).abs().max().item() < TOL
-    for got, ref in zip(runs["selective"], runs["plain"]):
-        assert torch.equal(got, ref)
-    assert runs["plain"][0].transpose(1, 2).is_contiguous()  # [b, s, h, d] memory: the model's reshape is a view
+    mask = torch.arange(seq)[None, :] <= pos[:, None]  # key j visible to a local query iff j <= its global position
+    plain = _against_masked_sdpa(q0, k0, v0, mask, offsets)
+    assert plain[0].transpose(1, 2).is_contiguous()  # [b, s, h, d] memory: the model's reshape is a view
 
 
 def _executed_share(blocks, s_local: int, seq: int) -> float:
