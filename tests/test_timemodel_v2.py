@@ -193,3 +193,27 @@ def test_selective_mm_recomputes_the_wk_w3_wo_forward_gemms(tp, moe):
     assert again > 0.05 * fs  # 23 % of the block's forward (tp 1), 19 % (tp 2), 10 % (MoE: wk, wo): a real term
     n = 1 + (tp == 1) + (not moe)
     assert ops.launch_seconds(mm, 4, False, False)[1] == pytest.approx(ops.launch_seconds(sel, 4, False, False)[1] + 4 * n * 10e-6)
+
+
+def test_fsdp_backward_gathers_and_reduce_scatters_share_the_link():
+    """v2: in the backward FSDP2 prefetches the next block's gather while this block's
+    reduce-scatter runs, on the same link, so a block waits for their sum. Hand-computed, 4 blocks
+    (block_fraction 1/4), 2 micro batches: gathers 4 x 2 s (2 forward, 2 backward), one 3 s
+    reduce-scatter (last micro batch), t_f = 4 s, t_b = 4 s per micro batch.
+    Forward, per micro batch: first block 0.5 s, the others 0.5 s each against 1 s of compute:
+    0.5 s; x 2. Backward with the reduce-scatter: 5 s on the link, first block 1.25 s, then
+    3 x (1.25 - 1) s: 2.0 s, split 2 : 3 between gather and reduce-scatter; the other micro
+    batch's gathers alone: 0.5 s. Priced apart (each with the whole backward window) the same
+    backward would expose only 0.5 + 0.75 s."""
+    from llmtrain.plan.comm import Comm
+    from llmtrain.plan.steptime import fsdp_shared_link_exposed
+
+    gather = Comm("dp", "all-gather", 8, 1e9, 4, "nvlink", 8.0, "fsdp-gather")
+    reduce = Comm("dp", "reduce-scatter", 8, 1e9, 1, "nvlink", 3.0, "fsdp-reduce")
+    g, r = fsdp_shared_link_exposed(gather, reduce, 0.25, 4.0, 4.0, 2)
+    assert g == pytest.approx(2 * 0.5 + 2.0 * 0.4 + 0.5, rel=1e-12)
+    assert r == pytest.approx(2.0 * 0.6, rel=1e-12)
+    assert g + r > 2 * 0.5 + 0.5 + 0.75  # sharing the link exposes more than pricing each alone
+    # with room to spare (t_b = 8 s: 2 s of compute per block) only the first block's share waits
+    g, r = fsdp_shared_link_exposed(gather, reduce, 0.25, 4.0, 8.0, 2)
+    assert (g, r) == (pytest.approx(1.0 + 1.25 * 0.4 + 0.5), pytest.approx(1.25 * 0.6))

@@ -124,6 +124,39 @@ def fsdp_block_exposed(c: Comm, block_fraction: float, window: float) -> float:
     return c.count * (first + (n - 1) * max(0.0, rest - window / n))
 
 
+def _blocks_wait(per: float, block_fraction: float, window: float) -> float:
+    """One pass of per-block FSDP communication of ``per`` seconds for the whole rank against a
+    compute ``window``: the first block's share exposed whole, then ``max(0, comm_i - compute_(i-1))``
+    per block (:func:`fsdp_block_exposed`)."""
+    n = max(1, round(1 / max(block_fraction, 1e-9)))
+    if n == 1:
+        return per
+    first = per * min(1.0, block_fraction)
+    return first + (n - 1) * max(0.0, (per - first) / (n - 1) - window / n)
+
+
+def fsdp_shared_link_exposed(gather: Comm, reduce: Comm | None, block_fraction: float, t_f: float, t_b: float,
+                             m: int) -> tuple[float, float]:
+    """v2: (gather, reduce-scatter) exposed seconds per step when FSDP's backward all-gathers and
+    reduce-scatters share the rank's link. In the backward FSDP2 prefetches block ``i - 1``'s
+    gather (zero 3) while block ``i``'s reduce-scatter runs, on the same NVLink / NICs, so each
+    backward block waits for both: the link time per block is the sum. The forward carries the
+    gathers alone. Micro batches without a reduce-scatter (the engine reduces on the last one
+    unless ``parallel.fsdp_reduce_each_microbatch``) carry only their gathers. The backward's
+    exposure is split between the two collectives by their link seconds."""
+    per_g = gather.seconds / gather.count if gather.count else 0.0
+    fwd_n = min(gather.count, m)
+    bwd_g = (gather.count - fwd_n) / m * per_g  # per micro batch backward (zero 3; 0 for zero 2 / pp > 1)
+    per_r = reduce.seconds / reduce.count if reduce is not None and reduce.count else 0.0
+    n_r = reduce.count if reduce is not None else 0
+    fwd = fwd_n * _blocks_wait(per_g, block_fraction, t_f)
+    with_r = _blocks_wait(bwd_g + per_r, block_fraction, t_b) if per_r else 0.0
+    alone = _blocks_wait(bwd_g, block_fraction, t_b) if bwd_g else 0.0
+    bwd_with, bwd_alone = n_r * with_r, max(0.0, m - n_r) * alone
+    share = bwd_g / (bwd_g + per_r) if bwd_g + per_r > 0 else 0.0
+    return fwd + bwd_with * share + bwd_alone, bwd_with * (1.0 - share)
+
+
 def bucketed_exposed(c: Comm, t_b: float) -> float:
     """Exposed seconds of the engine's bucketed zero 0/1 gradient all-reduce on one pipeline rank.
 
@@ -165,6 +198,13 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
         fused = [c for c in w.comms if c.phase == "tp-overlap"]  # parallel.async_tp (comm.py)
         fused_factor = async_tp_exposed_factor(sum(c.seconds for c in fused), m * (t_f + t_b),
                                                fused[0].group) if fused else 1.0
+        shared = None
+        if v2:  # FSDP's backward gathers and reduce-scatters on one link (fsdp_shared_link_exposed)
+            gathers = [c for c in w.comms if c.phase == "fsdp-gather"]
+            scatters = [c for c in w.comms if c.phase == "fsdp-reduce" and c.op == "reduce-scatter"]
+            if gathers:
+                shared = fsdp_shared_link_exposed(gathers[0], scatters[0] if scatters else None, w.block_fraction,
+                                                  t_f, t_b, m)
         for c in w.comms:  # the share of each collective on the critical path
             if c.phase == "tp-overlap":
                 c.exposed_s = fused_factor * c.seconds
@@ -184,9 +224,10 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 else:
                     c.exposed_s = c.seconds
             elif c.phase == "fsdp-gather":
-                c.exposed_s = fsdp_exposed(c, w.block_fraction, t_f if c.count <= m else (t_f + t_b) / 2)
+                c.exposed_s = shared[0] if shared else fsdp_exposed(c, w.block_fraction,
+                                                                    t_f if c.count <= m else (t_f + t_b) / 2)
             elif c.phase == "fsdp-reduce":
-                c.exposed_s = fsdp_exposed(c, w.block_fraction, t_b)
+                c.exposed_s = shared[1] if shared and c.op == "reduce-scatter" else fsdp_exposed(c, w.block_fraction, t_b)
             elif c.dim == "pp":  # the sends along the fill and drain path
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
