@@ -18,7 +18,7 @@ writes 1 byte (``2e + 1``); compiled (``train.compile``), Inductor fuses the red
 producer and each transposed layout into the cast that makes it, so a cast reads ``e`` and writes
 1 per layout (an **assumption**: the fused kernels were not measured). With
 ``parallel.fp8_all_gather`` the weight arrives in fp8 (FSDP2 casts the shard before the gather:
-``1/dp`` of the weight, once per gather) and neither weight cast runs.
+``1/dp`` of the weight, once per gather) instead of the whole weight.
 
 Which Linears are converted is engine/parallelize.py's rule: every block's attention
 projections, the dense MLPs (MoE experts, routers and shared experts stay bf16), not the
@@ -42,16 +42,26 @@ def _linears(x: BlockShape, moe: bool) -> list[tuple[float, float, float]]:
     return out
 
 
+def _per_element(x: BlockShape, compiled: bool) -> float:
+    """Bytes one cast moves per element: eager ``amax`` + cast ``2e + 1``, compiled ``e + 1``
+    (``e``: the compute dtype, bf16 under fp8)."""
+    e = x.e if x.e != 4 else 2
+    return e + 1 if compiled else 2 * e + 1
+
+
+def _forward_cast(cast: float, m: float, n: float, k: float, weight_cast_share: float) -> float:
+    return cast * m * k + cast * n * k * weight_cast_share
+
+
 def cast_bytes(x: BlockShape, moe: bool, compiled: bool, weight_cast_share: float) -> tuple[float, float]:
     """(forward, backward) HBM bytes of one block's fp8 casts and layout copies for one micro
     batch; ``weight_cast_share``: 1 when the rank casts the whole weight, ``1/dp`` when FSDP2
     gathers it in fp8 (each gather casts the shard: forward, and again for the backward's)."""
-    e = x.e if x.e != 4 else 2  # the high-precision operand: the compute dtype (bf16 under fp8)
-    cast = e + 1 if compiled else 2 * e + 1
+    cast = _per_element(x, compiled)
     copy = 0 if compiled else 2
     fwd = bwd = 0.0
     for m, n, k in _linears(x, moe):
-        fwd += cast * m * k + cast * n * k * weight_cast_share
+        fwd += _forward_cast(cast, m, n, k, weight_cast_share)
         bwd += 2 * cast * m * n + cast * n * k * weight_cast_share + cast * m * k + copy * (n * k + m * n + m * k)
     return fwd, bwd
 
@@ -59,11 +69,10 @@ def cast_bytes(x: BlockShape, moe: bool, compiled: bool, weight_cast_share: floa
 def recast_bytes(x: BlockShape, moe: bool, compiled: bool, weight_cast_share: float) -> float:
     """Forward casts re-run by ``selective_mm``'s recomputed GEMMs: wk, the dense w3 and, without
     TP, wo (engine/parallel/checkpointing.py), each its input and weight cast once more."""
-    e = x.e if x.e != 4 else 2
-    cast = e + 1 if compiled else 2 * e + 1
+    cast = _per_element(x, compiled)
     lin = _linears(x, moe)
     again = [lin[1]] + ([lin[3]] if x.tp == 1 else []) + ([lin[5]] if not moe else [])
-    return sum(cast * m * k + cast * n * k * weight_cast_share for m, n, k in again)
+    return sum(_forward_cast(cast, m, n, k, weight_cast_share) for m, n, k in again)
 
 
 def cast_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, compiled: bool,

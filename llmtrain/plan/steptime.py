@@ -113,15 +113,7 @@ def fsdp_block_exposed(c: Comm, block_fraction: float, window: float) -> float:
     ``g_0 + sum_i max(0, g_i - c_(i-1))``, with ``n = 1 / block_fraction`` blocks, the largest
     block's share first and the rest split evenly, and the pass's compute ``window`` split evenly.
     v1 (:func:`_fsdp_exposed`) lets one block's surplus hide behind another's slack; this does not."""
-    if not c.count:
-        return 0.0
-    per = c.seconds / c.count
-    n = max(1, round(1 / max(block_fraction, 1e-9)))
-    if n == 1:
-        return c.count * per
-    first = per * min(1.0, block_fraction)
-    rest = (per - first) / (n - 1)
-    return c.count * (first + (n - 1) * max(0.0, rest - window / n))
+    return c.count * _blocks_wait(c.seconds / c.count, block_fraction, window) if c.count else 0.0
 
 
 def _blocks_wait(per: float, block_fraction: float, window: float) -> float:
