@@ -86,3 +86,66 @@ def test_cli_search_reports_when_nothing_fits(tmp_path):
                     "cluster: {nodes: 1, gpus_per_node: 8, gpu: h100-sxm}\n")
     out = subprocess.run([*CLI, "plan", str(path), "--search"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no layout fits" in out.stdout
+
+
+def _layout_of(choice, keys):
+    return {k: choice.overrides[k] for k in keys}
+
+
+def test_keep_searches_only_those_layouts_and_pruning_still_loses_nothing():
+    """--keep is the same search over a subset: its top equals the exhaustive search's order filtered
+    to the kept values (the bounds stay lower bounds on any subset)."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", None, 2, 8)
+    keep = {"parallel.zero": 0, "parallel.tp": 2}
+    fast = search(plan.recipe, plan.placement, top=3, keep=keep)
+    assert fast.top and fast.kept == keep
+    assert all(_layout_of(c, keep) == keep for c in fast.top)
+    _check_valid_and_fitting(plan, fast)
+    everything = search(plan.recipe, plan.placement, top=10_000, exhaustive=True)
+    kept = [c for c in everything.top if _layout_of(c, keep) == keep]
+    assert len(kept) > 3 and len(kept) < len(everything.top)
+    assert [round(c.cost.time.step_s, 9) for c in fast.top] == [round(c.cost.time.step_s, 9) for c in kept[:3]]
+
+
+def test_keep_a_recomputation_mode_and_micro_batch_the_ladder_does_not_try():
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", None, 2, 8)
+    keep = {"train.activation_checkpointing": "selective_mm", "train.micro_batch_size": 1, "parallel.pp": 2,
+            "parallel.pp_schedule": "interleaved-1f1b", "parallel.pp_virtual_stages": 2}
+    res = search(plan.recipe, plan.placement, top=3, keep=keep)
+    assert res.top and all(_layout_of(c, keep) == keep for c in res.top)
+    _check_valid_and_fitting(plan, res)
+
+
+def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not_choose():
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.plan.search_keep import parse_keep
+
+    recipe = make_plan(REPO / "recipes/llama3-8b.yaml").recipe
+    assert parse_keep(["parallel.zero", "parallel.tp=4", "parallel.pp_schedule=gpipe"], recipe) == {
+        "parallel.zero": recipe.parallel.zero, "parallel.tp": 4, "parallel.pp_schedule": "gpipe"}
+    for bad, said in (("model.layers=2", "not a key the search chooses"), ("parallel.zero=4", "between 0 and 3"),
+                      ("parallel.tp=two", "integer >= 1"), ("parallel.cp=true", "integer >= 1"),
+                      ("train.activation_checkpointing=most", "not one of none, selective, selective_mm, full")):
+        with pytest.raises(LLMTrainError) as err:
+            parse_keep([bad], recipe)
+        assert str(err.value).startswith("--keep: ") and said in str(err.value), str(err.value)
+    with pytest.raises(LLMTrainError, match="kept twice"):
+        parse_keep(["parallel.tp=2", "parallel.tp=4"], recipe)
+
+
+def test_cli_keep():
+    js = subprocess.run([*CLI, "plan", "recipes/llama3-70b.yaml", "--search", "--top", "3", "--json", "--keep",
+                         "parallel.zero=0", "--keep", "parallel.tp=8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert js.returncode == 0, js.stderr
+    d = json.loads(js.stdout)
+    assert d["kept"] == {"parallel.zero": 0, "parallel.tp": 8} and len(d["top"]) == 3
+    assert all(c["set"]["parallel.zero"] == 0 and c["set"]["parallel.tp"] == 8 for c in d["top"])
+    text = subprocess.run([*CLI, "plan", "recipes/llama3-70b.yaml", "--search", "--top", "1", "--keep", "parallel.zero=0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0 and "only layouts with parallel.zero=0 (--keep)" in text.stdout
+    for args, said in ((["--keep", "parallel.zero=0"], "--keep: only applies to a layout search; add --search"),
+                       (["--search", "--keep", "train.seq_len=2"], "--keep: 'train.seq_len' is not a key the search chooses")):
+        out = subprocess.run([*CLI, "plan", "recipes/llama3-70b.yaml", *args], cwd=REPO, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr

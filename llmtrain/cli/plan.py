@@ -29,6 +29,8 @@ def plan(
     search: bool = typer.Option(False, "--search", help="Search every valid layout for this cluster and rank those that fit "
                                 "by modeled throughput (docs/planner.md)."),
     top: int = typer.Option(5, "--top", min=1, max=100, help="With --search: how many layouts to show."),
+    keep: list[str] = typer.Option([], "--keep", help="With --search: only layouts with this value, e.g. --keep "
+                                   "parallel.zero=0 (repeatable; KEY alone keeps the recipe's value)."),
     schedule: bool = typer.Option(False, "--schedule", help="Draw the pipeline schedule's timeline in the terminal."),
     schedule_png: Optional[Path] = typer.Option(None, "--schedule-png", help="Write the pipeline schedule's timeline as a PNG."),
     layout_png: Optional[Path] = typer.Option(None, "--layout-png", help="Write the rank layout over nodes and GPUs as a PNG."),
@@ -46,8 +48,13 @@ def plan(
         if line:
             print(line, file=sys.stderr, flush=True)  # stderr: --json stays one JSON object
     result = make_plan(recipe, hosts, nodes, gpus_per_node, set_)
+    if keep and not search:
+        from llmtrain.errors import LLMTrainError
+
+        raise LLMTrainError("only applies to a layout search", "add --search, or use --set to plan one layout",
+                            path="--keep")
     if search:
-        _search(result, top, as_json)
+        _search(result, top, as_json, keep)
         return
     from llmtrain.plan.report import plan_to_dict
 
@@ -123,10 +130,11 @@ def _pictures(result, schedule_png: Optional[Path], layout_png: Optional[Path]) 
         print(f"wrote {draw(result.validation.dims, result.placement, layout_png)}", file=sys.stderr)
 
 
-def _search(result, top: int, as_json: bool) -> None:
+def _search(result, top: int, as_json: bool, keep_items: list[str]) -> None:
     from llmtrain.plan.search import search
+    from llmtrain.plan.search_keep import parse_keep
 
-    found = search(result.recipe, result.placement, top=top)
+    found = search(result.recipe, result.placement, top=top, keep=parse_keep(keep_items, result.recipe))
     if as_json:
         sys.stdout.write(json.dumps(found.to_dict()) + "\n")
     else:

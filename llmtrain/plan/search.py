@@ -48,6 +48,7 @@ from llmtrain.plan.search_bounds import (
     tp_floor,
     zero_lower_bound,
 )
+from llmtrain.plan.search_keep import allowed
 from llmtrain.plan.search_render import explain, format_result, layout_label, set_flags  # noqa: F401 (the CLI imports these from here)
 from llmtrain.plan.steptime import efficiency, matmul_peak
 from llmtrain.plan.validate import divisors, validate
@@ -90,13 +91,14 @@ class SearchResult:
     # HSDP layouts the search considered: (tp, cp, pp, schedule, v, ep, zero, dp_replicate, dp_shard, model state
     # fits the bound); each one that fits is then priced like any other layout (plan/hier.py)
     hsdp: list[tuple] = field(default_factory=list)
+    kept: dict = field(default_factory=dict)  # --keep: only layouts with these values were searched
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe, "world_size": self.world_size, "seconds": self.seconds,
                 "cpu_seconds": self.cpu_seconds, "splits": self.splits,
                 "splits_evaluated": self.splits_evaluated, "layouts_evaluated": self.layouts_evaluated,
                 "rejected_invalid": self.rejected_invalid, "rejected_memory": self.rejected_memory,
-                "hsdp_considered": len(self.hsdp),
+                "hsdp_considered": len(self.hsdp), "kept": self.kept,
                 "top": [c.summary() for c in self.top]}
 
 
@@ -113,37 +115,44 @@ def balanced_split(layers: int, stages: int) -> list[int] | None:
     return counts
 
 
-def _schedules(recipe: Recipe, pp: int, layers: int) -> list[tuple[str, int]]:
+def _schedules(recipe: Recipe, pp: int, layers: int, keep: dict | None = None) -> list[tuple[str, int]]:
+    """1F1B and interleaved 1F1B (v 2, 4, 8) always; the recipe's own schedule (or a kept one) too."""
     if pp == 1:
         return [("1f1b", 1)]
     out = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp * v <= layers]
-    own = recipe.parallel.pp_schedule
+    own = (keep or {}).get("parallel.pp_schedule", recipe.parallel.pp_schedule)
     if own in ("zbv", "dualpipev") and 2 * pp <= layers:
         out.append((own, 2))
     elif own == "zero-bubble":
         out += [(own, v) for v in (2, 4) if pp * v <= layers]
     elif own == "gpipe":
         out.append((own, 1))
+    v = (keep or {}).get("parallel.pp_virtual_stages", 1)
+    if v > 1 and ("interleaved-1f1b", v) not in out and pp * v <= layers:  # a kept v beside 2, 4, 8
+        out.append(("interleaved-1f1b", v))
     return out
 
 
 def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool = False,
-           exhaustive: bool = False) -> SearchResult:
+           exhaustive: bool = False, keep: dict | None = None) -> SearchResult:
     """The ``top`` fastest layouts that validate and fit. ``exhaustive`` turns the bounds off (every
-    split and micro batch is priced): the tests use it to check that pruning loses nothing."""
+    split and micro batch is priced): the tests use it to check that pruning loses nothing. ``keep``
+    ({dotted key: value}, :mod:`llmtrain.plan.search_keep`): only layouts with those values."""
     t0, c0 = time.perf_counter(), time.process_time()
     m, t = recipe.model, recipe.train
     world = placement.world_size
     gpu = cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)
     slots = [n.slots for n in placement.nodes]
-    result = SearchResult(recipe.name, world)
+    result = SearchResult(recipe.name, world, kept=dict(keep or {}))
     own = validate(recipe, placement)
     gbs = t.global_batch_size or (own.batch.global_batch_size if own.batch else t.micro_batch_size * world)
     tp_common = 0
     for value in (m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size) + ((m.expert_ffn,) if m.is_moe else ()):
         tp_common = gcd(tp_common, value)
-    tps = [x for x in divisors(tp_common, min(slots)) if all(s % x == 0 for s in slots) and world % x == 0]
-    cps = [c for c in divisors(world) if c == 1 or (t.seq_len % (2 * c) == 0 and t.seq_len // c >= MIN_CP_TOKENS)]
+    tps = [x for x in divisors(tp_common, min(slots)) if all(s % x == 0 for s in slots) and world % x == 0
+           and allowed(keep, "parallel.tp", x)]
+    cps = [c for c in divisors(world) if (c == 1 or (t.seq_len % (2 * c) == 0 and t.seq_len // c >= MIN_CP_TOKENS))
+           and allowed(keep, "parallel.cp", c)]
     capacity = gpu.memory_bytes
     # the compute floor at the rate the cost model uses (fp8: the blended FP8/bf16 peak); at the bf16
     # peak an fp8 recipe's floor overstates its compute and prunes splits that would win
@@ -165,15 +174,20 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             for pp in divisors(world // (tp * cp)):
                 if pp > m.layers:
                     break
+                if not allowed(keep, "parallel.pp", pp):
+                    continue
                 dp = world // (tp * cp * pp)
                 if gbs % dp:
                     continue
                 eps = [e for e in divisors(m.moe.num_experts) if (dp * cp) % e == 0] if m.is_moe else [1]
+                eps = [e for e in eps if allowed(keep, "parallel.ep", e)]
                 # compute (MoE blocks are replicated over TP ranks; causal SDPA skips half the
                 # scores, as in the step-time model) and TP communication, per GPU
                 skip = skipped_attention(recipe, cp)
                 floor = (dense_tok - skip + moe_tok * tp) * tokens_gpu / rate + tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
-                for schedule, v in _schedules(recipe, pp, m.layers):
+                for schedule, v in _schedules(recipe, pp, m.layers, keep):
+                    if not (allowed(keep, "parallel.pp_schedule", schedule) and allowed(keep, "parallel.pp_virtual_stages", v)):
+                        continue
                     for ep in eps:
                         if state_lower_bound(recipe, tp, pp, ep, dp * cp) > capacity:
                             continue
@@ -196,16 +210,20 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
         sp = tp > 1 and (t.seq_len // cp) % tp == 0
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 else recipe.parallel.sequence_parallel)
-        if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
+        kept_ac = (keep or {}).get("train.activation_checkpointing")
+        # the floor below assumes full recomputation where selective does not fit; a kept selective_mm
+        # (less memory than selective, far less recomputation than full) may fit there: no such floor
+        if kept_ac != "selective_mm" and kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp,
+                                                                                       capacity):
             # the recomputed forward is part of every layout of this split
             if bound + recompute_tok(recipe, tp, cp) * tokens_gpu / rate >= kth():
                 continue
         result.splits_evaluated += 1
         for zero in (0, 1, 2, 3):
-            if (zero and dp * cp == 1) or (zero == 3 and pp > 1):  # pp > 1: the engine runs zero 3 as zero 2
-                continue
+            if (zero and dp * cp == 1) or (zero == 3 and pp > 1) or not allowed(keep, "parallel.zero", zero):
+                continue  # pp > 1: the engine runs zero 3 as zero 2
             reps = [1] + (shard_replicas(dp, cp, tp, ep, min(slots)) if zero >= 2 else [])
-            for rep in reps:
+            for rep in filter(lambda r: allowed(keep, "parallel.dp_replicate", r), reps):
                 fits_bound = zero_lower_bound(recipe, tp, pp, ep, dp, cp, zero, rep) <= capacity
                 if rep > 1:
                     result.hsdp.append((tp, cp, pp, schedule, v, ep, zero, rep, dp // rep, fits_bound))
@@ -214,19 +232,23 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 par = dict(base, zero=zero, dp_replicate=rep, dp_shard=dp // rep)
                 floor = bound / (1 + bubble_fraction(schedule, pp, v, gbs // dp))
                 _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, 0 if exhaustive else top, dp_overlap,
-                                       lambda mb: floor * (1 + bubble_fraction(schedule, pp, v, gbs // dp // mb)) >= kth())
+                                       lambda mb: floor * (1 + bubble_fraction(schedule, pp, v, gbs // dp // mb)) >= kth(),
+                                       keep)
     _finalize(recipe, placement, found, result, top, dp_overlap)
     result.seconds = time.perf_counter() - t0
     result.cpu_seconds = time.process_time() - c0
     return result
 
 
-def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, top, dp_overlap, hopeless) -> None:
+def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, top, dp_overlap, hopeless,
+                           keep=None) -> None:
     """Grow the micro batch while something fits and its bound can still beat the K-th best; for
-    each, the least recomputation that fits."""
+    each, the least recomputation that fits (a kept recomputation mode: that one, where it fits)."""
     per_dp = gbs // dp
+    ladder = RECOMPUTE if not keep or "train.activation_checkpointing" not in keep else (keep["train.activation_checkpointing"],)
     level = 0  # recomputation needed so far (more micro batches never need less)
-    for mb in [d for d in divisors(per_dp) if d <= MAX_MICRO_BATCH]:
+    kept_mb = (keep or {}).get("train.micro_batch_size")
+    for mb in [d for d in divisors(per_dp) if d <= max(MAX_MICRO_BATCH, kept_mb or 0) and kept_mb in (None, d)]:
         if (pp > 1 and per_dp // mb < pp) or hopeless(mb):
             break
         variant = make_variant(recipe, par, dict(micro_batch_size=mb, global_batch_size=gbs))
@@ -245,13 +267,13 @@ def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, t
             result.rejected_memory += not ok
             return ok
 
-        if not fits(RECOMPUTE[-1]):
+        if not fits(ladder[-1]):
             break  # larger micro batches need more memory still
-        level = next((i for i in range(level, len(RECOMPUTE) - 1) if fits(RECOMPUTE[i])), len(RECOMPUTE) - 1)
-        chosen = make_variant(variant, {}, dict(activation_checkpointing=RECOMPUTE[level]))
+        level = next((i for i in range(level, len(ladder) - 1) if fits(ladder[i])), len(ladder) - 1)
+        chosen = make_variant(variant, {}, dict(activation_checkpointing=ladder[level]))
         cost = estimate(chosen, v.dims, v.batch, placement, dp_overlap=dp_overlap, fast=True, hints=False)
         overrides = {f"parallel.{k}": val for k, val in par.items()}
-        overrides.update({"train.micro_batch_size": mb, "train.activation_checkpointing": RECOMPUTE[level]})
+        overrides.update({"train.micro_batch_size": mb, "train.activation_checkpointing": ladder[level]})
         found.append(Choice(0, overrides, v.dims, v.batch, cost))
         found.sort(key=lambda c: c.cost.time.step_s)
         if top:

@@ -83,9 +83,10 @@ def needs_full_recompute(recipe: Recipe, placement: Placement, base: dict, gbs: 
     With LoRA, selective recomputation can keep MORE than none (it saves the frozen projections'
     outputs and the adapters', which a frozen weight's backward does not need), so there both are
     tried. ``selective_mm`` (less memory than selective) is not on the search's recomputation
-    ladder (search.py RECOMPUTE): the search never prices it, so the bound, measured against
-    selective, stays a floor of what the search prices (a split that would fit only with
-    selective_mm is priced with full recomputation, as the search would run it)."""
+    ladder (search.py RECOMPUTE): the search prices it only when ``--keep`` asks for it, and then
+    does not use this test; otherwise the bound, measured against selective, stays a floor of what
+    the search prices (a split that would fit only with selective_mm is priced with full
+    recomputation, as the search would run it)."""
     zero = 2 if base["pp"] > 1 else 3
     for mode in ("selective",) if recipe.train.lora is None else ("selective", "none"):
         variant = make_variant(recipe, dict(base, zero=zero, dp_replicate=1, dp_shard=dp),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from llmtrain.cluster.placement import Placement
+from llmtrain.plan.search_keep import keep_text
 from llmtrain.recipe.gpus import GPUS
 from llmtrain.recipe.schema import Recipe
 
@@ -58,7 +59,11 @@ def format_result(res: SearchResult, recipe: Recipe, placement: Placement) -> st
     head = (f"llmtrain plan --search {res.recipe}: {res.world_size:,} GPUs ({len(placement.nodes)} nodes, {gpu.name}); "
             f"{res.splits} splits (tp, cp, pp, schedule, ep), {res.splits_evaluated} explored, {res.layouts_evaluated} "
             f"layouts priced, {res.rejected_memory} did not fit; {res.seconds:.2f} s")
+    if res.kept:
+        head += "\nonly layouts with " + keep_text(res.kept) + " (--keep)"
     if not res.top:
+        if res.kept:
+            return head + "\nno layout with these values fits: drop a --keep, or use more GPUs or a smaller batch per GPU"
         return head + "\nno layout fits: use more GPUs, a shorter sequence or a smaller global batch per GPU"
     lines = [head, f"{'#':>2} {'step s':>8} {'tokens/s/GPU':>13} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}  layout"]
     for c in res.top:
