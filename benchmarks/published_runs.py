@@ -31,8 +31,9 @@ model). Rules kept here:
   (llmtrain/recipe/schema_plan.py); FSDP rows do not need it (FSDP's prefetch is the engine's own);
 - ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
   engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``fa3``
-  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention); torchtitan (SDPA) and
-  llm-foundry (flash-attn 2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
+  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention), ``fa1`` for llm-foundry's 2023
+  tables (its Triton FlashAttention, ``attn_impl: triton``); torchtitan (SDPA) and llm-foundry's 2024
+  large-scale table (flash-attn 2.4.2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
 - ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
   casts into cast-transpose kernels and the norms before the GEMMs, where the engine runs torchao's;
 - ``planner.loss: unchunked`` for torchtitan (``F.cross_entropy`` over the whole fp32 logits; the
@@ -221,19 +222,29 @@ def torchtitan_rows() -> list[dict]:
 
 
 def foundry_rows() -> list[dict]:
+    """The rows on 8-64 GPUs are the 2023 tables (sweep.sh at llm-foundry b2a43a147, v0.3.0, no
+    ``--attn_impl``: submit_benchmarks.py's default ``triton``, the Triton FlashAttention copied from
+    flash-attn 1.x, ``planner.attention_kernel: fa1``); the >= 128-GPU rows are the 2024-01 "Large
+    Scale" table (5e85bd62d: sweep.py passes ``--attn_impl flash`` for 3b, 7b and 70b with flash-attn
+    2.4.2, the engine's FA2)."""
     out = []
     for size, gpu, gpus, mb, gbs, shard, ac, tps in FOUNDRY_ROWS:
         h, heads, layers = MPT[size]
         kind = "H100" if gpu == "h100-sxm" else "A100"
+        large = gpus >= 128
+        first = (size, gpus, gpu) in (("7b", 8, "h100-sxm"), ("3b", 128, "h100-sxm"), ("7b", 8, "a100-80g"))
+        note = ("seq 2,048; ALiBi and GeLU MLP modelled as RoPE + SwiGLU of equal FLOPs; " +
+                ("flash-attn 2.4.2 (attn_impl flash: the engine's FA2)" if large else
+                 "the Triton FlashAttention of llm-foundry 0.3 (attn_impl triton: planner.attention_kernel fa1)"))
         out.append(dict(
             source=f"llm-foundry {kind} tables", url=FOUNDRY,
             name=f"MPT {size}, {gpus} {kind}, FSDP {shard}, micro {mb}" + (", AC" if ac else ""),
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(gpt(h, heads, layers, 1, vocab=50368), dict(zero=3 if shard == "FULL_SHARD" else 2),
                           dict(seq_len=2048, micro_batch_size=mb, global_batch_size=gbs,
-                               activation_checkpointing="full" if ac else "none"), gpus, gpu),
-            note="seq 2,048; ALiBi and GeLU MLP modelled as RoPE + SwiGLU of equal FLOPs" if size == "7b" and gpu == "h100-sxm"
-            and gpus == 8 else "as above"))
+                               activation_checkpointing="full" if ac else "none"), gpus, gpu,
+                          attention=None if large else "fa1"),
+            note=note if first else "as above"))
     return out
 
 

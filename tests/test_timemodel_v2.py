@@ -153,7 +153,7 @@ def test_launches_bound_small_blocks_only():
 
 
 def test_attention_kernels():
-    """The engine's SDPA (FA2) runs at 35 % of the H100 peak forward; fa3 at 62 %; on A100 fa3 is FA2
+    """The engine's SDPA (FA2) runs at 35 % of the H100 peak forward; fa3 at 62 %; fa1 at half of FA2; on A100 fa3 is FA2
     (no FA3 there); materialized scores (no causal skip) move (4e+1) bytes per score forward."""
     eng = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100)
     fa3 = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100, kernel="fa3")
@@ -161,6 +161,12 @@ def test_attention_kernels():
     assert eng[0] == pytest.approx(flops / (989e12 * 0.35), rel=1e-9)
     assert fa3[0] == pytest.approx(flops / (989e12 * 0.62), rel=1e-9)
     a100 = GPUS["a100-80g"]
+    for gpu in (H100, a100):  # fa1 (FlashAttention-1 class): half of FA2's rates, forward and backward
+        fa1 = ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, gpu, kernel="fa1")
+        fa2 = ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, gpu)
+        assert fa1 == pytest.approx((2 * fa2[0], 2 * fa2[1]), rel=1e-12)
+    assert ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, a100, kernel="fa1")[0] == \
+        pytest.approx(4.0 * 2048 * 2048 * 32 * 128 * 0.5 / (312e12 * 0.325), rel=1e-9)  # FA1 "25-40 %" of A100
     assert ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="fa3") == \
         ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100)
     mat_f, mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="materialized")

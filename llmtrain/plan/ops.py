@@ -71,6 +71,13 @@ ATTENTION = {"a100-80g": (0.65, 0.50), "a100-40g": (0.65, 0.50), "h100-sxm": (0.
 # 0.48) on Hopper and Blackwell (assumed), FA2's elsewhere.
 ATTENTION_FA3 = {"h100-sxm": (0.62, 0.48), "h100-pcie": (0.62, 0.48), "h200": (0.62, 0.48), "b200": (0.62, 0.48),
                  "gb200": (0.62, 0.48)}
+# ``planner.attention_kernel: fa1`` (FlashAttention-1 class: flash-attn 1.x's CUDA kernels, or the Triton
+# FlashAttention of flash-attn's flash_attn_triton.py, which llm-foundry 0.3 ran as ``attn_impl: triton`` and
+# whose docstring calls its forward + backward "slightly slower" than FA1's CUDA): half of FA2's rates. FA2
+# paper (Dao 2023, arXiv:2307.08691), abstract: FA2 gives "around 2x speedup compared to FlashAttention",
+# which reaches "only 25-40 %" of the A100 peak (half of FA2's (0.65, 0.50) is (0.325, 0.25)). The ratio
+# is assumed on Hopper too (there both run Ampere-style mma instructions: FA2's 35 % on H100).
+ATTENTION_FA1 = {key: (f / 2, b / 2) for key, (f, b) in ATTENTION.items()}
 # ``planner.attention_kernel: materialized`` (Megatron-LM 2021, before FlashAttention): the scores
 # ``b x heads x s x s`` go through HBM; HBM bytes per score element forward (fused scale-mask-softmax:
 # read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
@@ -134,7 +141,7 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed
                       gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
     SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
-    (SDPA's FA2), ``fa3``, or ``materialized`` (two batched GEMMs forward, four backward, over all
+    (SDPA's FA2), ``fa3``, ``fa1`` (half of FA2's rates), or ``materialized`` (two batched GEMMs forward, four backward, over all
     blocks, plus the softmax and dropout bytes of every score: :data:`MATERIALIZED_BYTES`)."""
     if kernel == "materialized":
         m, scores = b * heads * s_q, b * heads * s_q * s_kv
@@ -142,7 +149,8 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed
         fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
         return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
     fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * executed
-    table = ATTENTION_FA3 if kernel == "fa3" and gpu.rates_key in ATTENTION_FA3 else ATTENTION
+    table = ATTENTION_FA3 if kernel == "fa3" and gpu.rates_key in ATTENTION_FA3 else \
+        ATTENTION_FA1 if kernel == "fa1" else ATTENTION
     f, bw = table.get(gpu.rates_key, (0.5, 0.4))
     peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.rates_key, 108)) if sms else 1.0)
     return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
@@ -173,7 +181,7 @@ class BlockShape:
     ep: int = 1
     recompute: str = "none"
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
-    attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, materialized
+    attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
 
 
 def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
