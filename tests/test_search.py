@@ -114,6 +114,10 @@ def test_keep_a_recomputation_mode_and_micro_batch_the_ladder_does_not_try():
     res = search(plan.recipe, plan.placement, top=3, keep=keep)
     assert res.top and all(_layout_of(c, keep) == keep for c in res.top)
     _check_valid_and_fitting(plan, res)
+    no_sp = {"parallel.sequence_parallel": False, "parallel.tp": 2}  # a stack without sequence parallelism
+    res = search(plan.recipe, plan.placement, top=3, keep=no_sp)
+    assert res.top and all(_layout_of(c, no_sp) == no_sp for c in res.top)
+    _check_valid_and_fitting(plan, res)
 
 
 def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not_choose():
@@ -125,7 +129,8 @@ def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not
         "parallel.zero": recipe.parallel.zero, "parallel.tp": 4, "parallel.pp_schedule": "gpipe"}
     for bad, said in (("model.layers=2", "not a key the search chooses"), ("parallel.zero=4", "between 0 and 3"),
                       ("parallel.tp=two", "integer >= 1"), ("parallel.cp=true", "integer >= 1"),
-                      ("train.activation_checkpointing=most", "not one of none, selective, selective_mm, full")):
+                      ("train.activation_checkpointing=most", "not one of none, selective, selective_mm, full"),
+                      ("parallel.sequence_parallel=maybe", "not true or false")):
         with pytest.raises(LLMTrainError) as err:
             parse_keep([bad], recipe)
         assert str(err.value).startswith("--keep: ") and said in str(err.value), str(err.value)

@@ -55,7 +55,9 @@ from llmtrain.plan.validate import divisors, validate
 from llmtrain.recipe.gpus import cluster_gpu
 from llmtrain.recipe.schema import Recipe
 
-RECOMPUTE = ("none", "selective", "full")
+# least memory last: selective_mm (torchtitan's op policy) saves less than selective (drops the outputs
+# of wk, w3 and, without TP, wo) and re-runs far less than full
+RECOMPUTE = ("none", "selective", "selective_mm", "full")
 MIN_CP_TOKENS = 2048
 MAX_MICRO_BATCH = 64
 
@@ -208,13 +210,14 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             break
         split = balanced_split(m.layers, pp * v) if pp > 1 else None
         sp = tp > 1 and (t.seq_len // cp) % tp == 0
+        kept_sp = (keep or {}).get("parallel.sequence_parallel")
+        if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
+            if kept_sp and tp > 1 and not sp:
+                continue
+            sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
-                    sequence_parallel=sp if tp > 1 else recipe.parallel.sequence_parallel)
-        kept_ac = (keep or {}).get("train.activation_checkpointing")
-        # the floor below assumes full recomputation where selective does not fit; a kept selective_mm
-        # (less memory than selective, far less recomputation than full) may fit there: no such floor
-        if kept_ac != "selective_mm" and kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp,
-                                                                                       capacity):
+                    sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
+        if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
             if bound + recompute_tok(recipe, tp, cp) * tokens_gpu / rate >= kth():
                 continue

@@ -78,17 +78,14 @@ def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, 
 
 def needs_full_recompute(recipe: Recipe, placement: Placement, base: dict, gbs: int, dp: int, capacity: float) -> bool:
     """Whether even the most sharded state (zero 3, or 2 with pp > 1; no HSDP) with micro batch 1
-    and selective recomputation overflows: then every layout of the split recomputes fully.
+    and the lightest partial recomputation (``selective_mm``, search.py RECOMPUTE) overflows: then
+    every layout of the split recomputes fully (a kept mode other than full does not fit at all).
 
     With LoRA, selective recomputation can keep MORE than none (it saves the frozen projections'
-    outputs and the adapters', which a frozen weight's backward does not need), so there both are
-    tried. ``selective_mm`` (less memory than selective) is not on the search's recomputation
-    ladder (search.py RECOMPUTE): the search prices it only when ``--keep`` asks for it, and then
-    does not use this test; otherwise the bound, measured against selective, stays a floor of what
-    the search prices (a split that would fit only with selective_mm is priced with full
-    recomputation, as the search would run it)."""
+    outputs and the adapters', which a frozen weight's backward does not need), so there every
+    partial mode is tried."""
     zero = 2 if base["pp"] > 1 else 3
-    for mode in ("selective",) if recipe.train.lora is None else ("selective", "none"):
+    for mode in ("selective_mm",) if recipe.train.lora is None else ("selective_mm", "selective", "none"):
         variant = make_variant(recipe, dict(base, zero=zero, dp_replicate=1, dp_shard=dp),
                            dict(micro_batch_size=1, global_batch_size=gbs, activation_checkpointing=mode))
         v = validate(variant, placement)

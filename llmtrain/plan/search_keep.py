@@ -19,12 +19,13 @@ import yaml
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.schema import Recipe
 
-# searched key -> (kind, minimum): "int" (>= the minimum; zero also <= 3) or "choice" (the schema's Literal values)
+# searched key -> (kind, minimum): "int" (>= the minimum; zero also <= 3), "choice" (the schema's Literal
+# values) or "bool" (sequence_parallel: false for a stack without SP; true keeps only tp > 1 layouts it divides)
 KEYS: dict[str, tuple[str, int]] = {
     "parallel.tp": ("int", 1), "parallel.cp": ("int", 1), "parallel.pp": ("int", 1), "parallel.ep": ("int", 1),
     "parallel.zero": ("int", 0), "parallel.dp_replicate": ("int", 1), "parallel.pp_schedule": ("choice", 0),
     "parallel.pp_virtual_stages": ("int", 1), "train.micro_batch_size": ("int", 1),
-    "train.activation_checkpointing": ("choice", 0),
+    "train.activation_checkpointing": ("choice", 0), "parallel.sequence_parallel": ("bool", 0),
 }
 
 
@@ -58,6 +59,10 @@ def parse_keep(items: list[str], recipe: Recipe) -> dict[str, Any]:
                 shown = raw.strip() if sep else value
                 raise LLMTrainError(f"{key}={shown} is not an integer {'between ' + str(low) + top if top else f'>= {low}'}",
                                     f"e.g. --keep {key}={max(low, 1) if key != 'parallel.zero' else 0}", path="--keep")
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise LLMTrainError(f"{key}={raw.strip() if sep else value} is not true or false",
+                                    f"e.g. --keep {key}=false", path="--keep")
         elif value not in _choices(key):
             raise LLMTrainError(f"{key}={value} is not one of {', '.join(_choices(key))}",
                                 f"e.g. --keep {key}={_choices(key)[1]}", path="--keep")
