@@ -324,9 +324,44 @@ def trainy_rows() -> list[dict]:
     return out
 
 
+def titan_cp_rows() -> list[dict]:
+    """torchtitan 2024-12 Tables 2 and 6: context parallelism with compile + Float8 (Table 6: + async
+    TP, not modelled), full AC, local batch 1 (Table 2) and 8 (Table 6) per FSDP rank (last, so the
+    earlier rows keep their file numbers). torch's ``context_parallel`` (torch 1963fc8, 2024-12) rotates
+    K/V by all-gather by default and load-balances the causal blocks (2 x cp chunks): the engine's
+    load-balanced all-gather CP. The 8B config's 131,072 max_seq_len is raised for the 262,144 row."""
+    out = []
+    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 3890, 83.9), (65536, 4, 2, 2540, 84.2), (131072, 2, 4, 1071, 84.0),
+                                    (262144, 1, 8, 548, 84.5)):
+        out.append(dict(
+            source="torchtitan H100 2024-12 Table 2", url=TITAN_2412,
+            name=f"Llama 3.1 8B, 8 H100 500 W, FSDP {fsdp} CP {cp}, seq {seq:,}", metric="tokens/s/GPU", published=tps,
+            published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-8b", max_seq_len=max(seq, 131072)),
+                          dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
+                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
+                               precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked"),
+            note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
+                  "balanced) as the engine's all-gather CP; torch.compile's speed-up is not modelled; h100-96g at 500 W, "
+                  "unchunked loss" if cp == 1 else "as above")))
+    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
+                                    (262144, 1, 8, 16, 84.9)):
+        out.append(dict(
+            source="torchtitan H100 2024-12 Table 6", url=TITAN_2412,
+            name=f"Llama 3.1 405B, 512 H100 500 W, FSDP {fsdp} CP {cp} TP 8 PP 8, seq {seq:,}", metric="tokens/s/GPU",
+            published=tps, published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-405b", max_seq_len=max(seq, 131072)),
+                          dict(tp=8, pp=8, zero=2, pp_schedule="1f1b", **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
+                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
+                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
+            note=("compile + Float8 + async TP (not modelled), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
+                  "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
+    return out
+
+
 def rows() -> list[dict]:
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-            + deepseek_rows() + trainy_rows())
+            + deepseek_rows() + trainy_rows() + titan_cp_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"
