@@ -141,8 +141,9 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed
                       gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
     SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
-    (SDPA's FA2), ``fa3``, ``fa1`` (half of FA2's rates), or ``materialized`` (two batched GEMMs forward, four backward, over all
-    blocks, plus the softmax and dropout bytes of every score: :data:`MATERIALIZED_BYTES`)."""
+    (SDPA's FA2), ``fa3``, ``fa1`` (half of FA2's rates), or ``materialized`` (two batched GEMMs
+    forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
+    :data:`MATERIALIZED_BYTES`)."""
     if kernel == "materialized":
         m, scores = b * heads * s_q, b * heads * s_q * s_kv
         qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs

@@ -248,7 +248,8 @@ def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, t
     """Grow the micro batch while something fits and its bound can still beat the K-th best; for
     each, the least recomputation that fits (a kept recomputation mode: that one, where it fits)."""
     per_dp = gbs // dp
-    ladder = RECOMPUTE if not keep or "train.activation_checkpointing" not in keep else (keep["train.activation_checkpointing"],)
+    kept_ac = (keep or {}).get("train.activation_checkpointing")
+    ladder = RECOMPUTE if kept_ac is None else (kept_ac,)
     level = 0  # recomputation needed so far (more micro batches never need less)
     kept_mb = (keep or {}).get("train.micro_batch_size")
     for mb in [d for d in divisors(per_dp) if d <= max(MAX_MICRO_BATCH, kept_mb or 0) and kept_mb in (None, d)]:
