@@ -65,15 +65,14 @@ def search_rank(row: dict, top: int = TOP, time_model: str = "v1") -> dict:
     recipe = validate_recipe_dict(data)
     placement = resolve_placement(recipe)
     res = search(recipe, placement, top=top, dp_overlap=True)
-    # the published stack's own ZeRO stage: the same search with --keep parallel.zero (its whole
-    # order among those layouts, not the few of them that reach the unconstrained top)
-    # (and without sequence parallelism where the published stack had none: Megatron-LM 2021)
+    # what the published stack could run: its ZeRO stage, and no SP where it had none (Megatron-LM
+    # 2021); a kept search gives the whole order among those layouts, not the few in the unconstrained top
     kept = {"parallel.zero": recipe.parallel.zero} | ({} if recipe.parallel.sequence_parallel else
                                                        {"parallel.sequence_parallel": False})
-    same = search(recipe, placement, top=top, dp_overlap=True, keep=kept)
+    stack = search(recipe, placement, top=top, dp_overlap=True, keep=kept)
     want = split_of(row["recipe"]["parallel"])
-    out = {"published": want, "seconds": res.seconds, "same_zero_seconds": same.seconds}
-    for tag, found in (("", res), ("same_zero_", same)):
+    out = {"published": want, "seconds": res.seconds, "kept_seconds": stack.seconds}
+    for tag, found in (("", res), ("kept_", stack)):
         splits: list[tuple] = []
         for c in found.top:
             o = c.overrides
@@ -135,11 +134,11 @@ def main() -> None:
         seen_runs.add(key)
         x = search_rank(r, top=20 if args.tiny else TOP, time_model=args.time_model)
         results.append({"source": r["source"], "run": r["name"], **{k: v for k, v in x.items()}})
-        ranks.setdefault(r["source"], []).append((x["rank"], x["same_zero_rank"], x["same_zero_gap"]))
-        rank, same = (str(x[k + "rank"]) if x[k + "rank"] else f"> {x[k + 'seen']}" for k in ("", "same_zero_"))
+        ranks.setdefault(r["source"], []).append((x["rank"], x["kept_rank"], x["kept_gap"]))
+        rank, same = (str(x[k + "rank"]) if x[k + "rank"] else f"> {x[k + 'seen']}" for k in ("", "kept_"))
         best = f"{label(x['best'])} zero {x['best_zero']} ({x['best_tokens']:,.0f})" if "best" in x else "nothing fits"
         zero = r["recipe"]["parallel"].get("zero", 0)
-        gaps = " / ".join(f"{x[k]:+.1%}" if x[k] is not None else "-" for k in ("gap", "same_zero_gap"))
+        gaps = " / ".join(f"{x[k]:+.1%}" if x[k] is not None else "-" for k in ("gap", "kept_gap"))
         print(f"| {r['source']} | {r['name']} | {label(x['published'])} (zero {zero}) | {best} | {rank} | {same} | "
               f"{gaps} | {x['seconds']:.2f} |")
     print()
