@@ -1,8 +1,8 @@
 """Helpers to run a multi-rank job with torchrun's elastic agent and collect rank 0's results.
 
 The job is tests/dist_launch.py: ``elastic_launch`` (what ``torch.distributed.run`` calls) with
-the ranks forked from one process that imported torch and the engine (see its docstring: the
-imports were half of a 16-rank job); tests/dist_worker.py runs the same under plain ``torchrun``."""
+the ranks forked from one single-threaded forkserver that imported torch and the engine (see its
+docstring: the imports were half of a 16-rank job); tests/dist_worker.py runs the same under plain ``torchrun``."""
 
 from __future__ import annotations
 
