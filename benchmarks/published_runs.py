@@ -197,16 +197,21 @@ def torchtitan_rows() -> list[dict]:
                       dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
                            precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
         note="compile + Float8, full AC; async TP (876) is not in the engine"))
+    # Local batch 32 per DP rank; torchtitan (9dec370, 2024-12) splits it into as many micro batches as the
+    # pipeline has stages unless --experimental.pipeline_parallel_microbatches says otherwise (its
+    # build_pipeline_schedule: n_microbatches = pp degree x stages per rank): 8 of 4 for 1F1B, 16 of 2 at v = 2.
     for sched, v, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
         out.append(dict(
             source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,
             name=f"Llama 3.1 405B, 512 H100 500 W, FSDP 8 TP 8 PP 8, {sched}", metric="tokens/s/GPU", published=tps,
             published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v),
-                          dict(seq_len=8192, micro_batch_size=1, global_batch_size=256, activation_checkpointing="full",
-                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
+                          dict(seq_len=8192, micro_batch_size=32 // (8 * v), global_batch_size=256,
+                               activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
+                          power=500, loss="unchunked"),
             note=("compile + Float8 + async TP (async TP not modelled); FSDP under PP run as zero 2 (the engine's rule); "
-                  "micro batch 1 (torchtitan's default)" + ("; v = 2 (the table does not give v)" if v > 1 else ""))))
+                  f"local batch 32 in {8 * v} micro batches of {32 // (8 * v)} (torchtitan's default: one per stage)"
+                  + ("; v = 2 (the table does not give v)" if v > 1 else ""))))
     for name, preset, gpus, mb, ac, tps in (("70B", "llama3.1-70b", 256, 16, "full", 597.3),
                                             ("8B", "llama3.1-8b", 64, 12, TITAN_AC, 4378)):
         out.append(dict(
