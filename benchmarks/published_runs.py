@@ -196,7 +196,7 @@ def torchtitan_rows() -> list[dict]:
         recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3),
                       dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
                            precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
-        note="compile + Float8, full AC; async TP (876) is not in the engine"))
+        note="compile + Float8, full AC; vanilla TP (with async TP: row 57)"))
     # Local batch 32 per DP rank; torchtitan (9dec370, 2024-12) splits it into as many micro batches as the
     # pipeline has stages unless --experimental.pipeline_parallel_microbatches says otherwise (its
     # build_pipeline_schedule: n_microbatches = pp degree x stages per rank): 8 of 4 for 1F1B, 16 of 2 at v = 2.
@@ -205,13 +205,14 @@ def torchtitan_rows() -> list[dict]:
             source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,
             name=f"Llama 3.1 405B, 512 H100 500 W, FSDP 8 TP 8 PP 8, {sched}", metric="tokens/s/GPU", published=tps,
             published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v),
+            recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v,
+                                                             async_tp=True),
                           dict(seq_len=8192, micro_batch_size=32 // (8 * v), global_batch_size=256,
                                activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
                           power=500, loss="unchunked"),
-            note=("compile + Float8 + async TP (async TP not modelled); FSDP under PP run as zero 2 (the engine's rule); "
+            note=("compile + Float8 + async TP (parallel.async_tp); FSDP under PP run as zero 2 (the engine's rule); "
                   f"local batch 32 in {8 * v} micro batches of {32 // (8 * v)} (torchtitan's default: one per stage)"
-                  + ("; v = 2 (the table does not give v)" if v > 1 else ""))))
+                  + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else ""))))
     for name, preset, gpus, mb, ac, tps in (("70B", "llama3.1-70b", 256, 16, "full", 597.3),
                                             ("8B", "llama3.1-8b", 64, 12, TITAN_AC, 4378)):
         out.append(dict(
@@ -329,44 +330,11 @@ def trainy_rows() -> list[dict]:
     return out
 
 
-def titan_cp_rows() -> list[dict]:
-    """torchtitan 2024-12 Tables 2 and 6: context parallelism with compile + Float8 (Table 6: + async
-    TP, not modelled), full AC, local batch 1 (Table 2) and 8 (Table 6) per FSDP rank (last, so the
-    earlier rows keep their file numbers). torch's ``context_parallel`` (torch 1963fc8, 2024-12) rotates
-    K/V by all-gather by default and load-balances the causal blocks (2 x cp chunks): the engine's
-    load-balanced all-gather CP. The 8B config's 131,072 max_seq_len is raised for the 262,144 row."""
-    out = []
-    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 3890, 83.9), (65536, 4, 2, 2540, 84.2), (131072, 2, 4, 1071, 84.0),
-                                    (262144, 1, 8, 548, 84.5)):
-        out.append(dict(
-            source="torchtitan H100 2024-12 Table 2", url=TITAN_2412,
-            name=f"Llama 3.1 8B, 8 H100 500 W, FSDP {fsdp} CP {cp}, seq {seq:,}", metric="tokens/s/GPU", published=tps,
-            published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-8b", max_seq_len=max(seq, 131072)),
-                          dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
-                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
-                               precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked"),
-            note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
-                  "balanced) as the engine's all-gather CP; torch.compile's speed-up is not modelled; h100-96g at 500 W, "
-                  "unchunked loss" if cp == 1 else "as above")))
-    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
-                                    (262144, 1, 8, 16, 84.9)):
-        out.append(dict(
-            source="torchtitan H100 2024-12 Table 6", url=TITAN_2412,
-            name=f"Llama 3.1 405B, 512 H100 500 W, FSDP {fsdp} CP {cp} TP 8 PP 8, seq {seq:,}", metric="tokens/s/GPU",
-            published=tps, published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-405b", max_seq_len=max(seq, 131072)),
-                          dict(tp=8, pp=8, zero=2, pp_schedule="1f1b", **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
-                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
-                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
-            note=("compile + Float8 + async TP (not modelled), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
-                  "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
-    return out
-
-
 def rows() -> list[dict]:
+    from published_titan import titan_async_tp_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
+
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-            + deepseek_rows() + trainy_rows() + titan_cp_rows())
+            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

@@ -123,7 +123,7 @@ def test_memory_against_torchtitans_readings():
         planner_vs_published.main(["--memory"])
     rows = [line.split(" | ") for line in out.getvalue().splitlines() if line.startswith("| torchtitan") or
             line.startswith("| Trainy")]
-    assert len(rows) == 16  # Tables 1, 3, 4, 5, Trainy's two, Tables 2 and 6 (context parallelism)
+    assert len(rows) == 17  # Tables 1, 3, 4 (vanilla and async TP), 5, Trainy's two, Tables 2 and 6 (context parallelism)
     eager = [r for r in rows if r[1].endswith("eager")]
     assert len(eager) == 2
     for r in eager:

@@ -119,10 +119,14 @@ def test_pruned_search_keeps_the_fp8_optimum():
 
 
 def test_kendall_tau_and_groups():
-    """Tau-a: +1 for the same order, -1 reversed, 0 for a tie against an order; Table 5's two
-    schedules form the one several-layouts group."""
+    """Tau-a: +1 for the same order, -1 reversed, 0 for a tie against an order; the several-layouts
+    groups are Table 5's two schedules and the three vanilla / async TP pairs (Table 4; 2025-06 bf16
+    and Float8)."""
     assert search_rank.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert search_rank.kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     assert search_rank.kendall_tau([1, 2], [5, 5]) == 0.0
     groups = list(search_rank.layout_groups(ROWS).values())
-    assert [len(g) for g in groups] == [2] and groups[0][0]["source"].endswith("Table 5")
+    assert [len(g) for g in groups] == [2, 2, 2, 2], [[r["name"] for r in g] for g in groups]
+    assert sorted(g[0]["source"] for g in groups) == ["torchtitan H100 2024-12 Table 4", "torchtitan H100 2024-12 Table 5",
+                                                       "torchtitan async TP 2025-06", "torchtitan async TP 2025-06"]
+    assert all(("async TP" in g[1]["name"]) != ("async TP" in g[0]["name"]) for g in groups if "Table 5" not in g[0]["source"])

@@ -69,6 +69,7 @@ from math import ceil, log2
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
+from llmtrain.plan.asynctp import async_tp_fused_counts
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
     POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
 
@@ -230,23 +231,6 @@ def fp8_gather_numel(m, layers, tp: int) -> int:
     return sum(attn + (0 if m.is_moe_layer(i) else 3 * h * m.ffn_hidden) for i in layers) // tp
 
 
-def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -> float:
-    """The exposed share of the collectives async TP fuses with matmuls (phase ``tp-overlap``).
-
-    torch's micro-pipelined TP (engine/parallel/async_tp.py) splits each SP all-gather before a
-    column-parallel matmul (wq/wk/wv, w1/w3, and in backward the row-parallel inputs' gradients)
-    and each reduce-scatter after a row-parallel one into ``group`` chunks moved while the matmul
-    works on the chunks already there. Model: one chunk of every such collective stays exposed
-    (the pipeline's fill / drain: ``1 / group``); the other ``1 - 1 / group`` hides behind the
-    rank's compute of the same micro batches (``compute_s``, the same seconds the collectives
-    run in; the matmuls are nearly all of it), and what exceeds that is exposed too. Only a time
-    effect: bytes and counts are those of plain SP. One factor for all of them (each gets its
-    share of the compute in proportion to its seconds)."""
-    if overlapped_s <= 0:
-        return 1.0
-    return 1.0 / group + max(0.0, 1.0 - 1.0 / group - compute_s / overlapped_s)
-
-
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "ep": ("ep",), "dp_replicate": ("dp_replicate",),
           "fsdp": ("dp_shard", "cp"), "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
@@ -358,14 +342,16 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
         # embedding output gradient's all-gather)
         count = m * (per_layer * c.layers + int(c.embedding) + int(c.output) - int(c.lora_first and c.layers > 0))
-        if c.sp and c.async_tp:  # the per-layer ones are fused with their matmuls (async_tp_exposed_factor)
-            fused = m * per_layer * c.layers
+        if c.sp and c.async_tp:  # fused with their matmuls (asynctp.py), but not all of them
+            fused = async_tp_fused_counts(m, per_layer, c.layers)
             for op in ("all-gather", "reduce-scatter"):
-                out.append(make("tp", op, d.tp, act, fused, g, "tp-overlap",
+                out.append(make("tp", op, d.tp, act, fused[op], g, "tp-overlap",
                                 "sequence parallel, async TP: chunked under the column/row-parallel matmuls"))
-                if count > fused:
-                    out.append(make("tp", op, d.tp, act, count - fused, g, "microbatch",
-                                    "sequence parallel (embedding / output: not fused)"))
+                if count > fused[op]:
+                    why = ("block input gradients (sums of matmuls), embedding / output: not fused"
+                           if op == "reduce-scatter" else "embedding / output: not fused")
+                    out.append(make("tp", op, d.tp, act, count - fused[op], g, "microbatch",
+                                    f"sequence parallel ({why})"))
         elif c.sp:
             out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
             out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.plan.comm import Comm, async_tp_exposed_factor
+from llmtrain.plan.asynctp import async_tp_exposed_factor
+from llmtrain.plan.comm import Comm
 from llmtrain.recipe.gpus import GPUSpec
 
 COMPUTE_EFFICIENCY = {"h100-sxm": 0.62, "h200": 0.64, "a100-80g": 0.64, "b200": 0.55, "cpu": 0.5}

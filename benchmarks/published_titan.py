@@ -1,0 +1,78 @@
+"""torchtitan's later published rows (rows 46-57 of benchmarks/published_runs.py, appended after the
+others so their recipe files keep their numbers): the 2024-12 context-parallel tables and the async
+TP measurements. Split out of published_runs.py by concept (that file imports these functions inside
+``rows()``; this one imports ``recipe()`` and the source names from it)."""
+
+from __future__ import annotations
+
+from published_runs import TITAN_2412, recipe
+
+# torchtitan PR #1299 (2025-06-15, "[Async TP] Add new async TP benchmarks"): the table the benchmark file
+# held before it became an image (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, review diff):
+# Llama 3.1 70B on 256 H100s, FSDP 32, TP 8, torch.compile, full AC, local batch 16.
+TITAN_ASYNC_PR = "pytorch/torchtitan pull request 1299 (the table of benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md)"
+
+
+def titan_cp_rows() -> list[dict]:
+    """torchtitan 2024-12 Tables 2 and 6: context parallelism with compile + Float8 (Table 6: + async
+    TP), full AC, local batch 1 (Table 2) and 8 (Table 6) per FSDP rank (last, so the
+    earlier rows keep their file numbers). torch's ``context_parallel`` (torch 1963fc8, 2024-12) rotates
+    K/V by all-gather by default and load-balances the causal blocks (2 x cp chunks): the engine's
+    load-balanced all-gather CP. The 8B config's 131,072 max_seq_len is raised for the 262,144 row."""
+    out = []
+    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 3890, 83.9), (65536, 4, 2, 2540, 84.2), (131072, 2, 4, 1071, 84.0),
+                                    (262144, 1, 8, 548, 84.5)):
+        out.append(dict(
+            source="torchtitan H100 2024-12 Table 2", url=TITAN_2412,
+            name=f"Llama 3.1 8B, 8 H100 500 W, FSDP {fsdp} CP {cp}, seq {seq:,}", metric="tokens/s/GPU", published=tps,
+            published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-8b", max_seq_len=max(seq, 131072)),
+                          dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
+                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
+                               precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked"),
+            note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
+                  "balanced) as the engine's all-gather CP; torch.compile's speed-up is not modelled; h100-96g at 500 W, "
+                  "unchunked loss" if cp == 1 else "as above")))
+    for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
+                                    (262144, 1, 8, 16, 84.9)):
+        out.append(dict(
+            source="torchtitan H100 2024-12 Table 6", url=TITAN_2412,
+            name=f"Llama 3.1 405B, 512 H100 500 W, FSDP {fsdp} CP {cp} TP 8 PP 8, seq {seq:,}", metric="tokens/s/GPU",
+            published=tps, published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-405b", max_seq_len=max(seq, 131072)),
+                          dict(tp=8, pp=8, zero=2, pp_schedule="1f1b", async_tp=True,
+                               **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
+                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
+                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
+            note=("compile + Float8 + async TP (parallel.async_tp), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
+                  "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
+    return out
+
+
+def titan_async_tp_rows() -> list[dict]:
+    """Async TP as torchtitan measured it (eleventh session, appended): the 2025-06 70B runs with async
+    TP (bf16, and Float8 tensorwise with and without it: the engine's Float8 is tensorwise) and
+    Table 4's 2D + AsyncTP of 2024-12 (876 tokens/s, 67.6 GiB). The rowwise-Float8 rows are left out:
+    the engine's ``train.precision: fp8`` is tensorwise."""
+    out = []
+    for i, (label, fp8, async_tp, tps) in enumerate((("bf16, async TP", False, True, 652.4),
+                                                     ("Float8 tensorwise, vanilla TP", True, False, 809.8),
+                                                     ("Float8 tensorwise, async TP", True, True, 942.4))):
+        out.append(dict(
+            source="torchtitan async TP 2025-06", url=TITAN_ASYNC_PR,
+            name=f"Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, {label}", metric="tokens/s/GPU", published=tps,
+            recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3) | (dict(async_tp=True) if async_tp else {}),
+                          dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
+                               compile=True) | (dict(precision="fp8") if fp8 else {}),
+                          256, "h100-96g", power=500, loss="unchunked"),
+            note=("torch.compile (not modelled), full AC, local batch 16; seq 8,192 (the file does not say: torchtitan's "
+                  "default); h100-96g at 500 W, unchunked loss; async TP as parallel.async_tp" if i == 0 else "as above")))
+    out.append(dict(
+        source="torchtitan H100 2024-12 Table 4", url=TITAN_2412,
+        name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8, async TP", metric="tokens/s/GPU", published=876,
+        published_memory_gib=67.6,
+        recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3, async_tp=True),
+                      dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
+                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
+        note="compile + Float8, full AC; 2D + AsyncTP (parallel.async_tp); vanilla TP: row 19"))
+    return out

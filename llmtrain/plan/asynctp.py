@@ -1,0 +1,44 @@
+"""Async TP (``parallel.async_tp``) in the planner: which SP collectives torch's micro-pipeline pass
+fuses with a matmul, and how much of their time stays exposed. Bytes and counts are plain SP's
+(comm.py); only the phase and the exposed share change.
+
+Which ones fuse (torch/_inductor/fx_passes/micro_pipeline_tp.py, torch 2.13): an all-gather with
+the matmuls that consume it, a reduce-scatter with the ONE matmul that produces it
+(``_find_producer_matmul``: mm, or reshape-mm-reshape). Per layer and micro batch every all-gather
+qualifies (before wq/wk/wv and w1/w3 in the forward and the recomputed forward; in the backward the
+gathers of the wo / w2 output gradients, consumed by their input-gradient matmuls), and so do the
+forward's reduce-scatters after wo and w2. The backward's reduce-scatters of the attention and MLP
+input gradients do not: each reduces the sum of the wq + wk + wv (w1 + w3) input gradients, an add,
+not a matmul. So 2 of a layer's ``per_layer`` reduce-scatters stay plain (read from the pass, not
+fitted; torchtitan's 70B / 256 H100 async TP gains, 1.09x bf16 and 1.16x Float8, are checked
+against it in benchmarks/planner_vs_published.py rows 54-57).
+"""
+
+from __future__ import annotations
+
+UNFUSED_REDUCE_SCATTERS = 2  # per layer and micro batch: the attention and MLP input gradients
+
+
+def async_tp_fused_counts(micro_batches: int, per_layer: int, layers: int) -> dict[str, int]:
+    """How many all-gathers and reduce-scatters of one pipeline rank's step the pass fuses
+    (``per_layer``: all-reduce equivalents per layer and micro batch, comm.py's TP section)."""
+    return {"all-gather": micro_batches * per_layer * layers,
+            "reduce-scatter": micro_batches * (per_layer - UNFUSED_REDUCE_SCATTERS) * layers}
+
+
+def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -> float:
+    """The exposed share of the collectives async TP fuses with matmuls (phase ``tp-overlap``).
+
+    torch's micro-pipelined TP (engine/parallel/async_tp.py) splits each SP all-gather before a
+    column-parallel matmul (wq/wk/wv, w1/w3, and in backward the row-parallel outputs' gradients)
+    and each reduce-scatter after a row-parallel one (wo, w2) into ``group`` chunks moved while the
+    matmul works on the chunks already there; the backward's reduce-scatters of the block input
+    gradients are not fused (a sum of matmuls: module docstring) and are not priced here. Model: one chunk of every such collective stays exposed
+    (the pipeline's fill / drain: ``1 / group``); the other ``1 - 1 / group`` hides behind the
+    rank's compute of the same micro batches (``compute_s``, the same seconds the collectives
+    run in; the matmuls are nearly all of it), and what exceeds that is exposed too. Only a time
+    effect: bytes and counts are those of plain SP. One factor for all of them (each gets its
+    share of the compute in proportion to its seconds)."""
+    if overlapped_s <= 0:
+        return 1.0
+    return 1.0 / group + max(0.0, 1.0 - 1.0 / group - compute_s / overlapped_s)
