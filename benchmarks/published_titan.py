@@ -49,6 +49,14 @@ def titan_cp_rows() -> list[dict]:
     return out
 
 
+def titan_70b_tp8(fp8: bool, async_tp: bool) -> dict:
+    """torchtitan's 70B on 256 H100 500 W, FSDP 32 x TP 8, compiled, full AC, local batch 16 (seq 8,192)."""
+    return recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3) | (dict(async_tp=True) if async_tp else {}),
+                  dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full")
+                  | (dict(precision="fp8") if fp8 else {}) | dict(compile=True),
+                  256, "h100-96g", power=500, loss="unchunked")
+
+
 def titan_async_tp_rows() -> list[dict]:
     """Async TP as torchtitan measured it (eleventh session, appended): the 2025-06 70B runs with async
     TP (bf16, and Float8 tensorwise with and without it: the engine's Float8 is tensorwise) and
@@ -61,18 +69,12 @@ def titan_async_tp_rows() -> list[dict]:
         out.append(dict(
             source="torchtitan async TP 2025-06", url=TITAN_ASYNC_PR,
             name=f"Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, {label}", metric="tokens/s/GPU", published=tps,
-            recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3) | (dict(async_tp=True) if async_tp else {}),
-                          dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
-                               compile=True) | (dict(precision="fp8") if fp8 else {}),
-                          256, "h100-96g", power=500, loss="unchunked"),
+            recipe=titan_70b_tp8(fp8, async_tp),
             note=("torch.compile (not modelled), full AC, local batch 16; seq 8,192 (the file does not say: torchtitan's "
                   "default); h100-96g at 500 W, unchunked loss; async TP as parallel.async_tp" if i == 0 else "as above")))
     out.append(dict(
         source="torchtitan H100 2024-12 Table 4", url=TITAN_2412,
         name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8, async TP", metric="tokens/s/GPU", published=876,
-        published_memory_gib=67.6,
-        recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3, async_tp=True),
-                      dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
-                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
+        published_memory_gib=67.6, recipe=titan_70b_tp8(fp8=True, async_tp=True),
         note="compile + Float8, full AC; 2D + AsyncTP (parallel.async_tp); vanilla TP: row 19"))
     return out

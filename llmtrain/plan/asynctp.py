@@ -33,8 +33,9 @@ def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -
     column-parallel matmul (wq/wk/wv, w1/w3, and in backward the row-parallel outputs' gradients)
     and each reduce-scatter after a row-parallel one (wo, w2) into ``group`` chunks moved while the
     matmul works on the chunks already there; the backward's reduce-scatters of the block input
-    gradients are not fused (a sum of matmuls: module docstring) and are not priced here. Model: one chunk of every such collective stays exposed
-    (the pipeline's fill / drain: ``1 / group``); the other ``1 - 1 / group`` hides behind the
+    gradients are not fused (a sum of matmuls: module docstring) and are not priced here. Model:
+    one chunk of every such collective stays exposed (the pipeline's fill / drain: ``1 / group``);
+    the other ``1 - 1 / group`` hides behind the
     rank's compute of the same micro batches (``compute_s``, the same seconds the collectives
     run in; the matmuls are nearly all of it), and what exceeds that is exposed too. Only a time
     effect: bytes and counts are those of plain SP. One factor for all of them (each gets its
