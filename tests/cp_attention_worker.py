@@ -7,7 +7,10 @@ each CP method on its own shard (zigzag for ring and allgather, contiguous for u
 compares its outputs and the gradients of its shard of q, k, v. The report holds the worst error
 over all ranks per (degree, method), and for ring and allgather also a bf16 run (the kernels'
 half-precision path: bf16 blocks, fp32 lse and merge; allgather also adds its two chunks' dK/dV
-of the shared prefix in bf16) next to plain bf16 SDPA's error, all against fp64.
+of the shared prefix in bf16) next to plain bf16 SDPA's error, all against fp64. GQA (``gqa_*``,
+ring and allgather at CP 4 and CP 2): the same q against K/V of half the heads, which these methods
+take un-repeated and exchange so (engine/parallel/context.py); the reference is SDPA on the K/V
+repeated to the query heads, whose K/V gradients are summed over each KV head's copies.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/cp_attention_worker.py OUT.json SEQ
 """
@@ -24,6 +27,16 @@ import torch.nn.functional as F
 from llmtrain.engine.parallel.context import cp_positions, make_cp_attention
 
 METHODS = ("ring", "ulysses", "allgather")
+
+
+def _reference(q, k, v, dout):
+    """Full causal SDPA (K/V repeated to the query heads for GQA): output and q/k/v gradients."""
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    n_rep = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(n_rep, dim=1) for t in ref_in[1:])
+    ref_out = F.scaled_dot_product_attention(ref_in[0], kr, vr, is_causal=True)
+    ref_out.backward(dout)
+    return ref_out.detach(), [t.grad for t in ref_in]
 
 
 def _errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads, dtype=None):
@@ -55,14 +68,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     b, h, d = 1, 4, 16  # ulysses needs heads divisible by cp
     inputs = [torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for _ in range(4)]
-    ref_in = [t.clone().requires_grad_() for t in inputs[:3]]
-    ref_out = F.scaled_dot_product_attention(*ref_in, is_causal=True)
-    ref_out.backward(inputs[3])
-    ref_out, ref_grads = ref_out.detach(), [t.grad for t in ref_in]
+    ref_out, ref_grads = _reference(*inputs)
     report = {}
     for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
         for method in METHODS:
             report[f"cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads))
+    gqa = [inputs[0], inputs[1][:, :h // 2], inputs[2][:, :h // 2], inputs[3]]  # 2 KV heads for 4 query heads
+    gqa_ref = _reference(*gqa)
+    for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
+        for method in ("ring", "allgather"):
+            report[f"gqa_cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, gqa, *gqa_ref))
     group, cp_rank = groups[world]
     for method in ("ring", "allgather"):
         report[f"bf16_{method}"] = _worst(_errors(method, group, world, cp_rank, seq, inputs, ref_out, ref_grads,

@@ -3,11 +3,11 @@
 The multi-rank parity of the CP methods is tests/test_engine_5d.py (cp_attention_worker.py and
 the cp cases of the matrix); these cover what one process can: the bottom-right causal prefix
 attention of the all-gather method against SDPA with an explicit mask (one chunk, and the two
-zigzag chunks of a rank), the same under selective recomputation (whose policy caches the
-kernels' outputs: an in-place merge into a cached output once made the recomputation fail), the
-all-gather's reorder of the gathered chunks into global order and back, that its per-rank work
-is balanced (counted exactly from the blocks the attention runs), and the plain-matmul fallback
-block (fp64 on CUDA) against the CPU flash kernel. fp64 throughout: tolerance 1e-12, ~1e4 x
+zigzag chunks of a rank, also with GQA K/V of fewer heads, as the all-gather moves them), the same
+under selective recomputation (whose policy caches the kernels' outputs: an in-place merge into a
+cached output once made the recomputation fail), the all-gather's reorder of the gathered chunks
+into global order and back, that its per-rank work is balanced (counted exactly from the blocks
+the attention runs), and the plain-matmul fallback block (fp64 on CUDA) against the CPU flash kernel. fp64 throughout: tolerance 1e-12, ~1e4 x
 machine epsilon for sums over a few hundred keys; the selective run replays the very same
 kernels, so it must be bit-identical; the reorder and the work counts are exact.
 """
@@ -29,11 +29,11 @@ from llmtrain.plan.flops import attention_executed  # noqa: E402
 S, TOL = 96, 1e-12
 
 
-def _inputs(seed: int, s_q: int, s_k: int):
+def _inputs(seed: int, s_q: int, s_k: int, kv_heads: int = 3):
     gen = torch.Generator().manual_seed(seed)
-    # the model's layout: a transpose of [b, s, h, d]
+    # the model's layout: a transpose of [b, s, h, d]; GQA: K/V with kv_heads (not repeated)
     q = torch.randn(2, s_q, 3, 16, generator=gen, dtype=torch.float64).transpose(1, 2)
-    k, v = (torch.randn(2, s_k, 3, 16, generator=gen, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    k, v = (torch.randn(2, s_k, kv_heads, 16, generator=gen, dtype=torch.float64).transpose(1, 2) for _ in range(2))
     return q, k, v
 
 
@@ -44,8 +44,10 @@ def _against_masked_sdpa(q0, k0, v0, mask, offsets, tail=lambda out: out):
     runs = {}
     for mode in ("reference", "plain", "selective"):
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
-        if mode == "reference":
-            out = tail(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        if mode == "reference":  # GQA: K/V repeated to the query heads (autograd sums their gradients)
+            n_rep = q.shape[1] // k.shape[1]
+            kr, vr = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+            out = tail(torch.nn.functional.scaled_dot_product_attention(q, kr, vr, attn_mask=mask))
         elif mode == "plain":
             out = tail(PrefixCausalAttention.apply(q, k, v, offsets))
         else:
@@ -69,12 +71,13 @@ def test_prefix_causal_attention_matches_masked_sdpa_also_under_selective_recomp
     assert plain[2][:, :, offset + S:].abs().sum().item() == 0  # keys after the chunk: untouched
 
 
-@pytest.mark.parametrize("cp, rank", [(2, 0), (2, 1), (3, 1)])
-def test_two_zigzag_chunks_match_masked_sdpa_also_under_selective_recompute(cp, rank):
-    # one rank of all-gather CP: its two chunks (global r and 2cp-1-r of 2cp) against the whole sequence
+@pytest.mark.parametrize("cp, rank, kv_heads", [(2, 0, 3), (2, 1, 3), (3, 1, 3), (2, 0, 1), (3, 1, 1)])
+def test_two_zigzag_chunks_match_masked_sdpa_also_under_selective_recompute(cp, rank, kv_heads):
+    # one rank of all-gather CP: its two chunks (global r and 2cp-1-r of 2cp) against the whole sequence;
+    # kv_heads 1 of 3 query heads: GQA K/V as all-gather CP moves them, repeated per kernel block
     seq = 2 * cp * 16
     pos = cp_positions(seq, cp, rank, "allgather")
-    q0, k0, v0 = _inputs(cp + rank, seq // cp, seq)
+    q0, k0, v0 = _inputs(cp + rank, seq // cp, seq, kv_heads)
     offsets = allgather_offsets(seq // cp, cp, rank)
     assert offsets == (pos[0].item(), pos[seq // cp // 2].item())
     mask = torch.arange(seq)[None, :] <= pos[:, None]  # key j visible to a local query iff j <= its global position

@@ -144,7 +144,8 @@ def test_cp4_ring_long_sequence_matches_full_attention(tmp_path):
     kernel blocks; measured ~2e-14, zigzag all-gather 2.0e-14 / 2.2e-14 at cp 4 / 2). bf16 ring
     and all-gather: within 2x of plain bf16 SDPA's own error against fp64 (all round the inputs to
     bf16; the CP methods also round each block's output to bf16 before its fp32 merge, measured
-    ring 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails."""
+    ring 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails. ``gqa_*``: ring and
+all-gather with 2 KV heads for 4 query heads, K/V exchanged un-repeated (same 1e-10)."""
     out = tmp_path / "cp.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "tests" / "dist_launch.py"), "4",  # torchrun's agent, forked ranks
@@ -153,6 +154,7 @@ def test_cp4_ring_long_sequence_matches_full_attention(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     report = json.loads(out.read_text())
     fp64 = {f"cp{cp}_{m}" for cp in (2, 4) for m in ("ring", "ulysses", "allgather")}
+    fp64 |= {f"gqa_cp{cp}_{m}" for cp in (2, 4) for m in ("ring", "allgather")}  # K/V exchanged with kv_heads only
     assert set(report) == fp64 | {"bf16_ring", "bf16_allgather", "bf16_sdpa"}
     for case in fp64:
         assert report[case] < 1e-10, f"{case}: max error {report[case]:.2e}"

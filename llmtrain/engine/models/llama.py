@@ -41,8 +41,11 @@ per rank) needs no change here. KV heads are repeated ``local_q / local_kv`` tim
 (``repeat_interleave``: query head ``j`` uses KV head ``j // n_rep``, which also holds on
 each TP shard) before the core attention ``self.attn_fn(q, k, v)`` ([b, heads, s, head_dim],
 causal, equal head counts). ``attn_fn`` is a plain attribute so context parallelism can swap
-in ring/Ulysses/all-gather attention; the price of repeating KV before it is that a CP
-implementation which moves K/V moves the repeated heads unless it un-repeats them.
+in ring/Ulysses/all-gather attention. An ``attn_fn`` with a true ``takes_kv_heads`` attribute
+(the ring and all-gather CP attention, ``engine/parallel/context.py``) receives K/V with their local
+``kv_heads`` only and repeats them itself after its exchange, so context parallelism moves
+``heads / kv_heads`` times fewer K/V bytes (as Megatron-Core and Llama 3 do, Dubey et al. 2024,
+arXiv:2407.21783, sec. 3.3.2); the result, and the gradients, are the same.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ class Attention(nn.Module):
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1:
+        if n_rep > 1 and not (mask is None and getattr(self.attn_fn, "takes_kv_heads", False)):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -2,8 +2,14 @@
 
 torch's built-in ``context_parallel`` has no sharding rule for the CPU flash-attention op
 (CPU facts note, trap 1), so the three methods are implemented here, each as the model's
-``attn_fn(q, k, v)`` on the local sequence shard ([b, heads, s_local, d], K/V heads already
-repeated to the query heads). Every collective that carries gradients is either an autograd
+``attn_fn(q, k, v)`` on the local sequence shard (q ``[b, heads, s_local, d]``). GQA: ring and
+all-gather take K/V with their local ``kv_heads`` (``[b, kv_heads, s_local, d]``, the attribute
+``takes_kv_heads``) and exchange them so, repeating them to the query heads only after the
+exchange, just before the kernels: ``heads / kv_heads`` times fewer bytes on the wire (16x for
+Llama 3 405B under TP 8), as Megatron-Core and Llama 3 (arXiv:2407.21783, sec. 3.3.2: "K and V
+tensors are much smaller than Q due to GQA"). The repeat's backward sums the copies' gradients
+locally, so dK/dV travel with ``kv_heads`` too. Ulysses takes K/V repeated by the model (its
+all-to-all re-shards heads: they must divide by cp). Every collective that carries gradients is either an autograd
 op from ``torch.distributed._functional_collectives`` or a custom autograd Function below; never
 ``torch.distributed.nn.functional`` (wrong gradients on gloo for non-contiguous grads, trap 2).
 
@@ -16,19 +22,21 @@ computes exactly the full-sequence attention.
 
 - ``allgather`` (Llama 3's CP, Dubey et al. 2024, arXiv:2407.21783, section 3.3.2: "2 x CP
   chunks so each CP rank receives two chunks for better load balancing"): K and V are
-  all-gathered (backward: reduce-scatter), reordered from rank order into global order, and each
+  all-gathered with their kv_heads (backward: reduce-scatter), reordered from rank order into
+  global order (still kv_heads: each kernel block repeats its key range), and each
   of the rank's two query chunks attends to the prefix of the sequence up to itself, causally
   aligned bottom-right: two kernel blocks per chunk merged by their log-sum-exp, no mask tensor
   (``context_blocks.PrefixCausalAttention``, one call for both chunks). Balanced like the ring
-  (:func:`allgather_attention`); K/V memory is the full sequence.
+  (:func:`allgather_attention`); K/V memory is the full sequence (kv_heads).
 - ``ulysses`` (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns sequence shards of all
   heads into the full sequence of ``heads / cp`` heads, plain causal attention runs locally, and
-  a second all-to-all turns it back. Needs heads divisible by tp x cp.
+  a second all-to-all turns it back. Needs heads (and kv_heads) divisible by tp x cp.
 - ``ring`` (Liu et al. 2023, "Ring Attention", arXiv:2310.01889; zigzag balancing as in
   Megatron-Core / torchtitan), in ``context_ring.py``: K/V blocks travel around the ring with P2P
   send/recv while each rank merges partial attention results with the online-softmax
-  (log-sum-exp) rule; backward sends K/V around again together with the accumulating dK/dV,
-  which end at their owner. Every block is a fused SDPA kernel call that returns its lse
+  (log-sum-exp) rule, repeating each received block's kv_heads for its kernel call; backward
+  sends K/V around again together with the accumulating dK/dV (kv_heads: each block's repeated
+  heads' gradients summed first), which end at their owner. Every block is a fused SDPA kernel call that returns its lse
   (``context_blocks.py``), unmasked or ``is_causal`` on the diagonal: working memory O(s_local d),
   never an ``[s_local, s_local]`` score block.
 """
@@ -88,15 +96,22 @@ def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int
     ``(r + 1/2) / cp``: the last rank nearly twice the average, and every layer's gather waits for
     it). Key ranges: ``(r + 1) c + (2 cp - r) c = (2 cp + 1) c`` keys read on every rank.
 
+    GQA: ``k``/``v`` come with the local kv_heads (``[b, kv_heads, s_local, d]``); they are
+    gathered, reordered, saved and reduce-scattered so: ``PrefixCausalAttention`` repeats each
+    kernel block's key range to the query heads just for the kernel call and sums the repeated
+    heads' gradients back into dK/dV of kv_heads.
+
     Memory: the saved tensors are those of the contiguous version (q, the output, the lse and K/V
-    of the whole sequence — the reordered copies; the gathered rank-order buffers are freed as
-    soon as they are reordered, since neither the gather's nor the reorder's backward needs them).
-    The reorder costs one more full-sequence K (then V) buffer for the moment of the copy in
-    forward, and one full-sequence dK (then dV) in backward (the gradient put back into rank
-    order for the reduce-scatter); the call's peak stays in the attention's backward
+    of the whole sequence with kv_heads — the reordered copies; the gathered rank-order buffers
+    are freed as soon as they are reordered, since neither the gather's nor the reorder's
+    backward needs them). The reorder costs one more full-sequence K (then V) buffer for the
+    moment of the copy in forward, and one full-sequence dK (then dV) in backward (the gradient
+    put back into rank order for the reduce-scatter); the call's peak stays in the attention's
+    backward, where the largest block's repeated K/V and their gradients are live
     (``plan/activations.cp_transient_bytes``)."""
     offsets = allgather_offsets(q.shape[2], cp, cp_rank)
     order = zigzag_order(cp)
+    # GQA: gathered with their kv_heads; PrefixCausalAttention repeats each kernel block's keys
     k_full = _gather_seq(k, group, cp, order)
     v_full = _gather_seq(v, group, cp, order)
     return PrefixCausalAttention.apply(q, k_full, v_full, offsets)
@@ -165,12 +180,19 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 
 
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
-    """The ``attn_fn`` for this rank's blocks."""
-    if method == "ring":
-        return lambda q, k, v: ring_attention(q, k, v, group, cp)
+    """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
+    ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
+    Ulysses takes them repeated to the query heads."""
     if method == "ulysses":
         return lambda q, k, v: ulysses_attention(q, k, v, group, cp)
-    return lambda q, k, v: allgather_attention(q, k, v, group, cp, cp_rank)
+    if method == "ring":
+        def fn(q, k, v):
+            return ring_attention(q, k, v, group, cp)
+    else:
+        def fn(q, k, v):
+            return allgather_attention(q, k, v, group, cp, cp_rank)
+    fn.takes_kv_heads = True
+    return fn
 
 
 def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:

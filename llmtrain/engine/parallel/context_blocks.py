@@ -142,6 +142,25 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """GQA: ``[b, kv_heads, s, d]`` -> ``[b, kv_heads * n_rep, s, d]``, query head ``j`` reading KV
+    head ``j // n_rep`` (the model's ``repeat_interleave`` order). A copy unless ``n_rep == 1``;
+    under autograd its backward sums the copies' gradients and saves no tensor."""
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def add_kv_grad_(acc: torch.Tensor, grad: torch.Tensor, n_rep: int) -> None:
+    """The backward of :func:`repeat_kv` into an accumulator: ``acc [b, kv_heads, s, d] +=`` the
+    gradients of each KV head's ``n_rep`` copies in ``grad [b, kv_heads * n_rep, s, d]``, added one
+    copy at a time in ``acc``'s dtype (no temporary, no bf16 partial sums)."""
+    if n_rep == 1:
+        acc.add_(grad)
+        return
+    copies = grad.unflatten(1, (acc.shape[1], n_rep))
+    for i in range(n_rep):
+        acc.add_(copies[:, :, i])
+
+
 def default_scale(q: torch.Tensor) -> float:
     return 1.0 / math.sqrt(q.shape[-1])
 
@@ -177,23 +196,31 @@ class PrefixCausalAttention(torch.autograd.Function):
     would save K/V once but the output twice — the chunks' and their concatenation, wo's input —
     and return a full-size dK/dV per call for autograd to add).
 
-    Saved for backward: q, k, v, the output (in q's dtype, returned to the model as well, in the
-    ``[b, s, h, d]`` memory layout so the model's ``out.transpose(1, 2).reshape`` is a view) and
-    the acc-dtype lse: the same as plain SDPA, with K/V of the whole sequence. Backward
-    accumulates dK/dV of overlapping key ranges (two chunks see the same prefix) in k's dtype, as
-    autograd would sum two uses of one tensor."""
+    GQA: ``k``/``v`` may have fewer heads than ``q`` (``[b, kv_heads, S, d]``, un-repeated, as the
+    all-gather moved them); each block repeats its key range to the query heads
+    (:func:`repeat_kv`) just for its kernel call, and backward sums the block's repeated heads'
+    gradients into dK/dV of kv_heads (:func:`add_kv_grad_`).
+
+    Saved for backward: q, k, v (kv_heads), the output (in q's dtype, returned to the model as
+    well, in the ``[b, s, h, d]`` memory layout so the model's ``out.transpose(1, 2).reshape`` is a
+    view) and the acc-dtype lse: the same as plain SDPA, with K/V of the whole sequence, not
+    repeated. Backward accumulates dK/dV of overlapping key ranges (two chunks see the same
+    prefix) in k's dtype, as autograd would sum two uses of one tensor."""
 
     @staticmethod
     def forward(ctx, q, k, v, offsets):
         offsets = (offsets,) if isinstance(offsets, int) else tuple(offsets)
         (b, h, s, d), scale, acc = q.shape, default_scale(q), acc_dtype(q.dtype)
+        n_rep = h // k.shape[1]
         blocks = prefix_blocks(offsets, s)
         # fresh accumulators (never a kernel's output mutated: start_accumulators' reason)
         out = torch.empty(b, s, h, d, dtype=acc, device=q.device).transpose(1, 2)
         lse = torch.empty(b, h, s, dtype=acc, device=q.device)
         aux = []
         for rows, keys, causal in blocks:
-            blk_out, blk_lse, a = block_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale)
+            kr, vr = repeat_kv(k[:, :, keys], n_rep), repeat_kv(v[:, :, keys], n_rep)
+            blk_out, blk_lse, a = block_forward(q[:, :, rows], kr, vr, causal, scale)
+            del kr, vr
             aux.append(a)
             if causal:  # each chunk's first block
                 out[:, :, rows].copy_(blk_out)
@@ -209,13 +236,16 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
+        n_rep = q.shape[1] // k.shape[1]
         dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for (rows, keys, causal), aux in zip(ctx.blocks, ctx.aux):
-            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+            kr, vr = repeat_kv(k[:, :, keys], n_rep), repeat_kv(v[:, :, keys], n_rep)
+            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr,
                                            out[:, :, rows], lse[:, :, rows], causal, ctx.scale, aux)
+            del kr, vr
             dq[:, :, rows].add_(dqb)
-            dk[:, :, keys].add_(dkb)
-            dv[:, :, keys].add_(dvb)
+            add_kv_grad_(dk[:, :, keys], dkb, n_rep)
+            add_kv_grad_(dv[:, :, keys], dvb, n_rep)
             del dqb, dkb, dvb
         return dq.to(q.dtype), dk, dv, None

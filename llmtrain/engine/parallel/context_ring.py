@@ -19,14 +19,21 @@ structure, so no mask is ever built and every block is a plain kernel call:
 Both later kinds are unmasked and half the work of a full block, which keeps zigzag balanced: each
 rank does one diagonal block and ``cp - 1`` half blocks.
 
+GQA: K/V travel with their local kv_heads (``[b, kv_heads, s_local, d]``, not repeated by the
+model: ``context.make_cp_attention``); each step repeats the block it uses to the query heads
+(``context_blocks.repeat_kv``) just for its kernel call, so the ring moves ``heads / kv_heads``
+times fewer bytes (Megatron-Core, Llama 3).
+
 Backward walks the same steps: each block's kernel backward gets the saved *merged* output and
 lse (the flash trick, ``context_blocks``), K/V travel again together with the accumulating dK/dV
-(acc dtype: fp32 at least), which after the last step take one more hop home to their owner.
+(acc dtype: fp32 at least, kv_heads: the block's repeated heads' gradients are summed into them),
+which after the last step take one more hop home to their owner.
 
-Memory: forward keeps the running output and lse (acc dtype, ``O(s_local d)``), the K/V in flight
-and one block's output; backward the dq accumulator, the travelling K/V/dK/dV and one block's
-gradients. Saved for backward: q, k, v, the output (in the input dtype, returned to the model as
-well) and the fp32 lse — the same as plain SDPA. Ranks hold the merged output in the layout the
+Memory: forward keeps the running output and lse (acc dtype, ``O(s_local d)``), the K/V in flight,
+the block's repeated K/V and one block's output; backward the dq accumulator, the travelling
+K/V/dK/dV, the block's repeated K/V and its gradients. Saved for backward: q, k and v (kv_heads),
+the output (in the input dtype, returned to the model as well) and the fp32 lse — plain SDPA's,
+with K/V not repeated. Ranks hold the merged output in the layout the
 first kernel returned (on CPU the ``[b, s, h, d]`` memory layout), so the model's
 ``out.transpose(1, 2).reshape`` stays a view, as with plain SDPA.
 """
@@ -36,8 +43,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llmtrain.engine.parallel.context_blocks import (acc_dtype, block_backward, block_forward, default_scale, merge_,
-                                                     start_accumulators)
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
+                                                     default_scale, merge_, repeat_kv, start_accumulators)
 
 
 def rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> list[torch.Tensor]:
@@ -62,27 +69,31 @@ def _step_kind(step: int, src: int, rank: int) -> str:
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal ring attention on this rank's zigzag shard ``[b, heads, s_local, d]``."""
+    """Causal ring attention on this rank's zigzag shard: q ``[b, heads, s_local, d]``, k and v
+    ``[b, kv_heads, s_local, d]`` (GQA: not repeated; module docstring)."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, cp: int):
         rank, scale, half = dist.get_rank(group), default_scale(q), q.shape[2] // 2
+        n_rep = q.shape[1] // k.shape[1]
         out = lse = None
         aux = {}
         kv = [k, v]
         for step in range(cp):
             src = (rank - step) % cp
             kind = _step_kind(step, src, rank)
+            keys = slice(None, half) if kind == "kv_half" else slice(None)
+            kr, vr = (repeat_kv(t[:, :, keys], n_rep) for t in kv)  # GQA: repeated after the exchange
             if kind == "diag":
-                blk_out, blk_lse, aux[kind] = block_forward(q, kv[0], kv[1], True, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, True, scale)
                 out, lse = start_accumulators(blk_out, blk_lse)
             elif kind == "kv_half":
-                blk_out, blk_lse, aux[kind] = block_forward(q, kv[0][:, :, :half], kv[1][:, :, :half], False, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, False, scale)
                 merge_(out, lse, blk_out, blk_lse)
             else:
-                blk_out, blk_lse, aux[kind] = block_forward(q[:, :, half:], kv[0], kv[1], False, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q[:, :, half:], kr, vr, False, scale)
                 merge_(out[:, :, half:], lse[:, :, half:], blk_out, blk_lse)
-            del blk_out, blk_lse
+            del blk_out, blk_lse, kr, vr
             if step < cp - 1:
                 kv = rotate(kv, group, rank, cp)
         del kv
@@ -96,6 +107,7 @@ class RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, cp, scale, aux = ctx.group, ctx.cp, ctx.scale, ctx.aux
         rank, half = dist.get_rank(group), q.shape[2] // 2
+        n_rep = q.shape[1] // k.shape[1]
         acc = acc_dtype(q.dtype)
         dout = dout.to(q.dtype)
         # contiguous accumulators: rotate() sends them without a copy (zeros_like would keep the
@@ -106,24 +118,20 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             kind = _step_kind(step, src, rank)
             kb, vb, dk_acc, dv_acc = travel
-            if kind == "diag":
-                dqb, dkb, dvb = block_backward(dout, q, kb, vb, out, lse, True, scale, aux[kind])
-                dq.add_(dqb)
-                dk_acc.add_(dkb)
-                dv_acc.add_(dvb)
-            elif kind == "kv_half":
-                dqb, dkb, dvb = block_backward(dout, q, kb[:, :, :half], vb[:, :, :half], out, lse, False, scale,
-                                               aux[kind])
-                dq.add_(dqb)
-                dk_acc[:, :, :half].add_(dkb)
-                dv_acc[:, :, :half].add_(dvb)
-            else:
-                dqb, dkb, dvb = block_backward(dout[:, :, half:], q[:, :, half:], kb, vb, out[:, :, half:],
+            keys = slice(None, half) if kind == "kv_half" else slice(None)
+            kr, vr = repeat_kv(kb[:, :, keys], n_rep), repeat_kv(vb[:, :, keys], n_rep)  # GQA (forward's)
+            if kind == "q_half":
+                dqb, dkb, dvb = block_backward(dout[:, :, half:], q[:, :, half:], kr, vr, out[:, :, half:],
                                                lse[:, :, half:], False, scale, aux[kind])
                 dq[:, :, half:].add_(dqb)
-                dk_acc.add_(dkb)
-                dv_acc.add_(dvb)
-            del dqb, dkb, dvb
+            else:
+                dqb, dkb, dvb = block_backward(dout, q, kr, vr, out, lse, kind == "diag", scale, aux[kind])
+                dq.add_(dqb)
+            del kr, vr, dqb
+            # the repeated heads' gradients summed per KV head: dK/dV travel with kv_heads only
+            add_kv_grad_(dk_acc[:, :, keys], dkb, n_rep)
+            add_kv_grad_(dv_acc[:, :, keys], dvb, n_rep)
+            del dkb, dvb
             if step < cp - 1:
                 travel = rotate([kb, vb, dk_acc, dv_acc], group, rank, cp)
             else:  # the accumulators belong to rank + 1 (whose K/V we hold): one last hop home
