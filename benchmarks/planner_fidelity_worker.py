@@ -74,8 +74,10 @@ FRAMES = [  # (path fragment, function or None, dimension), checked innermost fr
     ("llmtrain/engine/parallel/clip.py", None, "other"),
     ("llmtrain/engine/models/moe.py", "update_expert_bias", "other"),
     ("llmtrain/engine/parallel/context.py", None, "cp"),
+    ("llmtrain/engine/parallel/context_ring.py", None, "cp"),  # the ring's P2P, backward's too
     ("llmtrain/engine/parallel/expert.py", None, "ep"),
     ("llmtrain/engine/parallel/data_parallel.py", None, "dp"),
+    ("llmtrain/engine/parallel/grad_buckets.py", None, "dp"),  # the bucketed gradient all-reduce (zero 0/1)
     ("llmtrain/engine/parallel/zero1.py", None, "dp"),
     ("torch/distributed/fsdp/", None, "dp"),
     ("torch/distributed/tensor/", None, "tp"),
@@ -142,8 +144,15 @@ def measure_step(recipe, device) -> dict:
     comm = CommCounter(h.dims.ep > 1)
     flops = FlopCounterMode(display=False)
     dist.barrier()
-    with sdpa_kernel(SDPBackend.MATH), flops, comm:
-        h.step()
+    # the CP blocks call the CPU flash kernel directly, which FlopCounterMode has no formula for:
+    # count them on the math path, as plain SDPA is counted (forced to SDPBackend.MATH)
+    from llmtrain.engine.parallel import context_blocks  # noqa: PLC0415
+    cpu_backend, context_blocks.backend = context_blocks.backend, lambda q: "math"
+    try:
+        with sdpa_kernel(SDPBackend.MATH), flops, comm:
+            h.step()
+    finally:
+        context_blocks.backend = cpu_backend
     out = {"flops": flops.get_total_flops(), "comm": comm.to_dict()}
     h.close()
     return out

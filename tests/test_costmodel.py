@@ -134,6 +134,33 @@ def _plan(path: str, overrides: list[str] | None = None, nodes=None, gpus=None):
     return plan_recipe(load_recipe(REPO / path, overrides), None, nodes, gpus)
 
 
+@pytest.mark.parametrize("method, tp", [("ring", 8), ("allgather", 8), ("ulysses", 4)])  # ulysses: kv_heads % (tp cp)
+def test_cp_kv_bytes_scale_with_kv_heads_unless_priced_repeated(method, tp):
+    """Ring and all-gather CP move K/V (and dK/dV) with the rank's kv_heads (the engine repeats them
+    after the exchange, engine/parallel/context.py): Llama 3 405B under TP 8 has 128 / 8 = 16 query
+    heads and 8 / 8 = 1 KV head per rank, so ``planner.cp_kv repeated`` (torchtitan's
+    context_parallel, K/V repeated before SDPA) prices 16x the CP bytes, said on the assumptions
+    line. Memory stays the engine's either way. Ulysses re-shards the model's repeated K/V: no
+    change, no assumption."""
+    base = ["parallel.cp=2", f"parallel.cp_method={method}", f"parallel.tp={tp}", "train.seq_len=16384"]
+    plans = [_plan("recipes/llama3-405b.yaml", base + extra, nodes=256, gpus=8)
+             for extra in ([], ["planner.cp_kv=repeated"])]
+    engine, repeated = (estimate(p.recipe, p.validation.dims, p.validation.batch, p.placement, hints=False)
+                        for p in plans)
+    m = plans[0].recipe.model
+    assert plans[0].valid and (m.heads, m.kv_heads) == (128, 8)
+
+    def cp_bytes(cost):
+        return sum(c.message_bytes * c.count for c in cost.comms if c.dim == "cp")
+
+    assert cp_bytes(engine) > 0
+    ratio = 1 if method == "ulysses" else m.heads // m.kv_heads
+    assert cp_bytes(repeated) == pytest.approx(ratio * cp_bytes(engine), rel=1e-12)
+    assert ("planner.cp_kv repeated" in repeated.assumptions) == (method != "ulysses")
+    assert "planner.cp_kv repeated" not in engine.assumptions
+    assert repeated.worst.peak == engine.worst.peak
+
+
 def test_plan_json_has_cost_keys_and_consistent_numbers():
     d = plan_to_dict(_plan("recipes/llama3-70b.yaml"))
     mem, t = d["memory"], d["time"]

@@ -1,5 +1,6 @@
 """What a published stack does that the engine does differently, as the planner prices it: torchao's
-fp8 casts (plan/fp8time.py, ``planner.fp8_casts``), the unchunked loss (``planner.loss``), and a
+fp8 casts (plan/fp8time.py, ``planner.fp8_casts``), the unchunked loss (``planner.loss``), the eager
+composite RMSNorm (``planner.norm``), and a
 board variant of a catalog chip (``cluster.gpu: h100-96g``, ``GPUSpec.die``). Pure and fast.
 
 Byte counts are hand-computed from fp8time's rules (exact integers); seconds to 1e-12 relative.
@@ -91,6 +92,43 @@ def test_fused_fp8_casts_are_priced_as_compiled_and_named():
     assert bf16_fused.time.step_s == bf16.time.step_s
 
 
+def test_unfused_norm_bytes_hand_computed():
+    """Fused RMSNorm: 2e forward, 3e backward per element. Unfused (torchtitan 2024's eager
+    composite), bf16: forward float() 2+4, pow 8, mean 4, x*rsqrt 8, type_as 4+2, *w 4 = 36;
+    backward *w 12, type_as 6, *rsqrt 24, mean 4, pow 28, the two x.float() gradients summed 12,
+    float() 6 = 92."""
+    assert ops.norm_bytes(2, False) == (4, 6)
+    assert ops.norm_bytes(2, True) == (36, 92)
+    assert ops.norm_bytes(4, True) == (44, 108)
+
+
+def test_unfused_norm_adds_its_bytes_to_both_norms_and_the_final_one():
+    """The block's two norms and the head's final norm move the extra bytes over `hdim` elements
+    (all tokens: no TP here), re-run forward under selective recomputation; compile fuses it back
+    (no time change); time model v2 only; plan names it."""
+    gpu = GPUS["h100-sxm"]
+    x = ops.BlockShape(**{**TINY.__dict__, "fp8_peak": 0.0, "recompute": "selective"})
+    u = ops.BlockShape(**{**x.__dict__, "norm_unfused": True})
+    hdim = 1 * 4 * 8  # tokens x h
+    (bf, bb), (uf, ub) = ops.block_seconds(x, gpu, False), ops.block_seconds(u, gpu, False)
+    assert uf - bf == pytest.approx(ops.membound_seconds(2 * (36 - 4) * hdim, gpu), rel=1e-9)
+    assert ub - bb == pytest.approx(ops.membound_seconds(2 * (92 - 6) * hdim + 2 * (36 - 4) * hdim, gpu), rel=1e-9)
+    (hf, hb), (huf, hub) = ops.head_seconds(x, gpu), ops.head_seconds(u, gpu)
+    assert (huf - hf, hub - hb) == pytest.approx((ops.membound_seconds(32 * hdim, gpu), ops.membound_seconds(86 * hdim, gpu)),
+                                                 rel=1e-9)
+    bf16 = dict(train__precision="bf16")
+    eager, unfused = _plan(_recipe(**bf16)), _plan(_recipe(**bf16, planner__norm="unfused"))
+    assert unfused.time.step_s > eager.time.step_s
+    assert "planner.norm unfused" in unfused.assumptions and not eager.assumptions
+    assert unfused.worst.peak == eager.worst.peak  # time only
+    compiled = _plan(_recipe(**bf16, train__compile=True))
+    compiled_unfused = _plan(_recipe(**bf16, train__compile=True, planner__norm="unfused"))
+    assert compiled_unfused.time.step_s == compiled.time.step_s and "planner.norm unfused" not in compiled_unfused.assumptions
+    v1, v1_unfused = _plan(_recipe(**bf16, cluster__time_model="v1")), _plan(_recipe(**bf16, cluster__time_model="v1",
+                                                                                     planner__norm="unfused"))
+    assert v1_unfused.time.step_s == v1.time.step_s
+
+
 def test_unchunked_loss_holds_the_full_fp32_logits_and_changes_no_time():
     """planner.loss unchunked: the last stage keeps the [b s, V] fp32 log-probabilities (4 bytes) and
     the bf16 logits through the backward; memory only. 8B: V = 128,256, b s = 16,384."""
@@ -123,7 +161,9 @@ def test_memory_against_torchtitans_readings():
         planner_vs_published.main(["--memory"])
     rows = [line.split(" | ") for line in out.getvalue().splitlines() if line.startswith("| torchtitan") or
             line.startswith("| Trainy")]
-    assert len(rows) == 17  # Tables 1, 3, 4 (vanilla and async TP), 5, Trainy's two, Tables 2 and 6 (context parallelism)
+    # Tables 1 and 3 (eager, compile, compile + Float8), 4 (vanilla and async TP), 5, Trainy's two, Tables 2 and 6
+    # (context parallelism)
+    assert len(rows) == 19
     eager = [r for r in rows if r[1].endswith("eager")]
     assert len(eager) == 2
     for r in eager:

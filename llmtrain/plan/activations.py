@@ -24,7 +24,10 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
   Under autocast each projection saves its own bf16 cast of it: 3 copies for q/k/v, 2 for w1/w3;
 - SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
   never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
-  and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``;
+  and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
+  parallelism (:func:`core_attention_terms`): ring and all-gather save K/V with their kv_heads
+  (the all-gather: of the whole sequence) and repeat each kernel block's K/V after the exchange;
+  ``planner.cp_kv`` changes only the priced exchange (plan/comm.py), never this memory;
 - SwiGLU with ``ffn_hidden`` f: w1 and w3 outputs, silu output, product: ``4 bsf e / t``;
 - MoE (the full sequence on every TP rank, experts' F / tp: expert-TP): router input, the ``k`` token
   copies gathered per expert, each expert's SwiGLU, the weighted outputs, shared experts and
@@ -174,20 +177,22 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
 
 def core_attention_terms(x: ActShape) -> dict[str, int]:
     """What the core attention keeps: SDPA, or the engine's context-parallel attention
-    (``engine/parallel/context.py``). K and V are repeated to the query heads before it."""
+    (``engine/parallel/context.py``). K and V are repeated to the query heads before SDPA and
+    Ulysses; ring and all-gather take them with their kv_heads and repeat after the exchange."""
     bs, t, e = x.b * x.s, x.tp, x.e
     q = bs * x.heads * x.head_dim // t  # one of q, k, v or the output, local
+    kv = bs * x.kv_heads * x.head_dim // t  # one of k, v with the local kv_heads
     lse = LSE * x.b * (x.heads // t) * x.s
     if x.cp <= 1:
         return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}  # q, k, v, SDPA output (+ its fp32 log-sum-exp)
-    if x.cp_method == "ring":  # RingAttention saves q, k, v, its output (the model's, wo's input a view) and lse
-        return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}
+    if x.cp_method == "ring":  # RingAttention saves q, k and v (kv_heads), its output (the model's, wo's input a
+        return {"qkv_attn_out": 2 * e * q + 2 * e * kv, "attn_lse": lse}  # view) and lse
     if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy
         return {"qkv_attn_out": 5 * e * q, "attn_lse": lse}
-    # allgather: q, the output and K/V of the whole sequence (one PrefixCausalAttention call for both
-    # zigzag chunks: K/V saved once, the copies reordered into global order; the gathered rank-order
-    # buffers are freed), kernel blocks, no mask tensor
-    return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse}
+    # allgather: q, the output and K/V (kv_heads) of the whole sequence (one PrefixCausalAttention call
+    # for both zigzag chunks: K/V saved once, the copies reordered into global order; the gathered
+    # rank-order buffers are freed), kernel blocks (each repeats its keys for GQA), no mask tensor
+    return {"qkv_attn_out": 2 * e * q + 2 * e * kv * x.cp, "attn_lse": lse}
 
 
 def cp_transient_bytes(x: ActShape) -> int:
@@ -197,7 +202,14 @@ def cp_transient_bytes(x: ActShape) -> int:
     Q), the K/V/dK/dV received (2 e Q + 2 acc Q) and the contiguous copies of the model's transposed
     k, v sent (2 e Q): ``(5 acc + 4 e) Q``; the forward's (running output, K/V in flight, one block)
     is smaller. Counted live tensor by tensor on CPU (fp32 and bf16, cp 2 and 4: exact), and
-    benchmarks/cp_memory.py measures it.
+    benchmarks/cp_memory.py measures it (without GQA). GQA: K/V, dK/dV travel with kv_heads
+    (``K = Q kv_heads / heads`` each), so the hop holds ``acc Q + (4 acc + 4 e) K``; each block
+    repeats its K/V to the query heads for the kernel (``2 e Q``, a half block's ``e Q``), which can
+    put the peak in a block's backward instead: the diagonal block (the dq, dK/dV accumulators,
+    the repeated K/V and its three gradients, ``acc Q + 2 acc K + 5 e Q``) or rank 0's later
+    ``q_half`` blocks (received K/V besides: ``acc Q + 2 (acc + e) K + 4.5 e Q``); the largest
+    counts (derived tensor by tensor from the code, not measured; the kernel's own buffers are
+    not counted, as above). Without GQA this is ``(5 acc + 4 e) Q`` as before.
 
     All-gather (``engine/parallel/context.py``; zigzag: two query chunks of ``c`` = half the local
     tokens): its peak is in ``PrefixCausalAttention``'s backward on rank 0, beyond the saved
@@ -208,15 +220,26 @@ def cp_transient_bytes(x: ActShape) -> int:
     while dV waits, after the saved K/V are freed) stay below it. Measured on CPU (RSS, 16K
     tokens, 1 head of 64, fp32): cp 2 9.2 Q, cp 4 17.8 Q against 8.5 Q and 16.5 Q here (the rest:
     the CPU kernel's own buffers; in bf16 its fp32 accumulators add 4-8 bf16 Q more, not
-    counted). (The contiguous shards before: ``(acc + (4 cp - 1) e) Q``, priced ``2 e Q`` then.)"""
+    counted). (The contiguous shards before: ``(acc + (4 cp - 1) e) Q``, priced ``2 e Q`` then.)
+    GQA: the saved full-sequence K/V and the dK/dV accumulators have kv_heads (``2 cp e K``,
+    ``K = Q kv_heads / heads``), and the largest block also holds its keys repeated to the query
+    heads for the kernel (``(2 cp - 1) e Q``, K and V): ``(acc + 2 cp e K / Q + (4 cp - 3/2) e) Q``
+    (derived from the code as the ring's GQA terms, not measured); without GQA the formula above."""
     if x.cp <= 1:
         return 0
     acc = max(x.e, LSE)
     one = x.b * x.s * x.heads * x.head_dim // x.tp  # elements of one local q-sized tensor
     if x.cp_method == "ring":
-        return (5 * acc + 4 * x.e) * one
+        kv = one * x.kv_heads // x.heads  # one local k-sized tensor (kv_heads)
+        rep = 2 * x.e * one if x.kv_heads < x.heads else 0  # one block's K/V repeated to the query heads
+        hop = acc * one + (4 * acc + 4 * x.e) * kv
+        diag = acc * one + 2 * acc * kv + rep + 3 * x.e * one
+        q_half = acc * one + 2 * (acc + x.e) * kv + rep + 5 * x.e * one // 2
+        return max(hop, diag, q_half)
     if x.cp_method == "allgather":
-        return acc * one + (8 * x.cp - 1) * x.e * one // 2
+        kv = one * x.kv_heads // x.heads
+        rep = (2 * x.cp - 1) * x.e * one if x.kv_heads < x.heads else 0  # the largest block's K/V repeated
+        return acc * one + 2 * x.cp * x.e * kv + rep + (4 * x.cp - 1) * x.e * one // 2
     return 2 * x.e * one  # ulysses: the all-to-all buffers
 
 

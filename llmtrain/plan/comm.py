@@ -55,8 +55,12 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   backward (``/t`` with sequence parallelism: each TP rank sends its shard).
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
   gradients backward, and one last pass of dK/dV back to their owner; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
-  gathered forward, their gradients reduce-scattered backward. The engine repeats K/V to the
-  query heads before its attention function, so K/V are counted with ``heads``.
+  gathered forward, their gradients reduce-scattered backward. Ring and all-gather move K/V (and
+  dK/dV) with the rank's ``kv_heads / tp`` heads: the engine repeats them to the query heads only
+  after the exchange (``engine/parallel/context.py``), as Megatron-Core and Llama 3 do;
+  ``planner.cp_kv repeated`` prices them repeated to the query heads (``heads / tp``), as torch's
+  context_parallel under torchtitan, which repeats K/V before SDPA. Ulysses re-shards the model's
+  K/V repeated to the query heads.
 - EP, per MoE layer and micro batch: dispatch and combine all-to-alls of ``top_k x tokens x h``
   forward, and the same backward.
 """
@@ -209,7 +213,10 @@ class CommSpec:
     powersgd_start_step: int = 0  # PowerSGD warm-up: plain all-reduce steps (the note says it)
     grad_shapes: tuple = ((), ())  # with compression: (dense, expert) local gradient shapes (TP embedding: replicated)
     async_tp: bool = False  # parallel.async_tp (with SP): per-layer TP collectives fused with their matmuls
+    overlap_by_planner: bool = False  # async_tp set by planner.tp_overlap (another stack's TP overlap)
     fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
+    kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
+    cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -346,7 +353,9 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             fused = async_tp_fused_counts(m, per_layer, c.layers)
             for op in ("all-gather", "reduce-scatter"):
                 out.append(make("tp", op, d.tp, act, fused[op], g, "tp-overlap",
-                                "sequence parallel, async TP: chunked under the column/row-parallel matmuls"))
+                                "sequence parallel, " + ("overlapped as Megatron-Core's TP overlap (planner.tp_overlap; "
+                                                         "priced as the engine's async TP)" if c.overlap_by_planner else
+                                                         "async TP: chunked under the column/row-parallel matmuls")))
                 if count > fused[op]:
                     why = ("block input gradients (sums of matmuls), embedding / output: not fused"
                            if op == "reduce-scatter" else "embedding / output: not fused")
@@ -367,7 +376,11 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     # -- context parallel ------------------------------------------------------------------------------
     if d.cp > 1:
         g = lk("cp")
-        kv = 2 * c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # local K and V (heads repeated)
+        # local K and V: the rank's kv_heads (the engine repeats them after the exchange), or repeated
+        # to the query heads under planner.cp_kv repeated (torchtitan's context_parallel; memory is
+        # still priced as the engine's, plan/activations.py)
+        kv_heads = c.heads if c.cp_kv == "repeated" or not c.kv_heads else c.kv_heads
+        kv = 2 * c.e * c.tokens * (kv_heads // d.tp) * c.head_dim
         fwd = 1 + (1 if c.recompute != "none" else 0)
         if c.cp_method == "ring":
             # cp - 1 ring passes per forward (and recomputed forward), K, V and dK/dV per backward

@@ -264,8 +264,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         compression=p.grad_compression, powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
                         powersgd_start_step=powersgd_start(recipe),
                         grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()),
-                        async_tp=p.async_tp and p.sequence_parallel and dims.tp > 1,
-                        fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0)
+                        async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
+                        overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
+                        fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
+                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv)
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
@@ -384,8 +386,14 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.attention_kernel {pl.attention_kernel}")
     if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
         out.append(f"planner.fp8_casts {pl.fp8_casts}")
+    if pl.tp_overlap and not recipe.parallel.async_tp and recipe.parallel.sequence_parallel and recipe.parallel.tp > 1:
+        out.append("planner.tp_overlap true")
+    if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
+        out.append(f"planner.norm {pl.norm}")
     if pl.loss != "engine":
         out.append(f"planner.loss {pl.loss}")
+    if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):
+        out.append(f"planner.cp_kv {pl.cp_kv}")
     return out
 
 

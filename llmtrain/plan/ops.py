@@ -18,7 +18,7 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   recompute the scores: the papers' own FLOP convention for the backward rate), halved when the
   part the kernels execute (``flops.attention_executed``: 1/2 for causal SDPA, Ulysses and the
   zigzag ring and all-gather).
-- **Memory-bound ops** (RMSNorm, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
+- **Memory-bound ops** (RMSNorm: fused, or ``planner.norm: unfused`` by :func:`norm_bytes`, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
   gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
   datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
 - **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
@@ -183,6 +183,26 @@ class BlockShape:
     recompute: str = "none"
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
     attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
+    norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
+
+
+def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
+    """(forward, backward) HBM bytes per normalized element of one RMSNorm (``e``: activation bytes).
+
+    Fused (``nn.RMSNorm``'s kernel, the engine): read x and write y forward (``2e``); backward read
+    x and dy, write dx (``3e``). Unfused (``planner.norm: unfused``: torchtitan 2024's
+    ``norm_type = "rmsnorm"``, ``(x.float() * rsqrt(x.float().pow(2).mean(-1) + eps)).type_as(x) * w``
+    in eager mode), counted kernel by kernel, reads and writes per element (per-row tensors free):
+    forward ``float()`` e + 4, ``pow`` 8, ``mean`` 4, ``x * rsqrt`` 8, ``type_as`` 4 + e, ``* w``
+    2e: ``4e + 28``; backward by autograd's formulas (torch ``derivatives.yaml``): ``* w`` 6e (the
+    input gradient 2e, the weight's product 3e and its row sum e), ``type_as`` e + 4, ``* rsqrt`` 24
+    (8 for the input, 16 for the per-row gradient's product and sum), ``mean`` 4 (the expanded
+    gradient), ``pow`` 28 (``grad * 2 * x``: three kernels), the two gradients of ``x.float()``
+    summed 12, ``float()`` 4 + e: ``8e + 76``. An estimate of the memory traffic, not a
+    measurement (an allocator or kernel that fuses two of these would move less)."""
+    if unfused:
+        return 4 * e + 28, 8 * e + 76
+    return 2 * e, 3 * e
 
 
 def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
@@ -193,12 +213,13 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     qk = (x.heads + x.kv_heads) * x.hd * tok / t
     width = (x.top_k + x.shared) * x.expert_ffn if moe else x.ffn
     act = width * tok / t
-    # 2 fused norms; RoPE as engine/models/rope.py runs it (cast to fp32, complex multiply, cast back:
+    # 2 norms (fused, or planner.norm unfused: norm_bytes); RoPE as engine/models/rope.py runs it (cast to fp32, complex multiply, cast back:
     # 2e + 16 bytes per element each way); SwiGLU as two eager kernels (silu, then the product: 5e
     # forward, 8e backward); 2 residual adds
     rope = (2 * e + 16) * qk
-    fwd = 2 * 2 * e * hdim + rope + 5 * e * act + 2 * 3 * e * hdim
-    bwd = 2 * 3 * e * hdim + rope + 8 * e * act + 2 * 3 * e * hdim
+    nf, nb = norm_bytes(e, x.norm_unfused)
+    fwd = 2 * nf * hdim + rope + 5 * e * act + 2 * 3 * e * hdim
+    bwd = 2 * nb * hdim + rope + 8 * e * act + 2 * 3 * e * hdim
     if moe:  # dispatch gather and combine scatter of the routed copies (read + write each way)
         fwd += 2 * 2 * e * x.top_k * x.h * tok
         bwd += 2 * 2 * e * x.top_k * x.h * tok
@@ -253,9 +274,10 @@ def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[f
     f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu, sms=sms)
     logits = x.vocab / x.tp * tok
     # upcast to fp32 (read e, write 4), log-softmax (read 4, write 4) forward; backward read 4 and
-    # write the e-byte gradient of the logits, plus the norm (read + write h each way)
-    f += membound_seconds(logits * (x.e + 12) + 2 * x.e * x.h * tok, gpu)
-    b_ += membound_seconds(logits * (4 + x.e) + 3 * x.e * x.h * tok, gpu)
+    # write the e-byte gradient of the logits, plus the final norm (norm_bytes)
+    nf, nb = norm_bytes(x.e, x.norm_unfused)
+    f += membound_seconds(logits * (x.e + 12) + nf * x.h * tok, gpu)
+    b_ += membound_seconds(logits * (4 + x.e) + nb * x.h * tok, gpu)
     return f, b_
 
 
@@ -277,7 +299,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
                       attn_executed=attn_executed, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
-                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel)
+                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel,
+                      norm_unfused=recipe.planner.norm == "unfused" and not t.compile)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

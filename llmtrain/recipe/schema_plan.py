@@ -45,3 +45,21 @@ class PlannerConfig(Strict):
                               "Float8Linear: eager amax + cast kernels and layout copies, fused when train.compile), "
                               "fused (a stack whose casts are fused cast-transpose kernels, e.g. Transformer Engine: "
                               "priced as the compiled kernels). plan/fp8time.py.")
+    tp_overlap: bool = Field(
+        False, description="Planner only; the bundled engine overlaps TP only with parallel.async_tp (which needs "
+                           "train.compile). Price the sequence-parallel collectives as overlapped with the matmuls, as "
+                           "Megatron-Core's userbuffers TP overlap (tp_comm_overlap) does, by the engine's async TP "
+                           "rule (plan/asynctp.py: the backward's two input-gradient reduce-scatters per layer stay "
+                           "exposed, which Megatron's bulk overlap also hides, so this under-credits it). For "
+                           "planning a published run.")
+    norm: Literal["engine", "unfused"] = Field(
+        "engine", description="Planner only (time model v2); the bundled engine runs nn.RMSNorm's fused kernel. How to "
+                              "price the blocks' RMSNorms: engine (one fused kernel each way), unfused (the eager "
+                              "composite RMSNorm of torchtitan 2024's norm_type rmsnorm: x.float(), pow, mean, rsqrt, "
+                              "mul, type_as, mul by the weight, each its own kernel, and their autograd backward; "
+                              "fused again under train.compile). plan/ops.py.")
+    cp_kv: Literal["engine", "repeated"] = Field(
+        "engine", description="Planner only; what context parallelism moves. engine (the bundled engine: K/V with "
+                              "their kv_heads only, repeated for GQA after the exchange, as Megatron-Core and Llama 3 "
+                              "do), repeated (K/V already repeated to the query heads, as torch's context_parallel "
+                              "under torchtitan's repeat_kv before SDPA). plan/comm.py.")
