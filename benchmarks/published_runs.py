@@ -91,7 +91,8 @@ def with_split(recipe: dict) -> dict:
 
 
 def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
-           attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None) -> dict:
+           attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None,
+           norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     planner = {"assume_dp_overlap": True} if parallel.get("zero", 3) in (0, 1) else {}  # (module docstring)
@@ -101,6 +102,12 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
         planner["loss"] = loss
     if fp8_casts:
         planner["fp8_casts"] = fp8_casts
+    if norm:
+        planner["norm"] = norm
+    if tp_overlap:
+        planner["tp_overlap"] = True
+    if cp_kv:
+        planner["cp_kv"] = cp_kv
     if planner:
         out["planner"] = planner
     return with_split(out)
@@ -168,14 +175,15 @@ def torchtitan_rows() -> list[dict]:
              metric="tokens/s/GPU", published=2973,
              recipe=recipe(dict(preset="llama3-8b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
                                                                        activation_checkpointing=TITAN_AC), 64, "a100-80g",
-                           loss="unchunked"),
-             note="torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss); published MFU 58.2%"),
+                           loss="unchunked", norm="unfused"),
+             note="torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss), eager composite RMSNorm "
+                  "(norm_type rmsnorm, compile false: planner.norm unfused); published MFU 58.2%"),
         dict(source="torchtitan docs/performance.md", url=a100, name="Llama 3 70B, 64 A100, FSDP, local batch 1",
              metric="tokens/s/GPU", published=331,
              recipe=recipe(dict(preset="llama3-70b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
                                                                         activation_checkpointing="full"), 64, "a100-80g",
-                           loss="unchunked"),
-             note="full AC, unchunked loss (planner.loss); published MFU 51.7%"),
+                           loss="unchunked", norm="unfused"),
+             note="full AC, unchunked loss (planner.loss), eager RMSNorm (planner.norm unfused); published MFU 51.7%"),
     ]
     fsdp8b = dict(seq_len=8192, micro_batch_size=2, activation_checkpointing=TITAN_AC)
     for table, gpus, tps, fp8, gib in (("Table 1", 8, 5762, False, 82.4), ("Table 1", 8, 8532, True, 76.8),
@@ -186,8 +194,9 @@ def torchtitan_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps, published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
                           fsdp8b | dict(global_batch_size=2 * gpus) | (dict(precision="fp8", compile=True) if fp8 else {}),
-                          gpus, "h100-96g", power=500, loss="unchunked"),
+                          gpus, "h100-96g", power=500, loss="unchunked", norm=None if fp8 else "unfused"),
             note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss)"
+            + ("" if fp8 else "; eager composite RMSNorm (norm_type rmsnorm: planner.norm unfused)")
             + ("; torch.compile's speed-up is not modelled (eager: 5,762, compile: 6,667)" if fp8
                else "; they quote 33-39 % MFU" if gpus == 8 else "")))
     out.append(dict(
@@ -286,6 +295,9 @@ def bridge_rows() -> list[dict]:
     ]
     out = []
     for system, gpu, name, preset, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tps in rows:
+        # tp > 1: the Bridge Llama 3 recipes turn on Megatron-Core's userbuffers TP overlap
+        # (CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_*_h100_h16384_tp8_cp2_... for
+        # 405B, ..._h8192_tp4_... for 70B, ..._b200_h16384_tp4_cp2_... on B200): planner.tp_overlap
         par = dict(tp=tp, pp=pp, cp=cp, zero=3 if fsdp else 0, cp_method="ring") | (
             dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
         out.append(dict(
@@ -294,10 +306,12 @@ def bridge_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
-                          attention="fa3", fp8_casts="fused"),
+                          attention="fa3", fp8_casts="fused", tp_overlap=tp > 1),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as plain DDP (zero 0), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
-                  "(planner.attention_kernel fa3) and fused fp8 casts (planner.fp8_casts fused)"
+                  "(planner.attention_kernel fa3) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
+                  "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "
+                  "TP, which leaves 2 of 12 SP collectives per layer exposed that Megatron's bulk overlap also hides)"
                   if (system, name) == ("DGX-H100", "LLAMA3_8B")
                   else "as above")))
     return out
@@ -331,10 +345,10 @@ def trainy_rows() -> list[dict]:
 
 
 def rows() -> list[dict]:
-    from published_titan import titan_async_tp_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows())
+            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

@@ -1,11 +1,11 @@
-"""torchtitan's later published rows (rows 46-57 of benchmarks/published_runs.py, appended after the
-others so their recipe files keep their numbers): the 2024-12 context-parallel tables and the async
-TP measurements. Split out of published_runs.py by concept (that file imports these functions inside
+"""torchtitan's later published rows (rows 46-59 of benchmarks/published_runs.py, appended after the
+others so their recipe files keep their numbers): the 2024-12 context-parallel tables, the async
+TP measurements and the 2024-12 Tables 1 and 3 compiled bf16 runs. Split out of published_runs.py by concept (that file imports these functions inside
 ``rows()``; this one imports ``recipe()`` and the source names from it)."""
 
 from __future__ import annotations
 
-from published_runs import TITAN_2412, recipe
+from published_runs import TITAN_2412, TITAN_AC, TITAN_NOTE, recipe
 
 # torchtitan PR #1299 (2025-06-15, "[Async TP] Add new async TP benchmarks"): the table the benchmark file
 # held before it became an image (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, review diff):
@@ -29,10 +29,12 @@ def titan_cp_rows() -> list[dict]:
             recipe=recipe(dict(preset="llama3.1-8b", max_seq_len=max(seq, 131072)),
                           dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
-                               precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked"),
+                               precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked",
+                          cp_kv="repeated" if cp > 1 else None),
             note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
-                  "balanced) as the engine's all-gather CP; torch.compile's speed-up is not modelled; h100-96g at 500 W, "
-                  "unchunked loss" if cp == 1 else "as above")))
+                  "balanced) as the engine's all-gather CP, moving K/V repeated to the query heads (torchtitan repeats "
+                  "them before SDPA: planner.cp_kv repeated); torch.compile's speed-up is not modelled; h100-96g at "
+                  "500 W, unchunked loss" if cp == 1 else "as above")))
     for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
                                     (262144, 1, 8, 16, 84.9)):
         out.append(dict(
@@ -43,7 +45,8 @@ def titan_cp_rows() -> list[dict]:
                           dict(tp=8, pp=8, zero=2, pp_schedule="1f1b", async_tp=True,
                                **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
-                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked"),
+                               precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked",
+                          cp_kv="repeated" if cp > 1 else None),
             note=("compile + Float8 + async TP (parallel.async_tp), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
                   "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
     return out
@@ -77,4 +80,24 @@ def titan_async_tp_rows() -> list[dict]:
         name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8, async TP", metric="tokens/s/GPU", published=876,
         published_memory_gib=67.6, recipe=titan_70b_tp8(fp8=True, async_tp=True),
         note="compile + Float8, full AC; 2D + AsyncTP (parallel.async_tp); vanilla TP: row 19"))
+    return out
+
+
+def titan_compile_rows() -> list[dict]:
+    """torchtitan 2024-12 Tables 1 and 3, "FSDP + torch.compile" (bf16): the middle rows of the tables
+    whose eager (rows 16, 18) and compile + Float8 (row 17) runs were already rows (twelfth session,
+    appended). Same recipe as the eager rows with ``train.compile``: the run's eager composite RMSNorm
+    (``planner.norm: unfused``) is fused by Inductor, which is what the planner prices of compile;
+    its other fusions are not modelled."""
+    out = []
+    for table, gpus, tps, gib in (("Table 1", 8, 6667, 77.0), ("Table 3", 128, 6514, 62.0)):
+        out.append(dict(
+            source=f"torchtitan H100 2024-12 {table}", url=TITAN_2412,
+            name=f"Llama 3.1 8B, {gpus} H100 500 W, FSDP, local batch 2, compile", metric="tokens/s/GPU", published=tps,
+            published_memory_gib=gib,
+            recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
+                          dict(seq_len=8192, micro_batch_size=2, global_batch_size=2 * gpus, activation_checkpointing=TITAN_AC,
+                               compile=True), gpus, "h100-96g", power=500, loss="unchunked", norm="unfused"),
+            note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss); torch.compile: "
+                              "the eager RMSNorm (planner.norm unfused) fused, Inductor's other fusions not modelled"))
     return out
