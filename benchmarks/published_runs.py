@@ -96,18 +96,8 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     planner = {"assume_dp_overlap": True} if parallel.get("zero", 3) in (0, 1) else {}  # (module docstring)
-    if attention:
-        planner["attention_kernel"] = attention
-    if loss:
-        planner["loss"] = loss
-    if fp8_casts:
-        planner["fp8_casts"] = fp8_casts
-    if norm:
-        planner["norm"] = norm
-    if tp_overlap:
-        planner["tp_overlap"] = True
-    if cp_kv:
-        planner["cp_kv"] = cp_kv
+    said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv)
+    planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
     return with_split(out)
