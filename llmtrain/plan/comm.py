@@ -52,7 +52,11 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   MLP's traffic; the router's weight-gradient all-reduce over TP (``E x h`` per MoE layer and micro
   batch, backward) is not counted: ``E`` is small next to the tokens.
 - PP: per micro batch and stage boundary, the activation ``bshe`` forward and its gradient
-  backward (``/t`` with sequence parallelism: each TP rank sends its shard).
+  backward (``/t`` with sequence parallelism: each TP rank sends its shard). Counted as the sends
+  of the busiest rank: a middle rank sends each of its ``v`` chunks' activations on and their
+  gradients back (``2 v`` per micro batch); with pp 2 no rank is in the middle, and each sends
+  ``2 v - 1`` (the chunk at the pipeline's end sends no activation, the one at its start no
+  gradient: 1F1B, ``m`` activations from rank 0 and ``m`` gradients from rank 1).
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
   gradients backward, and one last pass of dK/dV back to their owner; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
   gathered forward, their gradients reduce-scattered backward. Ring and all-gather move K/V (and
@@ -371,7 +375,8 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     if d.pp > 1:
         g = lk("pp")
         act = c.e * c.tokens * c.hidden / (d.tp if c.sp else 1)
-        out.append(make("pp", "p2p", 2, act, 2 * m * c.chunks, g, "pipeline", "activations forward, gradients backward"))
+        sends = 2 * c.chunks - (1 if d.pp == 2 else 0)  # per micro batch, the busiest rank (module docstring)
+        out.append(make("pp", "p2p", 2, act, m * sends, g, "pipeline", "activations forward, gradients backward"))
 
     # -- context parallel ------------------------------------------------------------------------------
     if d.cp > 1:
