@@ -206,6 +206,7 @@ class CommSpec:
     grad_extra: int = 0  # gradient numel beyond ``params`` (TP: the embedding's gradient comes back replicated)
     trainable: int = -1  # parameters with gradients (LoRA: the adapters only); -1 = all
     lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
+    lora_replicated: int = 0  # LoRA under TP: adapter elements replicated over TP (shards.lora_replicated_numel)
     reduce_bytes: int = 4  # bytes per gradient element in every reduction (parallel.reduce_dtype)
     bucket_bytes: int = 25 << 20  # zero 0/1 gradient bucket (parallel.dp_bucket_mb)
     grad_overlap: bool = True  # zero 0/1 buckets start before the step's end (every PP schedule)
@@ -370,6 +371,9 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))
         else:
             out.append(make("tp", "all-reduce", d.tp, act, count, g, "microbatch"))
+        if c.lora_replicated:
+            out.append(make("tp", "all-reduce", d.tp, c.reduce_bytes * c.lora_replicated, 1, g, "step",
+                            "LoRA: the gradients of the adapters replicated over TP (Partial), once per step"))
 
     # -- pipeline --------------------------------------------------------------------------------------
     if d.pp > 1:

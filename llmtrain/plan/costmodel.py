@@ -41,7 +41,7 @@ from llmtrain.plan.memory import (
 )
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import gradient_ready
-from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, rank_stages, stage_layers
+from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages, stage_layers
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
 from llmtrain.recipe.schema import Recipe, bf16_compute
@@ -258,6 +258,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
                         recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv), inv.trainable,
                         lk is not None and inv.first and 0 in inv.layers,
+                        lora_replicated=lora_replicated_numel(m, inv.layers, dims.tp, lk),
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
                         grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
                         fsdp_reduce_each=p.fsdp_reduce_each_microbatch,
