@@ -124,10 +124,7 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
     if lora is None:
         return []
     rank, targets = lora
-    h, hd, f = m.hidden, m.head_dim, m.ffn_hidden
-    bases = {"wq": ("attention", m.heads * hd, h, True), "wk": ("attention", m.kv_heads * hd, h, True),
-             "wv": ("attention", m.kv_heads * hd, h, True), "wo": ("attention", h, m.heads * hd, False),
-             "w1": ("feed_forward", f, h, True), "w2": ("feed_forward", h, f, False), "w3": ("feed_forward", f, h, True)}
+    bases = _lora_bases(m)
     out = []
     for t in targets:
         module, rows, cols, column_wise = bases[t]
@@ -137,15 +134,25 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
     return out
 
 
+def _lora_bases(m: ModelConfig) -> dict[str, tuple[str, int, int, bool]]:
+    """Per LoRA target: (module, out rows, in cols, column-wise under TP) of its base weight."""
+    h, hd, f = m.hidden, m.head_dim, m.ffn_hidden
+    return {"wq": ("attention", m.heads * hd, h, True), "wk": ("attention", m.kv_heads * hd, h, True),
+            "wv": ("attention", m.kv_heads * hd, h, True), "wo": ("attention", h, m.heads * hd, False),
+            "w1": ("feed_forward", f, h, True), "w2": ("feed_forward", h, f, False), "w3": ("feed_forward", f, h, True)}
+
+
 def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int:
-    """Adapter elements of ``layers`` that are replicated over TP (a column-wise base's ``lora_a``, a
-    row-wise base's ``lora_b``): their gradients come out Partial over the TP group and DTensor
-    all-reduces them once per step (measured: planner_fidelity's LoRA TP cases). 0 without TP."""
+    """Adapter elements of ``layers`` that are replicated over TP (a column-wise base's ``lora_a``
+    ``[rank, in]``, a row-wise base's ``lora_b`` ``[out, rank]``: :func:`lora_params`): their gradients
+    come out Partial over the TP group and DTensor all-reduces them once per step (measured:
+    planner_fidelity's LoRA TP cases). 0 without TP."""
     if lora is None or tp == 1:
         return 0
-    row_wise = ("wo", "w2")
-    return sum(p.numel for layer in layers for p in lora_params(m, layer, tp, lora)
-               if (p.name.split(".")[-3] in row_wise) == p.name.endswith("lora_b.weight"))
+    rank, targets = lora
+    bases = _lora_bases(m)
+    per_layer = sum(rank * (cols if column_wise else rows) for _, rows, cols, column_wise in map(bases.get, targets))
+    return per_layer * len(layers)
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:

@@ -142,11 +142,13 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """GQA: ``[b, kv_heads, s, d]`` -> ``[b, kv_heads * n_rep, s, d]``, query head ``j`` reading KV
-    head ``j // n_rep`` (the model's ``repeat_interleave`` order). A copy unless ``n_rep == 1``;
-    under autograd its backward sums the copies' gradients and saves no tensor."""
-    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, keys: slice, n_rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GQA: the key range ``keys`` of ``k`` and ``v`` (``[b, kv_heads, s, d]``) repeated to
+    ``[b, kv_heads * n_rep, len, d]``, query head ``j`` reading KV head ``j // n_rep`` (the model's
+    ``repeat_interleave`` order), for one kernel call. Copies unless ``n_rep == 1``;
+    :func:`add_kv_grad_` is their backward."""
+    k, v = k[:, :, keys], v[:, :, keys]
+    return (k, v) if n_rep == 1 else (k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1))
 
 
 def add_kv_grad_(acc: torch.Tensor, grad: torch.Tensor, n_rep: int) -> None:
@@ -218,7 +220,7 @@ class PrefixCausalAttention(torch.autograd.Function):
         lse = torch.empty(b, h, s, dtype=acc, device=q.device)
         aux = []
         for rows, keys, causal in blocks:
-            kr, vr = repeat_kv(k[:, :, keys], n_rep), repeat_kv(v[:, :, keys], n_rep)
+            kr, vr = repeat_kv(k, v, keys, n_rep)
             blk_out, blk_lse, a = block_forward(q[:, :, rows], kr, vr, causal, scale)
             del kr, vr
             aux.append(a)
@@ -240,7 +242,7 @@ class PrefixCausalAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=acc_dtype(q.dtype))
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         for (rows, keys, causal), aux in zip(ctx.blocks, ctx.aux):
-            kr, vr = repeat_kv(k[:, :, keys], n_rep), repeat_kv(v[:, :, keys], n_rep)
+            kr, vr = repeat_kv(k, v, keys, n_rep)
             dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr,
                                            out[:, :, rows], lse[:, :, rows], causal, ctx.scale, aux)
             del kr, vr

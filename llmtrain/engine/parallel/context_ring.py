@@ -83,7 +83,7 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             kind = _step_kind(step, src, rank)
             keys = slice(None, half) if kind == "kv_half" else slice(None)
-            kr, vr = (repeat_kv(t[:, :, keys], n_rep) for t in kv)  # GQA: repeated after the exchange
+            kr, vr = repeat_kv(*kv, keys, n_rep)  # GQA: repeated after the exchange
             if kind == "diag":
                 blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, True, scale)
                 out, lse = start_accumulators(blk_out, blk_lse)
@@ -119,7 +119,7 @@ class RingAttention(torch.autograd.Function):
             kind = _step_kind(step, src, rank)
             kb, vb, dk_acc, dv_acc = travel
             keys = slice(None, half) if kind == "kv_half" else slice(None)
-            kr, vr = repeat_kv(kb[:, :, keys], n_rep), repeat_kv(vb[:, :, keys], n_rep)  # GQA (forward's)
+            kr, vr = repeat_kv(kb, vb, keys, n_rep)  # GQA (forward's)
             if kind == "q_half":
                 dqb, dkb, dvb = block_backward(dout[:, :, half:], q[:, :, half:], kr, vr, out[:, :, half:],
                                                lse[:, :, half:], False, scale, aux[kind])
