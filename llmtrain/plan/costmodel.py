@@ -42,6 +42,7 @@ from llmtrain.plan.memory import (
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages, stage_layers
+from llmtrain.plan.assumptions import planner_assumptions
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
 from llmtrain.recipe.schema import Recipe, bf16_compute
@@ -376,26 +377,6 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
                  "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12,
                  "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12},  # differs under cluster.gpu_power_w (recipe/gpus.py)
     }
-
-
-def planner_assumptions(recipe: Recipe) -> list[str]:
-    """The recipe's planner-only settings that differ from the engine's behaviour, as ``key value``
-    (``plan`` prints them beside the time: the engine does not do what they price)."""
-    pl = recipe.planner
-    out = ["planner.assume_dp_overlap true"] if pl.assume_dp_overlap else []
-    if pl.attention_kernel != "engine" and recipe.cluster.time_model == "v2":
-        out.append(f"planner.attention_kernel {pl.attention_kernel}")
-    if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
-        out.append(f"planner.fp8_casts {pl.fp8_casts}")
-    if pl.tp_overlap and not recipe.parallel.async_tp and recipe.parallel.sequence_parallel and recipe.parallel.tp > 1:
-        out.append("planner.tp_overlap true")
-    if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
-        out.append(f"planner.norm {pl.norm}")
-    if pl.loss != "engine":
-        out.append(f"planner.loss {pl.loss}")
-    if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):
-        out.append(f"planner.cp_kv {pl.cp_kv}")
-    return out
 
 
 def replicated_grad_extra(inv) -> int:

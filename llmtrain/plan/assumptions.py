@@ -1,0 +1,28 @@
+"""The recipe's planner-only settings in effect (``planner.*``, recipe/schema_plan.py): what ``plan``
+prints on its "assumes" line, since the bundled engine does not do what they price. A setting is
+listed only where it changes something for this recipe (a time-model-v2 setting under v2, the TP
+overlap with TP and SP, the CP K/V with ring or all-gather CP, ...)."""
+
+from __future__ import annotations
+
+from llmtrain.recipe.schema import Recipe
+
+
+def planner_assumptions(recipe: Recipe) -> list[str]:
+    """The recipe's planner-only settings that differ from the engine's behaviour, as ``key value``
+    (``plan`` prints them beside the time: the engine does not do what they price)."""
+    pl = recipe.planner
+    out = ["planner.assume_dp_overlap true"] if pl.assume_dp_overlap else []
+    if pl.attention_kernel != "engine" and recipe.cluster.time_model == "v2":
+        out.append(f"planner.attention_kernel {pl.attention_kernel}")
+    if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
+        out.append(f"planner.fp8_casts {pl.fp8_casts}")
+    if pl.tp_overlap and not recipe.parallel.async_tp and recipe.parallel.sequence_parallel and recipe.parallel.tp > 1:
+        out.append("planner.tp_overlap true")
+    if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
+        out.append(f"planner.norm {pl.norm}")
+    if pl.loss != "engine":
+        out.append(f"planner.loss {pl.loss}")
+    if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):
+        out.append(f"planner.cp_kv {pl.cp_kv}")
+    return out
