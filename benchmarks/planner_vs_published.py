@@ -93,7 +93,8 @@ def switch_off(terms: list[str]) -> None:
     if "launch" in terms:
         ops.LAUNCH_S = 0.0
     if "fa2" in terms:
-        ops.ATTENTION.update(ops.ATTENTION_FA3)
+        fractions = ops.attention_fractions
+        ops.attention_fractions = lambda kernel, key, n: fractions("fa3" if kernel == "engine" else kernel, key, n)
     if "kernels" in terms:
         shape_of = ops.shape_of
         ops.shape_of = lambda *a, **k: dataclasses.replace(shape_of(*a, **k), attention="engine")

@@ -30,8 +30,8 @@ model). Rules kept here:
   ZeRO-1's parameter gather with compute, which the bundled engine does not
   (llmtrain/recipe/schema_plan.py); FSDP rows do not need it (FSDP's prefetch is the engine's own);
 - ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
-  engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``fa3``
-  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention), ``fa1`` for llm-foundry's 2023
+  engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``cudnn``
+  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention, which it prefers on Hopper), ``fa1`` for llm-foundry's 2023
   tables (its Triton FlashAttention, ``attn_impl: triton``); torchtitan (SDPA) and llm-foundry's 2024
   large-scale table (flash-attn 2.4.2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
 - ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
@@ -268,9 +268,9 @@ def nemo_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
-                          attention="fa3", fp8_casts="fused"),
+                          attention="cudnn", fp8_casts="fused"),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
-                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel fa3) and fused "
+                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
                   "fp8 cast-transpose kernels (planner.fp8_casts fused)" if name == "GPT3-175B" else "as above")))
     return out
 
@@ -296,10 +296,10 @@ def bridge_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
-                          attention="fa3", fp8_casts="fused", tp_overlap=tp > 1),
+                          attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as plain DDP (zero 0), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
-                  "(planner.attention_kernel fa3) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
+                  "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "
                   "TP, which leaves 2 of 12 SP collectives per layer exposed that Megatron's bulk overlap also hides)"
                   if (system, name) == ("DGX-H100", "LLAMA3_8B")

@@ -12,6 +12,7 @@ from math import ceil
 import pytest
 
 from llmtrain.plan import commtime, ops
+from llmtrain.engine.trainer import resolve_dims
 from llmtrain.plan.api import plan_recipe
 from llmtrain.plan.costmodel import estimate
 from llmtrain.recipe.gpus import GPUS
@@ -152,27 +153,63 @@ def test_launches_bound_small_blocks_only():
     assert ops.launch_seconds(big, 32, False, True)[0] < ops.rank_seconds(big, H100, 32, 0, False)[0]
 
 
-def test_attention_kernels():
-    """The engine's SDPA (FA2) runs at 35 % of the H100 peak forward; fa3 at 62 %; fa1 at half of FA2; on A100 fa3 is FA2
-    (no FA3 there); materialized scores (no causal skip) move (4e+1) bytes per score forward."""
-    eng = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100)
-    fa3 = ops.attention_seconds(1, 8192, 8192, 32, 128, 0.5, H100, kernel="fa3")
-    flops = 4.0 * 8192 * 8192 * 32 * 128 * 0.5
-    assert eng[0] == pytest.approx(flops / (989e12 * 0.35), rel=1e-9)
-    assert fa3[0] == pytest.approx(flops / (989e12 * 0.62), rel=1e-9)
+def _fwd_bwd_tflops(kernel: str, gpu, s: int) -> tuple[float, float]:
+    """(forward + backward, forward) TFLOP/s of one causal call over ``s`` tokens, in the
+    benchmarks' convention (forward 4 s^2 d per head, halved causal; backward 2.5x)."""
+    f, b = ops.attention_seconds(1, s, s, 16, 128, 0.5, gpu, kernel=kernel)
+    flops = 4.0 * s * s * 16 * 128 * 0.5
+    return 3.5 * flops / (f + b) / 1e12, flops / f / 1e12
+
+
+def test_attention_rates_are_the_published_curves():
+    """Each kernel prices a causal call at its published rate for that length: flash-attn's FA2 /
+    FA1 forward + backward bars (A100 and H100, head dim 128) and FA3 / cuDNN forward bars; log2
+    interpolation between the measured lengths, the nearest beyond them; the backward/forward
+    split of ops.ATTENTION_SPLIT."""
     a100 = GPUS["a100-80g"]
-    for gpu in (H100, a100):  # fa1 (FlashAttention-1 class): half of FA2's rates, forward and backward
-        fa1 = ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, gpu, kernel="fa1")
-        fa2 = ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, gpu)
-        assert fa1 == pytest.approx((2 * fa2[0], 2 * fa2[1]), rel=1e-12)
-    assert ops.attention_seconds(1, 2048, 2048, 32, 128, 0.5, a100, kernel="fa1")[0] == \
-        pytest.approx(4.0 * 2048 * 2048 * 32 * 128 * 0.5 / (312e12 * 0.325), rel=1e-9)  # FA1 "25-40 %" of A100
+    assert _fwd_bwd_tflops("engine", H100, 8192)[0] == pytest.approx(308, rel=1e-9)
+    assert _fwd_bwd_tflops("engine", H100, 2048)[0] == pytest.approx(265, rel=1e-9)
+    assert _fwd_bwd_tflops("engine", a100, 2048)[0] == pytest.approx(155, rel=1e-9)
+    assert _fwd_bwd_tflops("fa1", H100, 2048)[0] == pytest.approx(108, rel=1e-9)
+    assert _fwd_bwd_tflops("fa1", a100, 4096)[0] == pytest.approx(76, rel=1e-9)
+    assert _fwd_bwd_tflops("fa3", H100, 8192)[1] == pytest.approx(602, rel=1e-9)
+    assert _fwd_bwd_tflops("cudnn", H100, 2048)[1] == pytest.approx(484, rel=1e-9)
+    # log2 interpolation: 2^11.5 tokens sit halfway between the 2k and 4k bars
+    assert _fwd_bwd_tflops("engine", H100, round(2 ** 11.5))[0] == pytest.approx((265 + 294) / 2, rel=1e-3)
+    # beyond the measured lengths the nearest bar: 16k's for 262k, 512's for 128
+    assert _fwd_bwd_tflops("engine", H100, 262144)[0] == pytest.approx(328, rel=1e-9)
+    assert _fwd_bwd_tflops("engine", H100, 128)[0] == pytest.approx(163, rel=1e-9)
+    # the split: FA2's backward at 0.50 / 0.65 of its forward rate
+    f, b = ops.attention_fractions("engine", "h100-sxm", 8192)
+    assert b / f == pytest.approx(0.50 / 0.65, rel=1e-12)
+    # shorter calls are slower per FLOP, for every kernel
+    for kernel in ("engine", "fa1", "fa3", "cudnn"):
+        rates = [_fwd_bwd_tflops(kernel, H100, s)[0] for s in (512, 2048, 8192, 16384)]
+        assert rates == sorted(rates), kernel
+    # no FA3 / cuDNN measurement on A100: those stacks run FA2 there; MI300X keeps fixed fractions
     assert ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="fa3") == \
         ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100)
-    mat_f, mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="materialized")
+    assert ops.attention_fractions("engine", "mi300x", 512) == ops.attention_fractions("engine", "mi300x", 16384)
+    a100_mat_f, a100_mat_b = ops.attention_seconds(1, 2048, 2048, 24, 96, 0.5, a100, kernel="materialized")
     qk = ops.gemm_seconds(24 * 2048, 2048, 96, a100)
-    assert mat_f == pytest.approx(2 * qk + ops.membound_seconds(9 * 24 * 2048 * 2048, a100), rel=1e-9)
-    assert mat_b > mat_f
+    assert a100_mat_f == pytest.approx(2 * qk + ops.membound_seconds(9 * 24 * 2048 * 2048, a100), rel=1e-9)
+    assert a100_mat_b > a100_mat_f
+
+
+def test_context_parallel_prices_attention_at_its_block_length():
+    """Ring and all-gather CP run their kernels over blocks of the rank's tokens (seq / cp keys),
+    Ulysses over the whole sequence: at 8,192 tokens and cp 4, the ring's blocks are priced at the
+    2k bar, Ulysses at the 8k bar."""
+    base = dict(model=dict(preset="llama3-8b"), train=dict(seq_len=8192, micro_batch_size=1, global_batch_size=2),
+                cluster=dict(nodes=1, gpus_per_node=8, gpu="h100-sxm", time_model="v2"))
+    shapes = {}
+    for method in ("ring", "allgather", "ulysses"):
+        recipe = validate_recipe_dict(base | dict(parallel=dict(cp=4, cp_method=method)))
+        shapes[method] = ops.shape_of(recipe, resolve_dims(recipe, 8), H100, 0.5)
+    assert shapes["ring"].kv_len == shapes["allgather"].kv_len == 2048 and shapes["ulysses"].kv_len == 0
+    ring = ops.attention_seconds(1, 2048, 8192, 32, 128, 0.5, H100, kv_len=2048)
+    whole = ops.attention_seconds(1, 2048, 8192, 32, 128, 0.5, H100)
+    assert sum(ring) / sum(whole) == pytest.approx(308 / 265, rel=1e-9)
 
 
 def test_v2_breakdown_has_the_overlap_term_and_v1_none():

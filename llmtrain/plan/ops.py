@@ -12,12 +12,12 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   move (``e (mk + kn + mn)``); the size curve is NVIDIA's tile and wave quantization (Matrix
   Multiplication Background User's Guide): output tiles (:data:`TILES`) over the GPU's SMs,
   efficiency ``useful tile area / (waves x SMs x tile area)``. No constant is fitted to a published run.
-- **Attention** from the flash kernel's FLOPs at its published efficiency (:data:`ATTENTION`:
-  FlashAttention-2 on A100, Dao 2023; FlashAttention-3 / cuDNN class on Hopper and later, Shah
-  et al. 2024), forward ``4 s_q s_kv d`` per head, backward 2.5x the forward (the kernels
-  recompute the scores: the papers' own FLOP convention for the backward rate), halved when the
-  part the kernels execute (``flops.attention_executed``: 1/2 for causal SDPA, Ulysses and the
-  zigzag ring and all-gather).
+- **Attention** from the flash kernel's FLOPs at its published rate for the length of one call
+  (:data:`ATTENTION_MEASURED`: the kernels' own benchmark figures, FA2 / FA1 on A100 and H100,
+  FA3 and cuDNN on H100, 512 to 16k tokens), forward ``4 s_q s_kv d`` per head, backward 2.5x the
+  forward (the kernels recompute the scores: the papers' own FLOP convention for the backward
+  rate), halved when the part the kernels execute (``flops.attention_executed``: 1/2 for causal
+  SDPA, Ulysses and the zigzag ring and all-gather).
 - **Memory-bound ops** (RMSNorm: fused, or ``planner.norm: unfused`` by :func:`norm_bytes`, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
   gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
   datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import ceil
+from math import ceil, log2
 
 from llmtrain.recipe.gpus import GPUSpec
 
@@ -57,27 +57,45 @@ SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h20
 # tile) for small outputs. The reuse penalty of the smaller tiles is an assumption (no per-tile
 # measurement was found): 128x128 at 0.9 and 64x128 at 0.75 of the large tile's rate.
 TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
-# Flash attention (forward, backward) fraction of the bf16 peak for head dim 128 and long sequences.
-# ``ATTENTION``: what the engine runs, SDPA's FLASH_ATTENTION backend = FlashAttention-2 (torch 2.13:
-# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False).
-# FA2 on A100: forward 50-73 % (Dao 2023, arXiv:2307.08691; backward lower); FA2 on H100: "only 35 %
-# utilization" (Shah et al. 2024, arXiv:2407.08608, abstract), backward at FA2-on-A100's
-# backward/forward ratio (0.50 / 0.65); Blackwell assumed at Hopper's, MI300X below FA2-on-A100.
-ATTENTION = {"a100-80g": (0.65, 0.50), "a100-40g": (0.65, 0.50), "h100-sxm": (0.35, 0.27),
-             "h100-pcie": (0.35, 0.27), "h200": (0.35, 0.27), "b200": (0.35, 0.27), "gb200": (0.35, 0.27),
-             "mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
-# ``planner.attention_kernel: fa3`` (a stack with FA3 / cuDNN fused attention, e.g. Megatron-Core with
-# Transformer Engine): forward up to 75 % on H100 (FA3 abstract), backward ~ 1.5-1.75x FA2's: (0.62,
-# 0.48) on Hopper and Blackwell (assumed), FA2's elsewhere.
-ATTENTION_FA3 = {"h100-sxm": (0.62, 0.48), "h100-pcie": (0.62, 0.48), "h200": (0.62, 0.48), "b200": (0.62, 0.48),
-                 "gb200": (0.62, 0.48)}
-# ``planner.attention_kernel: fa1`` (FlashAttention-1 class: flash-attn 1.x's CUDA kernels, or the Triton
-# FlashAttention of flash-attn's flash_attn_triton.py, which llm-foundry 0.3 ran as ``attn_impl: triton`` and
-# whose docstring calls its forward + backward "slightly slower" than FA1's CUDA): half of FA2's rates. FA2
-# paper (Dao 2023, arXiv:2307.08691), abstract: FA2 gives "around 2x speedup compared to FlashAttention",
-# which reaches "only 25-40 %" of the A100 peak (half of FA2's (0.65, 0.50) is (0.325, 0.25)). The ratio
-# is assumed on Hopper too (there both run Ampere-style mma instructions: FA2's 35 % on H100).
-ATTENTION_FA1 = {key: (f / 2, b / 2) for key, (f, b) in ATTENTION.items()}
+# Flash attention (forward, backward) fraction of the bf16 peak, head dim 128, causal, by the key length
+# of one kernel call: the kernels' own published benchmarks (bf16/fp16, batch x length = 16k tokens,
+# 2048 hidden; the papers' FLOP convention: forward 4 s^2 d per head, halved causal, backward 2.5x).
+# ``ATTENTION_MEASURED[(kernel, family)] = (what, TFLOP/s at ATTENTION_LENGTHS, peak of that GPU)``:
+# - FlashAttention-2 and FlashAttention(-1) forward + backward, causal, head dim 128: flash-attn's
+#   assets/flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4, panel d) and
+#   assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5, panel d) (Dao 2023, arXiv:2307.08691);
+# - FlashAttention-3 and cuDNN forward, causal, head dim 128: assets/flash3_fp16_fwd.png panel (d)
+#   (H100 SXM5; Shah et al. 2024, arXiv:2407.08608: the cuDNN of mid-2024; later releases may be faster).
+# ``fa2`` is the engine's kernel, SDPA's FLASH_ATTENTION backend (torch 2.13:
+# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False);
+# ``fa1`` (``planner.attention_kernel: fa1``) is flash-attn 1.x's CUDA kernel; llm-foundry 0.3's Triton
+# FlashAttention (``attn_impl: triton``) measures within 1-3 % of it at 2k-8k on A100 (the same figure's
+# "FlashAttention Triton" bars: 68, 74, 78 against 69, 76, 80) and has no H100 bar; ``fa3``
+# (``planner.attention_kernel: fa3``) FlashAttention-3; ``cudnn`` cuDNN's fused flash attention, what
+# Transformer Engine runs on Hopper and later when both it and flash-attn apply ("Transformer Engine
+# prefers cuDNN flash attention on Hopper+ architectures, and Tri Dao flash attention on Ampere":
+# NVIDIA/NeMo docs/source/performance/memory_optimizations.rst, NeMo PR 9188).
+# Between the measured lengths the rate is interpolated in log2(length); outside, the nearest is kept.
+ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_MEASURED = {
+    ("fa2", "a100"): ("fwd+bwd", (99, 133, 155, 173, 182, 189), 312),
+    ("fa1", "a100"): ("fwd+bwd", (55, 62, 69, 76, 80, 83), 312),
+    ("fa2", "h100"): ("fwd+bwd", (163, 221, 265, 294, 308, 328), 989),
+    ("fa1", "h100"): ("fwd+bwd", (98, 109, 108, 126, 135, 137), 989),
+    ("fa3", "h100"): ("fwd", (292, 423, 521, 579, 602, 616), 989),
+    ("cudnn", "h100"): ("fwd", (315, 410, 484, 518, 529, 539), 989),
+}
+# Which measurement prices a GPU: Hopper's for H100 PCIe, H200 and (assumed) Blackwell; none for MI300X
+# and CPU, which keep the fixed fractions of ``ATTENTION``; fa3 off Hopper / Blackwell is FA2.
+ATTENTION_FAMILY = {"a100-80g": "a100", "a100-40g": "a100", "h100-sxm": "h100", "h100-pcie": "h100",
+                    "h200": "h100", "b200": "h100", "gb200": "h100"}
+# Backward rate / forward rate, to split a measured forward + backward rate (and to derive FA3's
+# backward from its forward): FA2 on A100 "50-73 %" forward, backward lower (0.50 / 0.65, as before
+# the curves); FA3's backward "1.5-1.75x" FA2's (0.48 / 0.62). FA1 taken at FA2's split, cuDNN at
+# FA3's (assumed: no backward bars were published beside the forward ones used here).
+ATTENTION_SPLIT = {"fa2": 0.50 / 0.65, "fa1": 0.50 / 0.65, "fa3": 0.48 / 0.62, "cudnn": 0.48 / 0.62}
+# Fixed (forward, backward) fractions where no curve was measured (MI300X assumed below FA2-on-A100).
+ATTENTION = {"mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
 # ``planner.attention_kernel: materialized`` (Megatron-LM 2021, before FlashAttention): the scores
 # ``b x heads x s x s`` go through HBM; HBM bytes per score element forward (fused scale-mask-softmax:
 # read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
@@ -137,11 +155,33 @@ def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
     return nbytes / ((gpu.hbm_bytes_per_s or 2e12) * HBM_EFFICIENCY)
 
 
+@lru_cache(maxsize=1024)
+def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float, float]:
+    """(forward, backward) fraction of the bf16 peak of flash ``kernel`` (``engine`` = ``fa2``) on
+    a GPU of ``rates_key`` for kernel calls over ``kv_len`` keys (:data:`ATTENTION_MEASURED`)."""
+    kernel = "fa2" if kernel == "engine" else kernel
+    family = ATTENTION_FAMILY.get(rates_key)
+    if family is None:
+        f, b = ATTENTION.get(rates_key, (0.5, 0.4))
+        return (f / 2, b / 2) if kernel == "fa1" else (f, b)
+    if (kernel, family) not in ATTENTION_MEASURED:
+        kernel = "fa2"  # fa3 / cudnn where they were not measured (A100): the stack's FA2
+    what, tflops, peak = ATTENTION_MEASURED[(kernel, family)]
+    x = log2(min(max(kv_len, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]))
+    i = min(int(x) - 9, len(ATTENTION_LENGTHS) - 2)  # ATTENTION_LENGTHS[i] = 2^(9 + i)
+    rate = (tflops[i] + (tflops[i + 1] - tflops[i]) * (x - 9 - i)) / peak
+    r = ATTENTION_SPLIT[kernel]
+    fwd = rate if what == "fwd" else rate * (1 + 2.5 / r) / 3.5  # 3.5 / rate = 1 / fwd + 2.5 / (r fwd)
+    return fwd, r * fwd
+
+
 def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed: float,
-                      gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2) -> tuple[float, float]:
+                      gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2,
+                      kv_len: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
     SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
-    (SDPA's FA2), ``fa3``, ``fa1`` (half of FA2's rates), or ``materialized`` (two batched GEMMs
+    (SDPA's FA2), ``fa3``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
+    (default ``s_kv``; :func:`attention_fractions`), or ``materialized`` (two batched GEMMs
     forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
     :data:`MATERIALIZED_BYTES`)."""
     if kernel == "materialized":
@@ -150,9 +190,7 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed
         fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
         return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
     fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * executed
-    table = ATTENTION_FA3 if kernel == "fa3" and gpu.rates_key in ATTENTION_FA3 else \
-        ATTENTION_FA1 if kernel == "fa1" else ATTENTION
-    f, bw = table.get(gpu.rates_key, (0.5, 0.4))
+    f, bw = attention_fractions(kernel, gpu.rates_key, kv_len or s_kv)
     peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.rates_key, 108)) if sms else 1.0)
     return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
 
@@ -184,6 +222,7 @@ class BlockShape:
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
     attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
     norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
+    kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -255,7 +294,8 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
         f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
         fwd, bwd = fwd + count * f, bwd + count * b_
         again += count * f if recomputed else 0.0
-    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.attn_executed, gpu, sms, x.attention, x.e)
+    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.attn_executed, gpu, sms, x.attention, x.e,
+                               x.kv_len)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":
@@ -300,7 +340,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       attn_executed=attn_executed, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
                       recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel,
-                      norm_unfused=recipe.planner.norm == "unfused" and not t.compile)
+                      norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
+                      kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

@@ -26,12 +26,13 @@ class PlannerConfig(Strict):
                            "engine's buckets), and ZeRO-1's parameter broadcast hidden behind the next forward (the "
                            "engine runs it after the optimizer step). For planning a published run; plan marks each "
                            "collective priced this way.")
-    attention_kernel: Literal["engine", "fa3", "fa1", "materialized"] = Field(
+    attention_kernel: Literal["engine", "fa3", "cudnn", "fa1", "materialized"] = Field(
         "engine", description="Planner only (time model v2); the bundled engine always runs SDPA. The attention kernel "
-                              "to price: engine (SDPA's FlashAttention-2 backend, what the engine runs), fa3 (a stack "
-                              "with FlashAttention-3 / cuDNN fused attention, e.g. Megatron-Core with Transformer "
-                              "Engine on Hopper), fa1 (FlashAttention-1 or flash-attn's Triton FlashAttention, e.g. "
-                              "llm-foundry 0.3's attn_impl triton: half of FA2's rates), materialized (scores in HBM "
+                              "to price, each at its published rate by sequence length: engine (SDPA's FlashAttention-2 "
+                              "backend, what the engine runs), fa3 (FlashAttention-3), cudnn (cuDNN's fused flash "
+                              "attention, what Transformer Engine runs on Hopper, e.g. Megatron-Core / NeMo), fa1 "
+                              "(FlashAttention-1 or flash-attn's Triton FlashAttention, e.g. llm-foundry 0.3's "
+                              "attn_impl triton), materialized (scores in HBM "
                               "with a fused softmax and dropout, as Megatron-LM before FlashAttention). "
                               "docs/planner.md section 9.")
     loss: Literal["engine", "unchunked"] = Field(
