@@ -10,7 +10,7 @@ the implementation it replaced, kept only inside the worker for this "before" nu
 ``[s_local, s_local]`` score blocks with explicit masks). Memory per rank is the resident set:
 the high-water mark during the call minus the RSS before it (inputs allocated), minus the results
 that must exist afterwards (output, dq, dk, dv); the worker explains why RSS is exact here
-(``MALLOC_MMAP_THRESHOLD_``). "planner" is ``plan/activations.cp_transient_bytes`` for the same
+(``MALLOC_MMAP_THRESHOLD_``). "planner" is ``plan/cp_transient.cp_transient_bytes`` for the same
 shape: the planner's working memory of one ring call. Acceptance (issue 16): >= 4x less.
 """
 
@@ -80,12 +80,15 @@ def main() -> None:
              f"{shape['dim']}, fp32, one forward + backward; \"extra\" = peak RSS − RSS before − (output, dq, dk, dv). "
              f"The old ring held fp32 [s_local, s_local] scores, masked scores, probabilities and their gradients "
              f"per step ({4 * shape['heads'] * (shape['seq'] // CP) ** 2 / MIB:.0f} MiB each here); the kernel blocks hold "
-             f"only O(s_local d) buffers: {ratio:.0f}x less. \"planner MiB\" is plan/activations.cp_transient_bytes, "
-             f"(5 acc + 4 e) x one q-sized tensor: the dq and dK/dV accumulators, the K/V/dK/dV received and contiguous "
-             f"copies of k, v; compare it with \"peak − before\", which also holds the output (one q-sized tensor, an "
+             f"only O(s_local d) buffers: {ratio:.0f}x less. \"planner MiB\" is plan/cp_transient.ring_transient_bytes "
+             f"(the ring overlaps each hop with a block since the thirteenth session, so K/V and dK/dV in flight "
+             f"coexist with a block's gradients): at cp 2 the larger of step 0's block (dq accumulator, fresh dK/dV "
+             f"accumulators, the contiguous copies of k, v sent and the K/V received, the block's dq, dK, dV: "
+             f"(3 acc + 7 e) x one q-sized tensor) and the last step's half block (accumulators sent and received: "
+             f"(5 acc + 4.5 e)); compare it with \"peak − before\", which also holds the output (one q-sized tensor, an "
              f"activation to the planner) and, at {shape['heads']} head(s), no k/v copies (the model's transposed "
-             f"layout is already contiguous there; two q-sized tensors less). Times are of a shared 2-core machine "
-             f"(see the load average) and only indicative.")
+             f"layout is already contiguous there; two q-sized tensors less, so the last step's half block is the "
+             f"peak). Times are of a shared 2-core machine (see the load average) and only indicative.")
     common.publish(args, "cp_memory", "Ring context parallelism: attention working memory, kernel blocks vs fp32 score blocks",
                    {"shape": shape, "cp": CP, "dtype": dtype, "rows": rows, "per_rank": per_rank, "ratio": ratio},
                    table, notes)

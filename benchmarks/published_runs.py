@@ -36,7 +36,8 @@ model). Rules kept here:
   large-scale table (flash-attn 2.4.2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
 - ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
   casts into cast-transpose kernels and the norms before the GEMMs, where the engine runs torchao's;
-- ``planner.loss: unchunked`` for torchtitan (``F.cross_entropy`` over the whole fp32 logits; the
+- ``planner.loss: unchunked`` for torchtitan 2024 (``F.cross_entropy`` over the whole fp32 logits; ``compiled`` for
+  the 2025 Trainy rows, whose torchtitan compiles that loss under ``training.compile``; the
   engine chunks): memory only, what ``--memory`` compares with torchtitan's readings.
 """
 
@@ -327,9 +328,10 @@ def trainy_rows() -> list[dict]:
             published=tps, published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3, fp8_all_gather=True),
                           dict(seq_len=8192, micro_batch_size=2, global_batch_size=16 * nodes, activation_checkpointing=TITAN_AC,
-                               precision="fp8", compile=True), 8 * nodes, "h200", loss="unchunked"),
+                               precision="fp8", compile=True), 8 * nodes, "h200", loss="compiled"),
             note=("torchtitan e7c0cae on WhiteFiber H200s: compile + Float8 with fp8 all-gather, the 8B config's selective "
-                  "op AC (selective_mm), seq 8,192; torch.compile's speed-up is not modelled; unchunked loss"
+                  "op AC (selective_mm), seq 8,192; torch.compile's speed-up is not modelled; its loss compiled too "
+                  "(torchtitan since 2025-04, components/loss.py: planner.loss compiled)"
                   if nodes == 4 else "as above")))
     return out
 

@@ -64,6 +64,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmtrain.plan.cp_transient import cp_transient_bytes, ring_transient_bytes  # noqa: F401 (re-exported)
+
 LSE = 4  # fp32 log-sum-exp / rstd bytes
 LOSS_CHUNK_BYTES = 128 << 20  # fp32 logits of one loss chunk, per rank
 LOSS_CHUNK_ALIGN = 128  # tokens: chunk sizes are multiples of this (matmul tiles), and at least this
@@ -115,6 +117,7 @@ class ActShape:
     hd: int = 0  # head_dim when given explicitly (Qwen3); 0 = h / heads
     lora: tuple | None = None  # (rank, target names, dropout > 0) of train.lora; None: full training
     chunked_loss: bool = True  # the engine's chunked cross-entropy; False: F.cross_entropy over full logits
+    compiled_loss: bool = False  # with chunked_loss False: that loss under torch.compile (no fp32 [b, s, V] tensors)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -193,54 +196,6 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     # for both zigzag chunks: K/V saved once, the copies reordered into global order; the gathered
     # rank-order buffers are freed), kernel blocks (each repeats its keys for GQA), no mask tensor
     return {"qkv_attn_out": 2 * e * q + 2 * e * kv * x.cp, "attn_lse": lse}
-
-
-def cp_transient_bytes(x: ActShape) -> int:
-    """Working memory of one context-parallel attention call. Ring (``engine/parallel/context_ring.py``,
-    fused kernel blocks, nothing ``[s_local, s_local]``): its peak is in backward's first hop, with
-    ``Q`` = one local q-sized tensor and acc = fp32 at least: the dq and dK/dV accumulators (3 acc
-    Q), the K/V/dK/dV received (2 e Q + 2 acc Q) and the contiguous copies of the model's transposed
-    k, v sent (2 e Q): ``(5 acc + 4 e) Q``; the forward's (running output, K/V in flight, one block)
-    is smaller. Counted live tensor by tensor on CPU (fp32 and bf16, cp 2 and 4: exact), and
-    benchmarks/cp_memory.py measures it (without GQA). GQA: K/V, dK/dV travel with kv_heads
-    (``K = Q kv_heads / heads`` each), so the hop holds ``acc Q + (4 acc + 4 e) K``; each block
-    repeats its K/V to the query heads for the kernel (``2 e Q``, a half block's ``e Q``), which can
-    put the peak in a block's backward instead: the diagonal block (the dq, dK/dV accumulators,
-    the repeated K/V and its three gradients, ``acc Q + 2 acc K + 5 e Q``) or rank 0's later
-    ``q_half`` blocks (received K/V besides: ``acc Q + 2 (acc + e) K + 4.5 e Q``); the largest
-    counts (derived tensor by tensor from the code, not measured; the kernel's own buffers are
-    not counted, as above). Without GQA this is ``(5 acc + 4 e) Q`` as before.
-
-    All-gather (``engine/parallel/context.py``; zigzag: two query chunks of ``c`` = half the local
-    tokens): its peak is in ``PrefixCausalAttention``'s backward on rank 0, beyond the saved
-    full-sequence K/V: the dq accumulator (acc Q), the full-sequence dK and dV (``2 cp e Q``) and
-    the largest block's gradients — the second chunk's prefix of ``(2 cp - 1) c`` keys:
-    ``(2 cp - 1) e Q`` for its dK/dV and ``e Q / 2`` for its dq: ``(acc + (4 cp - 1/2) e) Q``. The
-    forward's reorder (one extra full-sequence V, ``cp e Q``) and backward's (dK in rank order
-    while dV waits, after the saved K/V are freed) stay below it. Measured on CPU (RSS, 16K
-    tokens, 1 head of 64, fp32): cp 2 9.2 Q, cp 4 17.8 Q against 8.5 Q and 16.5 Q here (the rest:
-    the CPU kernel's own buffers; in bf16 its fp32 accumulators add 4-8 bf16 Q more, not
-    counted). (The contiguous shards before: ``(acc + (4 cp - 1) e) Q``, priced ``2 e Q`` then.)
-    GQA: the saved full-sequence K/V and the dK/dV accumulators have kv_heads (``2 cp e K``,
-    ``K = Q kv_heads / heads``), and the largest block also holds its keys repeated to the query
-    heads for the kernel (``(2 cp - 1) e Q``, K and V): ``(acc + 2 cp e K / Q + (4 cp - 3/2) e) Q``
-    (derived from the code as the ring's GQA terms, not measured); without GQA the formula above."""
-    if x.cp <= 1:
-        return 0
-    acc = max(x.e, LSE)
-    one = x.b * x.s * x.heads * x.head_dim // x.tp  # elements of one local q-sized tensor
-    if x.cp_method == "ring":
-        kv = one * x.kv_heads // x.heads  # one local k-sized tensor (kv_heads)
-        rep = 2 * x.e * one if x.kv_heads < x.heads else 0  # one block's K/V repeated to the query heads
-        hop = acc * one + (4 * acc + 4 * x.e) * kv
-        diag = acc * one + 2 * acc * kv + rep + 3 * x.e * one
-        q_half = acc * one + 2 * (acc + x.e) * kv + rep + 5 * x.e * one // 2
-        return max(hop, diag, q_half)
-    if x.cp_method == "allgather":
-        kv = one * x.kv_heads // x.heads
-        rep = (2 * x.cp - 1) * x.e * one if x.kv_heads < x.heads else 0  # the largest block's K/V repeated
-        return acc * one + 2 * x.cp * x.e * kv + rep + (4 * x.cp - 1) * x.e * one // 2
-    return 2 * x.e * one  # ulysses: the all-to-all buffers
 
 
 def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
@@ -380,7 +335,10 @@ def last_stage_terms(x: ActShape) -> dict[str, int]:
     holds its vocabulary shard's partial sum) and, when the head trains (not LoRA), the fp32
     ``dL/dW`` of the local ``[vocab/tp, hidden]`` weight. Unchunked: the output layer's (gathered)
     input, the loss's fp32 ``[b, s, vocab/tp]`` tensor (log-probabilities; under ``loss_parallel``
-    its fp32 input logits) and the int64 labels."""
+    its fp32 input logits) and the int64 labels; compiled (``planner.loss: compiled``, the same
+    ``F.cross_entropy(logits.float(), ...)`` under ``torch.compile``): Inductor fuses the upcast,
+    log-softmax and gather into reductions over the bf16 logits, so it saves the fp32 log-sum-exp
+    per token instead of the fp32 log-probabilities."""
     out = _norm(x)
     if x.lora is not None:  # frozen final norm weight: no normalized input for its gradient
         out.pop("norm_normalized", None)
@@ -391,7 +349,10 @@ def last_stage_terms(x: ActShape) -> dict[str, int]:
         return out
     if x.lora is None:  # a frozen output layer does not save its input
         out["output_input"] = x.b * x.s * x.h * x.e
-    out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
+    if x.compiled_loss:  # Inductor's fused cross-entropy saves the per-token log-sum-exp, not log-probs
+        out["loss_lse"] = 4 * x.b * x.s
+    else:
+        out["log_probs"] = 4 * x.b * x.s * x.vocab // x.tp
     out["labels"] = 8 * x.b * x.s
     return out
 
@@ -407,11 +368,11 @@ def logits_bytes(x: ActShape) -> int:
 
 def loss_backward_bytes(x: ActShape) -> int:
     """Transient memory of the loss. Unchunked: the fp32 gradients of the log-softmax and of the
-    upcast logits during loss backward. Chunked: one chunk's fp32 logits (turned into their
+    upcast logits during loss backward (compiled: the logits' gradient, written once in their dtype). Chunked: one chunk's fp32 logits (turned into their
     gradient in place), in bf16 also the matmul's output and the gradient's cast, and the bf16
     weight-gradient product of a chunk before its fp32 accumulation."""
     v = x.vocab // x.tp
-    if not x.chunked_loss:
-        return 2 * 4 * x.b * x.s * v
+    if not x.chunked_loss:  # compiled: one fused kernel writes the logits' gradient in their dtype
+        return x.b * x.s * v * x.e if x.compiled_loss else 2 * 4 * x.b * x.s * v
     low = x.e != 4
     return x.loss_chunk * v * (4 + 2 * x.e * low) + (v * x.h * x.e if low and x.lora is None else 0)

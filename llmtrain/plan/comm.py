@@ -58,7 +58,8 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   ``2 v - 1`` (the chunk at the pipeline's end sends no activation, the one at its start no
   gradient: 1F1B, ``m`` activations from rank 0 and ``m`` gradients from rank 1).
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
-  gradients backward, and one last pass of dK/dV back to their owner; Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
+  gradients backward, and one last pass of dK/dV back to their owner (the gradients in the
+  accumulation dtype, fp32 at least: twice K/V's bytes in bf16); Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
   gathered forward, their gradients reduce-scattered backward. Ring and all-gather move K/V (and
   dK/dV) with the rank's ``kv_heads / tp`` heads: the engine repeats them to the query heads only
   after the exchange (``engine/parallel/context.py``), as Megatron-Core and Llama 3 do;
@@ -78,6 +79,7 @@ from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
 from llmtrain.plan.asynctp import async_tp_fused_counts
+from llmtrain.plan.ringtime import ring_grad_units, ring_units
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
     POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
 
@@ -165,6 +167,7 @@ class Comm:
     per_item_s: float = field(default=0.0, repr=False)
     bucket_bytes: float = 0.0  # phase "step-overlap": the bucket size (the last one is exposed)
     ready: tuple = ()  # phase "step-overlap": per chunk (lead, hooked), plan/schedule.py gradient_ready
+    exposed_share: float = 1.0  # phase "cp-ring": share on the critical path (plan/ringtime.py)
 
     def to_dict(self) -> dict:
         return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
@@ -393,8 +396,10 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         fwd = 1 + (1 if c.recompute != "none" else 0)
         if c.cp_method == "ring":
             # cp - 1 ring passes per forward (and recomputed forward), K, V and dK/dV per backward
-            # pass, plus the final pass that brings the accumulated dK/dV home
-            out.append(make("cp", "p2p", 2, kv, m * c.layers * ((d.cp - 1) * (fwd + 2) + 1), g, "cp-ring",
+            # pass, plus the final pass that brings the accumulated dK/dV home; dK/dV travel in the
+            # accumulation dtype (fp32 at least: ``grad`` K/V-sized messages each)
+            grad = ring_grad_units(c.e)
+            out.append(make("cp", "p2p", 2, kv, m * c.layers * ring_units(d.cp, fwd, grad), g, "cp-ring",
                             "K/V blocks around the ring (backward: K, V and their gradients, then dK/dV home)"))
         elif c.cp_method == "ulysses":
             one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or k, v, out) each rank re-shards

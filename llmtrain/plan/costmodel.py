@@ -40,6 +40,7 @@ from llmtrain.plan.memory import (
     optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.cluster.placement import Placement
+from llmtrain.plan.ringtime import apply_ring_overlap, ring_attention_seconds, ring_grad_units
 from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages, stage_layers
 from llmtrain.plan.assumptions import planner_assumptions
@@ -103,7 +104,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) ->
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
-        chunked_loss=recipe.planner.loss == "engine")
+        chunked_loss=recipe.planner.loss == "engine", compiled_loss=recipe.planner.loss == "compiled")
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
@@ -273,6 +274,11 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
+        if dims.cp > 1 and p.cp_method == "ring":  # the engine's ring overlaps each hop with a block (ringtime.py)
+            a_f, a_b = ring_attention_seconds(shape, gpu, gpu.peak_flops_bf16 * efficiency(gpu), tokens_mb, seq,
+                                              max(1, m.heads // dims.tp), m.head_dim, executed)
+            apply_ring_overlap(comms, dims.cp, 1 + (recompute != "none"), ring_grad_units(compute_bytes(t.precision)),
+                               a_f, a_b)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped
         works.append(RankWork(fwd * tokens_mb, bwd * tokens_mb, comms,

@@ -4,7 +4,7 @@ Model (per pipeline rank ``r``, per micro batch):
 
     t_mb(r) = hardware FLOPs(r) / (peak x COMPUTE_EFFICIENCY[gpu])    forward + backward (+ recompute)
             + TP collectives                                          not overlapped (the engine has no async TP)
-            + CP collectives                                          not overlapped (the ring waits for each hop)
+            + CP collectives                                          not overlapped (ring: hops beyond each block, ringtime.py)
             + EP all-to-alls                                          not overlapped (dispatch -> experts -> combine)
 
     step = m x max_r t_mb(r) x (1 + bubble)                           bubble: llmtrain.plan.bubble
@@ -201,8 +201,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
         for c in w.comms:  # the share of each collective on the critical path
             if c.phase == "tp-overlap":
                 c.exposed_s = fused_factor * c.seconds
-            elif c.dim in ("tp", "cp"):
-                c.exposed_s = c.seconds
+            elif c.dim in ("tp", "cp"):  # the ring's hops behind its blocks: exposed_share (plan/ringtime.py)
+                c.exposed_s = c.exposed_share * c.seconds
             elif c.dim == "ep":
                 c.exposed_s = EP_EXPOSED * c.seconds
             elif c.phase == "step-overlap" and not dp_overlap:  # the engine's buckets, chunk by chunk

@@ -25,11 +25,19 @@ model: ``context.make_cp_attention``); each step repeats the block it uses to th
 times fewer bytes (Megatron-Core, Llama 3).
 
 Backward walks the same steps: each block's kernel backward gets the saved *merged* output and
-lse (the flash trick, ``context_blocks``), K/V travel again together with the accumulating dK/dV
-(acc dtype: fp32 at least, kv_heads: the block's repeated heads' gradients are summed into them),
-which after the last step take one more hop home to their owner.
+lse (the flash trick, ``context_blocks``), K/V travel again, and the accumulating dK/dV (acc
+dtype: fp32 at least, kv_heads: the block's repeated heads' gradients are summed into them) follow
+one step behind them on the same ring, and after the last step take one more hop home to their
+owner.
 
-Memory: forward keeps the running output and lse (acc dtype, ``O(s_local d)``), the K/V in flight,
+Overlap (as Transformer Engine's ring does): each step starts the next block's K/V transfer
+(:func:`start_rotate`) before its kernels and waits for it after them, so a hop costs only what it
+takes beyond the block's compute. In the backward a block's dK/dV accumulator is sent on as soon
+as this rank has added its share, and the next rank waits for it only after its own kernels for
+that block have run. Every rank posts the same sequence of (send to the next rank, receive from
+the previous) pairs, K/V then dK/dV per step, so the P2P messages match in order on NCCL and gloo.
+
+Memory: forward keeps the running output and lse (acc dtype, ``O(s_local d)``), the K/V in use and in flight,
 the block's repeated K/V and one block's output; backward the dq accumulator, the travelling
 K/V/dK/dV, the block's repeated K/V and its gradients. Saved for backward: q, k and v (kv_heads),
 the output (in the input dtype, returned to the model as well) and the fp32 lse — plain SDPA's,
@@ -47,17 +55,29 @@ from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, bl
                                                      default_scale, merge_, repeat_kv, start_accumulators)
 
 
-def rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> list[torch.Tensor]:
-    """Send each tensor to the next cp rank and receive the previous rank's (one batched P2P)."""
+def start_rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> tuple[list[torch.Tensor], list, list]:
+    """Start sending each tensor to the next cp rank and receiving the previous rank's (one batched
+    P2P); :func:`finish_rotate` waits. The caller may compute with the sent tensors meanwhile (they
+    are only read); the contiguous copies being sent are kept alive with the requests."""
     nxt = dist.get_global_rank(group, (rank + 1) % cp)
     prv = dist.get_global_rank(group, (rank - 1) % cp)
     tensors = [t.contiguous() for t in tensors]
     received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     ops = [dist.P2POp(dist.isend, t, nxt, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, prv, group) for r in received]
-    for req in dist.batch_isend_irecv(ops):
+    return received, dist.batch_isend_irecv(ops), tensors
+
+
+def finish_rotate(pending: tuple[list[torch.Tensor], list, list]) -> list[torch.Tensor]:
+    received, reqs, _sent = pending
+    for req in reqs:
         req.wait()
     return received
+
+
+def rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> list[torch.Tensor]:
+    """Send each tensor to the next cp rank and receive the previous rank's, and wait."""
+    return finish_rotate(start_rotate(tensors, group, rank, cp))
 
 
 def _step_kind(step: int, src: int, rank: int) -> str:
@@ -82,6 +102,8 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp):
             src = (rank - step) % cp
             kind = _step_kind(step, src, rank)
+            # the next block's K/V travel while this one is computed (read only: safe to send)
+            pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(*kv, keys, n_rep)  # GQA: repeated after the exchange
             if kind == "diag":
@@ -94,8 +116,8 @@ class RingAttention(torch.autograd.Function):
                 blk_out, blk_lse, aux[kind] = block_forward(q[:, :, half:], kr, vr, False, scale)
                 merge_(out[:, :, half:], lse[:, :, half:], blk_out, blk_lse)
             del blk_out, blk_lse, kr, vr
-            if step < cp - 1:
-                kv = rotate(kv, group, rank, cp)
+            if pending is not None:
+                kv, pending = finish_rotate(pending), None
         del kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -110,14 +132,18 @@ class RingAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         acc = acc_dtype(q.dtype)
         dout = dout.to(q.dtype)
-        # contiguous accumulators: rotate() sends them without a copy (zeros_like would keep the
-        # model's transposed layout and make every hop copy them first)
+        # contiguous accumulators: start_rotate() sends them without a copy (zeros_like would keep
+        # the model's transposed layout and make every hop copy them first)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        travel = [k, v, torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+        kv = [k, v]
+        grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+        grads_pending = None
         for step in range(cp):
             src = (rank - step) % cp
             kind = _step_kind(step, src, rank)
-            kb, vb, dk_acc, dv_acc = travel
+            kb, vb = kv
+            # K/V of the next block travel while this block's backward runs
+            kv_pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(kb, vb, keys, n_rep)  # GQA (forward's)
             if kind == "q_half":
@@ -128,15 +154,21 @@ class RingAttention(torch.autograd.Function):
                 dqb, dkb, dvb = block_backward(dout, q, kr, vr, out, lse, kind == "diag", scale, aux[kind])
                 dq.add_(dqb)
             del kr, vr, dqb
+            # this block's dK/dV accumulators (sent by the previous rank after its own block's
+            # backward, one step behind the K/V) arrive while the block's kernels ran
+            if grads_pending is not None:
+                grads, grads_pending = finish_rotate(grads_pending), None  # frees what was sent
+            dk_acc, dv_acc = grads
             # the repeated heads' gradients summed per KV head: dK/dV travel with kv_heads only
             add_kv_grad_(dk_acc[:, :, keys], dkb, n_rep)
             add_kv_grad_(dv_acc[:, :, keys], dvb, n_rep)
             del dkb, dvb
-            if step < cp - 1:
-                travel = rotate([kb, vb, dk_acc, dv_acc], group, rank, cp)
-            else:  # the accumulators belong to rank + 1 (whose K/V we hold): one last hop home
-                travel = rotate([dk_acc, dv_acc], group, rank, cp)
-        dk, dv = travel
+            # on to the next rank, which holds this block next step; after the last step that is
+            # the block's owner (rank + 1): the hop home
+            grads_pending = start_rotate(grads, group, rank, cp)
+            if kv_pending is not None:
+                kv, kv_pending = finish_rotate(kv_pending), None  # frees the copies sent
+        dk, dv = finish_rotate(grads_pending)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 

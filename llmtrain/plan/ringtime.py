@@ -1,0 +1,69 @@
+"""Exposed time of ring context parallelism's P2P hops (``parallel.cp_method: ring``).
+
+The engine's ring (``engine/parallel/context_ring.py``) starts each step's transfer before the
+step's attention kernels and waits for it after them, as Transformer Engine's ring does, so a hop
+costs only what it takes beyond the block's compute. Per layer and micro batch, with ``h`` the
+time of one K/V-sized message (``comm.py``'s ``per_item_s``), ``g`` the dK/dV messages per hop
+(the accumulation dtype over the activation dtype: 2 in bf16, :func:`ring_grad_units`) and each
+step's share of the layer's attention, ``a_f / cp`` forward and ``a_b / cp`` backward (the zigzag
+steps are equal work: one diagonal block and ``cp - 1`` half blocks):
+
+- each forward pass (a second one when the forward is recomputed) sends ``cp - 1`` K/V blocks,
+  each behind one step's kernels: ``(cp - 1) max(0, h - a_f / cp)``;
+- the backward's steps carry the next K/V (steps ``0 .. cp - 2``) and the previous step's dK/dV
+  accumulators (steps ``1 .. cp - 1``), each behind one step's kernels:
+  ``max(0, h - c) + (cp - 2) max(0, (1 + g) h - c) + max(0, g h - c)`` with ``c = a_b / cp``,
+  and the last dK/dV hop home has nothing after it: ``+ g h``.
+
+What is not modelled: the SMs a P2P kernel holds while it overlaps (``ops.overlap_slowdown``
+prices that for hidden DP traffic only) and the kernel's own merge and copy kernels between the
+blocks (in ``a_f`` / ``a_b`` only as the attention FLOPs).
+"""
+
+from __future__ import annotations
+
+
+def ring_grad_units(e: int) -> int:
+    """dK/dV messages per K/V message: the engine accumulates them in fp32 at least
+    (``context_blocks.acc_dtype``), in ``e``-byte activations' K/V-sized units."""
+    return max(e, 4) // e
+
+
+def ring_units(cp: int, passes: int, grad: int) -> int:
+    """K/V-sized messages per layer and micro batch (``comm.py``'s count for the ring)."""
+    return (cp - 1) * (passes + 1 + grad) + grad
+
+
+def ring_exposed_share(cp: int, passes: int, grad: int, hop_s: float, attn_fwd_s: float, attn_bwd_s: float) -> float:
+    """Share of the ring's P2P seconds on the critical path (module docstring): ``passes``
+    forward passes, ``grad`` dK/dV messages per hop, ``hop_s`` one K/V message, ``attn_*_s`` the
+    layer's attention seconds per micro batch on this rank (forward, backward without recomputation)."""
+    if cp <= 1 or hop_s <= 0:
+        return 1.0
+    h, n = hop_s, cp - 1
+    fwd = passes * n * max(0.0, h - attn_fwd_s / cp)
+    c = attn_bwd_s / cp
+    bwd = max(0.0, h - c) + max(0, cp - 2) * max(0.0, (1 + grad) * h - c) + max(0.0, grad * h - c) + grad * h
+    return min(1.0, (fwd + bwd) / (ring_units(cp, passes, grad) * h))
+
+
+def ring_attention_seconds(shape, gpu, v1_rate: float, tokens: int, seq: int, heads: int, head_dim: int,
+                           executed: float) -> tuple[float, float]:
+    """(forward, backward) attention seconds of one layer and micro batch on a rank: v2's kernel
+    price (``ops.attention_seconds`` of ``shape``) or, under v1 (``shape`` None), the executed
+    attention FLOPs (``4 tokens seq d`` per local head forward, 2.5x backward) at ``v1_rate``."""
+    if shape is not None:
+        from llmtrain.plan import ops  # noqa: PLC0415  (ops imports the recipe schema)
+
+        return ops.attention_seconds(shape.b, shape.s, shape.seq, heads, shape.hd, shape.attn_executed, gpu, None,
+                                     shape.attention, shape.e, shape.kv_len)
+    fwd = 4.0 * tokens * seq * heads * head_dim * executed / v1_rate
+    return fwd, 2.5 * fwd
+
+
+def apply_ring_overlap(comms, cp: int, passes: int, grad: int, attn_fwd_s: float, attn_bwd_s: float) -> None:
+    """Set the ring comm's ``exposed_share`` (:func:`ring_exposed_share`) and say so in its note."""
+    for c in comms:
+        if c.phase == "cp-ring":
+            c.exposed_share = ring_exposed_share(cp, passes, grad, c.per_item_s, attn_fwd_s, attn_bwd_s)
+            c.note += "; each hop behind its block's attention, what exceeds it exposed"

@@ -1,0 +1,62 @@
+"""The ring CP's overlapped hops (plan/ringtime.py): pure arithmetic, hand-computed."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmtrain.plan.activations import ActShape, cp_transient_bytes
+from llmtrain.plan.api import plan_recipe
+from llmtrain.plan.costmodel import estimate
+from llmtrain.plan.ringtime import ring_exposed_share, ring_grad_units, ring_units
+from llmtrain.recipe.load import validate_recipe_dict
+
+
+def test_units_and_grad_dtype():
+    """dK/dV accumulate in fp32 at least: 2 K/V-sized messages per hop in bf16, 1 in fp32; per layer
+    and micro batch (cp - 1)(passes + 1 + g) + g messages (fp32 cp 4, one pass: 3 x 3 + 1 = 10, the
+    count the planner fidelity check measured before the overlap)."""
+    assert (ring_grad_units(2), ring_grad_units(4), ring_grad_units(8)) == (2, 1, 1)
+    assert ring_units(4, 1, 1) == 10 and ring_units(4, 2, 2) == 17 and ring_units(2, 1, 2) == 6
+
+
+def test_exposed_share_hand_computed():
+    """cp 4, one forward pass, bf16 (g = 2), hop h = 1: forward steps hide behind a_f / 4 = 0.5
+    each (3 x 0.5 exposed); backward c = a_b / 4 = 1.5: step 0 max(0, 1 - 1.5) = 0, two middle steps
+    max(0, 3 - 1.5) = 1.5 each, the last max(0, 2 - 1.5) = 0.5, the hop home 2: 5.5; over 3 x 4 + 2
+    = 14 messages: (1.5 + 5.5) / 14."""
+    assert ring_exposed_share(4, 1, 2, 1.0, 2.0, 6.0) == pytest.approx(7.0 / 14.0, rel=1e-12)
+    # no compute to hide behind: everything exposed; endless compute: only the hop home
+    assert ring_exposed_share(4, 1, 2, 1.0, 0.0, 0.0) == pytest.approx(1.0)
+    assert ring_exposed_share(4, 1, 2, 1.0, 1e9, 1e9) == pytest.approx(2.0 / 14.0)
+    assert ring_exposed_share(1, 1, 2, 1.0, 0.0, 0.0) == 1.0
+
+
+def _ring(seq: int, nodes: int = 1):
+    recipe = validate_recipe_dict(dict(
+        model=dict(preset="llama3-8b"), parallel=dict(cp=2, cp_method="ring"),
+        train=dict(seq_len=seq, micro_batch_size=1, global_batch_size=4),
+        cluster=dict(nodes=nodes, gpus_per_node=8 // nodes, gpu="h100-sxm")))
+    plan = plan_recipe(recipe)
+    est = estimate(recipe, plan.validation.dims, plan.validation.batch, plan.placement)
+    return [c for c in est.comms if c.dim == "cp"][0]
+
+
+def test_plan_hides_the_ring_behind_its_blocks():
+    """Llama 3 8B, cp 2 in bf16: over NVLink at 8K tokens every hop hides behind its block but the
+    dK/dV hop home (2 of the layer's 6 K/V-sized messages); split over 8 nodes (cp across the
+    network) at 1K tokens the blocks are too short, and more is exposed."""
+    ring = _ring(8192)
+    assert ring.exposed_s == pytest.approx(ring.seconds * 2 / 6, rel=1e-9)
+    assert "behind its block" in ring.note
+    short = _ring(1024, nodes=8)
+    assert short.seconds * 2 / 6 < short.exposed_s <= short.seconds
+
+
+def test_ring_working_memory_counts_the_transfers_in_flight():
+    """Without GQA at one head, fp32: cp 2 peaks at step 0's block (3 acc + 7 e = 40 bytes per q
+    element), cp 4 at a middle q_half block (5 acc + 6.5 e = 46); bf16 cp 4: 20 + 13 = 33."""
+    def q_bytes(cp: int, e: int) -> float:
+        x = ActShape(b=1, s=1024, h=64, heads=1, kv_heads=1, ffn=256, vocab=256, tp=1, sp=False, e=e, r=e, cp=cp,
+                     cp_method="ring")
+        return cp_transient_bytes(x) / (1024 * 64)
+    assert (q_bytes(2, 4), q_bytes(4, 4), q_bytes(4, 2)) == (40.0, 46.0, 33.0)
