@@ -33,6 +33,19 @@ def test_gemm_compute_bound_hand_computed():
     assert 1.40e-3 < expected < 1.45e-3  # ~770 TFLOP/s
 
 
+def test_fp8_gemms_run_at_the_measured_fp8_fraction():
+    """A GEMM at the FP8 peak runs at the measured FP8 matmul fraction (ml-engineering's FP8 MAMF
+    rows: H100 SXM 1402.6 of 1979, H200 1453.4), bf16 at the bf16 one (H200 "the same" as H100 SXM)."""
+    n = 8192
+    wave = ops.wave_efficiency(n, n, H100)
+    fp8 = ops.gemm_seconds(n, n, n, H100, peak=H100.peak_flops_fp8)
+    assert fp8 == pytest.approx(2.0 * n**3 / (1979e12 * 0.709 * wave), rel=1e-9)
+    h200 = GPUS["h200"]
+    assert ops.mamf(h200) == ops.mamf(H100) == 0.803
+    assert ops.mamf(h200, h200.peak_flops_fp8) == 0.734 and ops.mamf(H100, H100.peak_flops_fp8) == 0.709
+    assert ops.mamf(GPUS["a100-80g"], 312e12) == 0.869  # no FP8 tensor cores: bf16's
+
+
 def test_gemm_memory_bound_and_membound_op():
     """A 16-row GEMM is bound by its bytes at the datasheet HBM bandwidth; an element-wise op
     moves its bytes at 80 % of it."""

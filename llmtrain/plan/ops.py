@@ -30,8 +30,8 @@ Beside the kernels (docs/planner.md section 9): compute slowed while NCCL's CTAs
 (:func:`overlap_slowdown`), eager launches bounding small passes (:func:`launch_seconds`), and
 the attention kernel of the stack (``planner.attention_kernel``: the engine's SDPA is FA2).
 
-``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak (same MAMF fraction:
-no FP8 measurement per GPU was used). LoRA is not modelled here: v2 falls back to v1's compute
+``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak times the measured FP8
+matmul fraction (:data:`MAMF_FP8`). LoRA is not modelled here: v2 falls back to v1's compute
 for LoRA recipes (costmodel.py).
 """
 
@@ -43,11 +43,15 @@ from math import ceil, log2
 
 from llmtrain.recipe.gpus import GPUSpec
 
-# Measured best bf16 matmul / dense peak (ml-engineering MAMF table: A100 SXM 271.2/312, H100 SXM
-# 794.5/989, GH200 828.6/989 for h200, B200 1745/2250, MI300X 781.9/1300); the PCIe H100 row (600.3
-# of 756) is H100 PCIe; gb200 uses B200's; cpu a nominal 0.5.
-MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.794, "h200": 0.836,
-        "b200": 0.776, "gb200": 0.776, "mi300x": 0.601, "cpu": 0.5}
+# Measured best bf16 matmul / dense peak (S. Bekman, ml-engineering, compute/accelerator/README.md,
+# "Maximum Achievable Matmul FLOPS comparison table", BF16: A100 SXM 271.2/312, H100 SXM 794.5/989
+# ("H200 is the same"), B200 1745/2250, GB200 1822/2500, MI300X 781.9/1300 (ROCm 6.2); H100 PCIe
+# 600.3/756); cpu a nominal 0.5. Before the thirteenth session h200 took GH200's 828.6 (a 900 W part).
+MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.794, "h200": 0.803,
+        "b200": 0.776, "gb200": 0.729, "mi300x": 0.601, "cpu": 0.5}
+# The same table's FP8 (float8_e4m3fn) rows, for GEMMs at the FP8 peak: H100 SXM 1402.6/1979, H200 SXM
+# 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
+MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}
 # Streaming multiprocessors (compute units) per GPU: the vendors' architecture whitepapers
 # (A100 108, H100 SXM 132, H100 PCIe 114, H200 132, B200 148, MI300X 304 CUs).
 SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h200": 132, "b200": 148,
@@ -126,6 +130,14 @@ def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> flo
     return best
 
 
+def mamf(gpu: GPUSpec, peak: float | None = None) -> float:
+    """Measured best matmul fraction of ``peak``: :data:`MAMF_FP8`'s where the GEMM runs at the FP8
+    peak (``train.precision: fp8``), else :data:`MAMF` (bf16)."""
+    if peak is not None and gpu.peak_flops_fp8 > 0 and peak >= gpu.peak_flops_fp8:
+        return MAMF_FP8.get(gpu.rates_key, MAMF.get(gpu.rates_key, 0.75))
+    return MAMF.get(gpu.rates_key, 0.75)
+
+
 def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2,
                  sms: int | None = None) -> float:
     """One ``(m, k) x (k, n)`` GEMM on ``gpu`` (``peak``: the tensor-core peak to use, bf16 default;
@@ -134,12 +146,13 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None 
         return 0.0
     flops = 2.0 * m * n * k
     peak = gpu.peak_flops_bf16 if peak is None else peak
+    fraction = mamf(gpu, peak)
     if sms:
         peak *= sms / SMS.get(gpu.rates_key, 108)
     hbm = gpu.hbm_bytes_per_s or 2e12
     intensity = flops / (e * (m * k + k * n + m * n))
     # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
-    rate = min(peak * MAMF.get(gpu.rates_key, 0.75) * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
+    rate = min(peak * fraction * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
     return flops / rate
 
 
