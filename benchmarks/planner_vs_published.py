@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| {row['source']} | {row['name']} | {row['metric']} | {pub} | {' | '.join(cells)} | "
               f"{'yes' if p['fits'] else 'no'} ({p['peak_gib']:.0f}) | {row['note']} |")
     for m, errs in errors.items():
-        print(f"\n{m}: median |error| {median(errs):.1%}, within 15%: {sum(e <= 0.15 for e in errs)} "
+        print(f"\n{m}: median |error| {median(errs):.2%}, within 15%: {sum(e <= 0.15 for e in errs)} "
               f"of {len(errs)}", file=sys.stderr)
     if len(models) > 1:
         print("\n| source | rows | " + " | ".join(f"median {m} | within 15 % {m}" for m in models) + " |", file=sys.stderr)

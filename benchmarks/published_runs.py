@@ -25,10 +25,11 @@ model). Rules kept here:
 - the pipeline layer split is the planner's balanced one (``search.balanced_split``) where the
   layers do not divide evenly, written into the recipe (``parallel.pp_layers_per_stage``); the
   sources do not give theirs;
-- zero 0/1 rows (Megatron-LM, Llama 3, NeMo, Megatron-Bridge DDP, DeepSeek-V3) carry
+- zero 0/1 rows (Llama 3, NeMo, Megatron-Bridge DDP, DeepSeek-V3) carry
   ``planner.assume_dp_overlap: true``: those stacks overlap the gradient reduction under PP and
   ZeRO-1's parameter gather with compute, which the bundled engine does not
   (llmtrain/recipe/schema_plan.py); FSDP rows do not need it (FSDP's prefetch is the engine's own);
+  Megatron-LM 2021 did not overlap it (its local DDP all-reduced after the backward: ``megatron_rows``);
 - ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
   engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``cudnn``
   for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention, which it prefers on Hopper), ``fa1`` for llm-foundry's 2023
@@ -93,10 +94,12 @@ def with_split(recipe: dict) -> dict:
 
 def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
            attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None,
-           norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None) -> dict:
+           norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
+           dp_overlap: bool = True) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
-    planner = {"assume_dp_overlap": True} if parallel.get("zero", 3) in (0, 1) else {}  # (module docstring)
+    overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
+    planner = {"assume_dp_overlap": True} if overlapped else {}  # (module docstring)
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
@@ -130,16 +133,24 @@ FOUNDRY_ROWS = [
 
 
 def megatron_rows() -> list[dict]:
+    """Megatron-LM at the paper's time (NVIDIA/Megatron-LM aed2f75, 2021-04-14): ``--DDP-impl`` defaults to
+    ``local``, whose ``allreduce_gradients()`` runs after ``forward_backward_func`` returns (``training.py``
+    ``train_step``: not overlapped with the backward), on the contiguous gradient buffer in the parameters'
+    fp16 (``--accumulate-allreduce-grads-in-fp32`` defaults to off)."""
     out = []
     for name, heads, h, layers, tp, pp, gpus, batch, tflops in MEGATRON:
         out.append(dict(
             source="Megatron-LM Table 1", url=MEGATRON_URL, name=f"GPT {name}, {gpus} A100, TP {tp} PP {pp}",
             metric="hw TFLOP/s/GPU", published=tflops,
-            recipe=recipe(gpt(h, heads, layers, tp), dict(tp=tp, pp=pp, zero=0, pp_schedule="1f1b", sequence_parallel=False),
+            recipe=recipe(gpt(h, heads, layers, tp), dict(tp=tp, pp=pp, zero=0, pp_schedule="1f1b", sequence_parallel=False,
+                                                          reduce_dtype="bf16", dp_bucket_mb=65536),
                           dict(seq_len=2048, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="full"),
-                          gpus, "a100-80g", attention="materialized"),
+                          gpus, "a100-80g", attention="materialized", dp_overlap=False),
             note="1F1B, micro batch 1, full recomputation, DDP (zero 0); attention with the scores in HBM (2021, "
-                 "before FlashAttention: planner.attention_kernel materialized)" if name == "1.7B" else "as above"))
+                 "before FlashAttention: planner.attention_kernel materialized); Megatron-LM's local DDP of 2021 "
+                 "(--DDP-impl local, the default) all-reduces the fp16 gradient buffer after the whole backward: "
+                 "parallel.reduce_dtype bf16 (2 bytes) in one bucket (dp_bucket_mb 65536), no planner.assume_dp_overlap"
+                 if name == "1.7B" else "as above"))
     return out
 
 
