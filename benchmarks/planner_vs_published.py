@@ -93,8 +93,11 @@ def switch_off(terms: list[str]) -> None:
     if "launch" in terms:
         ops.LAUNCH_S = 0.0
     if "fa2" in terms:
-        fractions = ops.attention_fractions
-        ops.attention_fractions = lambda kernel, key, n: fractions("fa3" if kernel == "engine" else kernel, key, n)
+        from llmtrain.plan import attentiontime  # noqa: PLC0415
+
+        fractions = attentiontime.attention_fractions
+        attentiontime.attention_fractions = lambda kernel, key, n: fractions("fa3" if kernel == "engine" else kernel,
+                                                                              key, n)
     if "kernels" in terms:
         shape_of = ops.shape_of
         ops.shape_of = lambda *a, **k: dataclasses.replace(shape_of(*a, **k), attention="engine")

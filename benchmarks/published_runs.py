@@ -117,21 +117,6 @@ MEGATRON = [  # (params, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per
     ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 
-# MosaicML llm-foundry, "H100 80GB BF16" / "... Large Scale" / "A100 80GB ... (RoCE)" tables: MPT
-# (GeLU 4h MLP, ALiBi, vocab 50,368) with FSDP. (size, h, heads, layers, gpu, gpus, micro, global batch,
-# sharding, activation checkpointing, tokens/s/GPU)
-MPT = {"1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32), "13b": (5120, 40, 40),
-       "30b": (7168, 56, 48), "70b": (8192, 64, 80)}
-FOUNDRY_ROWS = [
-    ("7b", "h100-sxm", 8, 6, 48, "FULL_SHARD", False, 10643), ("13b", "h100-sxm", 8, 2, 16, "FULL_SHARD", False, 4792),
-    ("30b", "h100-sxm", 8, 3, 504, "FULL_SHARD", True, 2002), ("70b", "h100-sxm", 64, 8, 2048, "FULL_SHARD", True, 1039),
-    ("3b", "h100-sxm", 128, 8, 1024, "SHARD_GRAD_OP", False, 23422),
-    ("7b", "h100-sxm", 128, 6, 768, "FULL_SHARD", False, 10475), ("70b", "h100-sxm", 512, 8, 4096, "FULL_SHARD", True, 1007),
-    ("7b", "a100-80g", 8, 6, 96, "FULL_SHARD", False, 4641), ("13b", "a100-80g", 8, 2, 48, "FULL_SHARD", False, 2262),
-    ("30b", "a100-80g", 8, 3, 504, "FULL_SHARD", True, 916), ("70b", "a100-80g", 64, 8, 2048, "FULL_SHARD", True, 410),
-]
-
-
 def megatron_rows() -> list[dict]:
     """Megatron-LM at the paper's time (NVIDIA/Megatron-LM aed2f75, 2021-04-14): ``--DDP-impl`` defaults to
     ``local``, whose ``allreduce_gradients()`` runs after ``forward_backward_func`` returns (``training.py``
@@ -238,35 +223,6 @@ def torchtitan_rows() -> list[dict]:
     return out
 
 
-def foundry_rows() -> list[dict]:
-    """The rows on 8-64 GPUs are the 2023 tables (sweep.sh at llm-foundry b2a43a147, v0.3.0, no
-    ``--attn_impl``: submit_benchmarks.py's default ``triton``, the Triton FlashAttention copied from
-    flash-attn 1.x, ``planner.attention_kernel: fa1``); the >= 128-GPU rows are the 2024-01 "Large
-    Scale" table (5e85bd62d: sweep.py passes ``--attn_impl flash`` for 3b, 7b and 70b with flash-attn
-    2.4.2, the engine's FA2)."""
-    out = []
-    for size, gpu, gpus, mb, gbs, shard, ac, tps in FOUNDRY_ROWS:
-        h, heads, layers = MPT[size]
-        kind = "H100" if gpu == "h100-sxm" else "A100"
-        large = gpus >= 128
-        first = (size, gpus, gpu) in (("7b", 8, "h100-sxm"), ("3b", 128, "h100-sxm"), ("7b", 8, "a100-80g"))
-        note = ("seq 2,048; ALiBi and GeLU MLP modelled as RoPE + SwiGLU of equal FLOPs; gradients reduce-scattered "
-                "after every micro batch (composer runs FSDP without no_sync: parallel.fsdp_reduce_each_microbatch); " +
-                ("flash-attn 2.4.2 (attn_impl flash: the engine's FA2)" if large else
-                 "the Triton FlashAttention of llm-foundry 0.3 (attn_impl triton: planner.attention_kernel fa1)"))
-        out.append(dict(
-            source=f"llm-foundry {kind} tables", url=FOUNDRY,
-            name=f"MPT {size}, {gpus} {kind}, FSDP {shard}, micro {mb}" + (", AC" if ac else ""),
-            metric="tokens/s/GPU", published=tps,
-            recipe=recipe(gpt(h, heads, layers, 1, vocab=50368),
-                          dict(zero=3 if shard == "FULL_SHARD" else 2, fsdp_reduce_each_microbatch=True),
-                          dict(seq_len=2048, micro_batch_size=mb, global_batch_size=gbs,
-                               activation_checkpointing="full" if ac else "none"), gpus, gpu,
-                          attention=None if large else "fa1"),
-            note=note if first else "as above"))
-    return out
-
-
 def nemo_rows() -> list[dict]:
     """TP comm overlap as NeMo 24.07's launcher configs for these models set it
     (NVIDIA/NeMo-Framework-Launcher tag 24.07, ``launcher_scripts/conf/training``: ``llama/llama3_70b.yaml``
@@ -359,6 +315,7 @@ def trainy_rows() -> list[dict]:
 
 def rows() -> list[dict]:
     from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
             + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows())

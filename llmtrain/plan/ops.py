@@ -3,7 +3,7 @@
 v1 divides a rank's hardware FLOPs by ``peak x COMPUTE_EFFICIENCY[gpu]`` (one constant fitted
 on A100-era Megatron runs). v2 prices each operation of a micro batch on one pipeline rank:
 
-- **GEMMs** from their per-rank shapes after the TP / CP / EP splits (``m`` tokens, ``k`` in,
+- **GEMMs** (``gemmtime.py``) from their per-rank shapes after the TP / CP / EP splits (``m`` tokens, ``k`` in,
   ``n`` out; the backward's data and weight gradients are two more GEMMs of the same FLOPs,
   ``(m, k) <- (m, n) x (n, k)`` and ``(k, n) <- (k, m) x (m, n)``) at
   ``min(peak x MAMF x wave efficiency, intensity x HBM)``: :data:`MAMF` is the best measured
@@ -12,7 +12,7 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   move (``e (mk + kn + mn)``); the size curve is NVIDIA's tile and wave quantization (Matrix
   Multiplication Background User's Guide): output tiles (:data:`TILES`) over the GPU's SMs,
   efficiency ``useful tile area / (waves x SMs x tile area)``. No constant is fitted to a published run.
-- **Attention** from the flash kernel's FLOPs at its published rate for the length of one call
+- **Attention** (``attentiontime.py``) from the flash kernel's FLOPs at its published rate for the length of one call
   (:data:`ATTENTION_MEASURED`: the kernels' own benchmark figures, FA2 / FA1 on A100 and H100,
   FA3 and cuDNN on H100, 512 to 16k tokens), forward ``4 s_q s_kv d`` per head, backward 2.5x the
   forward (the kernels recompute the scores: the papers' own FLOP convention for the backward
@@ -39,73 +39,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from math import ceil, log2
 
+from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the v2 time model's entry)
+    ATTENTION, ATTENTION_FAMILY, ATTENTION_LENGTHS, ATTENTION_MEASURED, ATTENTION_SPLIT, MATERIALIZED_BYTES,
+    attention_fractions, attention_seconds)
+from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
+    HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
 from llmtrain.recipe.gpus import GPUSpec
 
-# Measured best bf16 matmul / dense peak (S. Bekman, ml-engineering, compute/accelerator/README.md,
-# "Maximum Achievable Matmul FLOPS comparison table", BF16: A100 SXM 271.2/312, H100 SXM 794.5/989
-# ("H200 is the same"), B200 1745/2250, GB200 1822/2500, MI300X 781.9/1300 (ROCm 6.2); H100 PCIe
-# 600.3/756); cpu a nominal 0.5. Before the thirteenth session h200 took GH200's 828.6 (a 900 W part).
-MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.794, "h200": 0.803,
-        "b200": 0.776, "gb200": 0.729, "mi300x": 0.601, "cpu": 0.5}
-# The same table's FP8 (float8_e4m3fn) rows, for GEMMs at the FP8 peak: H100 SXM 1402.6/1979, H200 SXM
-# 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
-MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}
-# Streaming multiprocessors (compute units) per GPU: the vendors' architecture whitepapers
-# (A100 108, H100 SXM 132, H100 PCIe 114, H200 132, B200 148, MI300X 304 CUs).
-SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h200": 132, "b200": 148,
-       "gb200": 148, "mi300x": 304, "cpu": 1}
-# cuBLAS picks the output tile per shape: the large 128x256 tile (the guide's example) where the
-# output fills the GPU, smaller ones (fewer idle SMs in the last wave, but less data reuse per
-# tile) for small outputs. The reuse penalty of the smaller tiles is an assumption (no per-tile
-# measurement was found): 128x128 at 0.9 and 64x128 at 0.75 of the large tile's rate.
-TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.75))
-# Flash attention (forward, backward) fraction of the bf16 peak, head dim 128, causal, by the key length
-# of one kernel call: the kernels' own published benchmarks (bf16/fp16, batch x length = 16k tokens,
-# 2048 hidden; the papers' FLOP convention: forward 4 s^2 d per head, halved causal, backward 2.5x).
-# ``ATTENTION_MEASURED[(kernel, family)] = (what, TFLOP/s at ATTENTION_LENGTHS, peak of that GPU)``:
-# - FlashAttention-2 and FlashAttention(-1) forward + backward, causal, head dim 128: flash-attn's
-#   assets/flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4, panel d) and
-#   assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5, panel d) (Dao 2023, arXiv:2307.08691);
-# - FlashAttention-3 and cuDNN forward, causal, head dim 128: assets/flash3_fp16_fwd.png panel (d)
-#   (H100 SXM5; Shah et al. 2024, arXiv:2407.08608: the cuDNN of mid-2024; later releases may be faster).
-# ``fa2`` is the engine's kernel, SDPA's FLASH_ATTENTION backend (torch 2.13:
-# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False);
-# ``fa1`` (``planner.attention_kernel: fa1``) is flash-attn 1.x's CUDA kernel; llm-foundry 0.3's Triton
-# FlashAttention (``attn_impl: triton``) measures within 1-3 % of it at 2k-8k on A100 (the same figure's
-# "FlashAttention Triton" bars: 68, 74, 78 against 69, 76, 80) and has no H100 bar; ``fa3``
-# (``planner.attention_kernel: fa3``) FlashAttention-3; ``cudnn`` cuDNN's fused flash attention, what
-# Transformer Engine runs on Hopper and later when both it and flash-attn apply ("Transformer Engine
-# prefers cuDNN flash attention on Hopper+ architectures, and Tri Dao flash attention on Ampere":
-# NVIDIA/NeMo docs/source/performance/memory_optimizations.rst, NeMo PR 9188).
-# Between the measured lengths the rate is interpolated in log2(length); outside, the nearest is kept.
-ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
-ATTENTION_MEASURED = {
-    ("fa2", "a100"): ("fwd+bwd", (99, 133, 155, 173, 182, 189), 312),
-    ("fa1", "a100"): ("fwd+bwd", (55, 62, 69, 76, 80, 83), 312),
-    ("fa2", "h100"): ("fwd+bwd", (163, 221, 265, 294, 308, 328), 989),
-    ("fa1", "h100"): ("fwd+bwd", (98, 109, 108, 126, 135, 137), 989),
-    ("fa3", "h100"): ("fwd", (292, 423, 521, 579, 602, 616), 989),
-    ("cudnn", "h100"): ("fwd", (315, 410, 484, 518, 529, 539), 989),
-}
-# Which measurement prices a GPU: Hopper's for H100 PCIe, H200 and (assumed) Blackwell; none for MI300X
-# and CPU, which keep the fixed fractions of ``ATTENTION``; fa3 off Hopper / Blackwell is FA2.
-ATTENTION_FAMILY = {"a100-80g": "a100", "a100-40g": "a100", "h100-sxm": "h100", "h100-pcie": "h100",
-                    "h200": "h100", "b200": "h100", "gb200": "h100"}
-# Backward rate / forward rate, to split a measured forward + backward rate (and to derive FA3's
-# backward from its forward): FA2 on A100 "50-73 %" forward, backward lower (0.50 / 0.65, as before
-# the curves); FA3's backward "1.5-1.75x" FA2's (0.48 / 0.62). FA1 taken at FA2's split, cuDNN at
-# FA3's (assumed: no backward bars were published beside the forward ones used here).
-ATTENTION_SPLIT = {"fa2": 0.50 / 0.65, "fa1": 0.50 / 0.65, "fa3": 0.48 / 0.62, "cudnn": 0.48 / 0.62}
-# Fixed (forward, backward) fractions where no curve was measured (MI300X assumed below FA2-on-A100).
-ATTENTION = {"mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
-# ``planner.attention_kernel: materialized`` (Megatron-LM 2021, before FlashAttention): the scores
-# ``b x heads x s x s`` go through HBM; HBM bytes per score element forward (fused scale-mask-softmax:
-# read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
-# gradients: read the gradient, probabilities and mask, write the gradient).
-MATERIALIZED_BYTES = (lambda e: 4 * e + 1, lambda e: 5 * e + 1)
-HBM_EFFICIENCY = 0.8  # element-wise kernels reach ~80 % of the datasheet HBM bandwidth (assumption, docs)
 # SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
 # all-gather launched 24 CTAs beside a 132-CTA GEMM, whose time nearly doubled (a second wave;
 # NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
@@ -119,93 +60,6 @@ KERNELS = {"eager": (20, 28), "compiled": (12, 20), "gemm": 8}  # gemm: GEMMs + 
 LAUNCH_S = 10e-6  # CPU cost of one eager op launch (dispatcher + CUDA launch); assumption (docs/planner.md 9)
 
 
-def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> float:
-    """Tile and wave quantization: the share of the SM-time spent on useful output, for the best
-    of :data:`TILES` (each at its reuse factor)."""
-    sms = sms or SMS.get(gpu.rates_key, 108)
-    best = 0.0
-    for tm, tn, factor in TILES:
-        waves = ceil(ceil(m / tm) * ceil(n / tn) / sms)
-        best = max(best, factor * min(1.0, (m * n) / (tm * tn * sms * waves)))
-    return best
-
-
-def mamf(gpu: GPUSpec, peak: float | None = None) -> float:
-    """Measured best matmul fraction of ``peak``: :data:`MAMF_FP8`'s where the GEMM runs at the FP8
-    peak (``train.precision: fp8``), else :data:`MAMF` (bf16)."""
-    if peak is not None and gpu.peak_flops_fp8 > 0 and peak >= gpu.peak_flops_fp8:
-        return MAMF_FP8.get(gpu.rates_key, MAMF.get(gpu.rates_key, 0.75))
-    return MAMF.get(gpu.rates_key, 0.75)
-
-
-def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2,
-                 sms: int | None = None) -> float:
-    """One ``(m, k) x (k, n)`` GEMM on ``gpu`` (``peak``: the tensor-core peak to use, bf16 default;
-    ``sms``: run on only that many SMs, the others held by a concurrent NCCL kernel)."""
-    if m <= 0 or n <= 0 or k <= 0:
-        return 0.0
-    flops = 2.0 * m * n * k
-    peak = gpu.peak_flops_bf16 if peak is None else peak
-    fraction = mamf(gpu, peak)
-    if sms:
-        peak *= sms / SMS.get(gpu.rates_key, 108)
-    hbm = gpu.hbm_bytes_per_s or 2e12
-    intensity = flops / (e * (m * k + k * n + m * n))
-    # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
-    rate = min(peak * fraction * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
-    return flops / rate
-
-
-def gemm_fwd_bwd(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None,
-                 sms: int | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds of a linear layer ``y = x W^T``: x ``(m, k)``, W ``(n, k)``; the
-    backward is the input gradient ``(m, k)`` and the weight gradient ``(n, k)`` (reduced over m)."""
-    return (gemm_seconds(m, n, k, gpu, peak, sms=sms),
-            gemm_seconds(m, k, n, gpu, peak, sms=sms) + gemm_seconds(n, k, m, gpu, peak, sms=sms))
-
-
-def membound_seconds(nbytes: float, gpu: GPUSpec) -> float:
-    return nbytes / ((gpu.hbm_bytes_per_s or 2e12) * HBM_EFFICIENCY)
-
-
-@lru_cache(maxsize=1024)
-def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float, float]:
-    """(forward, backward) fraction of the bf16 peak of flash ``kernel`` (``engine`` = ``fa2``) on
-    a GPU of ``rates_key`` for kernel calls over ``kv_len`` keys (:data:`ATTENTION_MEASURED`)."""
-    kernel = "fa2" if kernel == "engine" else kernel
-    family = ATTENTION_FAMILY.get(rates_key)
-    if family is None:
-        f, b = ATTENTION.get(rates_key, (0.5, 0.4))
-        return (f / 2, b / 2) if kernel == "fa1" else (f, b)
-    if (kernel, family) not in ATTENTION_MEASURED:
-        kernel = "fa2"  # fa3 / cudnn where they were not measured (A100): the stack's FA2
-    what, tflops, peak = ATTENTION_MEASURED[(kernel, family)]
-    x = log2(min(max(kv_len, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]))
-    i = min(int(x) - 9, len(ATTENTION_LENGTHS) - 2)  # ATTENTION_LENGTHS[i] = 2^(9 + i)
-    rate = (tflops[i] + (tflops[i + 1] - tflops[i]) * (x - 9 - i)) / peak
-    r = ATTENTION_SPLIT[kernel]
-    fwd = rate if what == "fwd" else rate * (1 + 2.5 / r) / 3.5  # 3.5 / rate = 1 / fwd + 2.5 / (r fwd)
-    return fwd, r * fwd
-
-
-def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed: float,
-                      gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2,
-                      kv_len: int = 0) -> tuple[float, float]:
-    """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
-    SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
-    (SDPA's FA2), ``fa3``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
-    (default ``s_kv``; :func:`attention_fractions`), or ``materialized`` (two batched GEMMs
-    forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
-    :data:`MATERIALIZED_BYTES`)."""
-    if kernel == "materialized":
-        m, scores = b * heads * s_q, b * heads * s_q * s_kv
-        qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs
-        fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
-        return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
-    fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * executed
-    f, bw = attention_fractions(kernel, gpu.rates_key, kv_len or s_kv)
-    peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.rates_key, 108)) if sms else 1.0)
-    return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
 
 
 @dataclass(frozen=True)

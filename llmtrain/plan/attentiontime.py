@@ -1,0 +1,100 @@
+"""Flash-attention kernel time for time model v2 (``ops.py`` calls :func:`attention_seconds`).
+
+Each kernel (the engine's SDPA = FlashAttention-2, or the stack's ``planner.attention_kernel``) runs
+at its published rate for the key length of one call (:data:`ATTENTION_MEASURED`), or, for
+``materialized`` (Megatron-LM before FlashAttention), as batched GEMMs plus the bytes of the scores
+through HBM. docs/planner.md section 9, term (g).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import log2
+
+from llmtrain.plan.gemmtime import SMS, gemm_seconds, membound_seconds
+from llmtrain.recipe.gpus import GPUSpec
+
+# Flash attention (forward, backward) fraction of the bf16 peak, head dim 128, causal, by the key length
+# of one kernel call: the kernels' own published benchmarks (bf16/fp16, batch x length = 16k tokens,
+# 2048 hidden; the papers' FLOP convention: forward 4 s^2 d per head, halved causal, backward 2.5x).
+# ``ATTENTION_MEASURED[(kernel, family)] = (what, TFLOP/s at ATTENTION_LENGTHS, peak of that GPU)``:
+# - FlashAttention-2 and FlashAttention(-1) forward + backward, causal, head dim 128: flash-attn's
+#   assets/flash2_a100_fwd_bwd_benchmark.png (A100 80GB SXM4, panel d) and
+#   assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5, panel d) (Dao 2023, arXiv:2307.08691);
+# - FlashAttention-3 and cuDNN forward, causal, head dim 128: assets/flash3_fp16_fwd.png panel (d)
+#   (H100 SXM5; Shah et al. 2024, arXiv:2407.08608: the cuDNN of mid-2024; later releases may be faster).
+# ``fa2`` is the engine's kernel, SDPA's FLASH_ATTENTION backend (torch 2.13:
+# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False);
+# ``fa1`` (``planner.attention_kernel: fa1``) is flash-attn 1.x's CUDA kernel; llm-foundry 0.3's Triton
+# FlashAttention (``attn_impl: triton``) measures within 1-3 % of it at 2k-8k on A100 (the same figure's
+# "FlashAttention Triton" bars: 68, 74, 78 against 69, 76, 80) and has no H100 bar; ``fa3``
+# (``planner.attention_kernel: fa3``) FlashAttention-3; ``cudnn`` cuDNN's fused flash attention, what
+# Transformer Engine runs on Hopper and later when both it and flash-attn apply ("Transformer Engine
+# prefers cuDNN flash attention on Hopper+ architectures, and Tri Dao flash attention on Ampere":
+# NVIDIA/NeMo docs/source/performance/memory_optimizations.rst, NeMo PR 9188).
+# Between the measured lengths the rate is interpolated in log2(length); outside, the nearest is kept.
+ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_MEASURED = {
+    ("fa2", "a100"): ("fwd+bwd", (99, 133, 155, 173, 182, 189), 312),
+    ("fa1", "a100"): ("fwd+bwd", (55, 62, 69, 76, 80, 83), 312),
+    ("fa2", "h100"): ("fwd+bwd", (163, 221, 265, 294, 308, 328), 989),
+    ("fa1", "h100"): ("fwd+bwd", (98, 109, 108, 126, 135, 137), 989),
+    ("fa3", "h100"): ("fwd", (292, 423, 521, 579, 602, 616), 989),
+    ("cudnn", "h100"): ("fwd", (315, 410, 484, 518, 529, 539), 989),
+}
+# Which measurement prices a GPU: Hopper's for H100 PCIe, H200 and (assumed) Blackwell; none for MI300X
+# and CPU, which keep the fixed fractions of ``ATTENTION``; fa3 off Hopper / Blackwell is FA2.
+ATTENTION_FAMILY = {"a100-80g": "a100", "a100-40g": "a100", "h100-sxm": "h100", "h100-pcie": "h100",
+                    "h200": "h100", "b200": "h100", "gb200": "h100"}
+# Backward rate / forward rate, to split a measured forward + backward rate (and to derive FA3's
+# backward from its forward): FA2 on A100 "50-73 %" forward, backward lower (0.50 / 0.65, as before
+# the curves); FA3's backward "1.5-1.75x" FA2's (0.48 / 0.62). FA1 taken at FA2's split, cuDNN at
+# FA3's (assumed: no backward bars were published beside the forward ones used here).
+ATTENTION_SPLIT = {"fa2": 0.50 / 0.65, "fa1": 0.50 / 0.65, "fa3": 0.48 / 0.62, "cudnn": 0.48 / 0.62}
+# Fixed (forward, backward) fractions where no curve was measured (MI300X assumed below FA2-on-A100).
+ATTENTION = {"mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
+# ``planner.attention_kernel: materialized`` (Megatron-LM 2021, before FlashAttention): the scores
+# ``b x heads x s x s`` go through HBM; HBM bytes per score element forward (fused scale-mask-softmax:
+# read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
+# gradients: read the gradient, probabilities and mask, write the gradient).
+MATERIALIZED_BYTES = (lambda e: 4 * e + 1, lambda e: 5 * e + 1)
+
+
+@lru_cache(maxsize=1024)
+def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float, float]:
+    """(forward, backward) fraction of the bf16 peak of flash ``kernel`` (``engine`` = ``fa2``) on
+    a GPU of ``rates_key`` for kernel calls over ``kv_len`` keys (:data:`ATTENTION_MEASURED`)."""
+    kernel = "fa2" if kernel == "engine" else kernel
+    family = ATTENTION_FAMILY.get(rates_key)
+    if family is None:
+        f, b = ATTENTION.get(rates_key, (0.5, 0.4))
+        return (f / 2, b / 2) if kernel == "fa1" else (f, b)
+    if (kernel, family) not in ATTENTION_MEASURED:
+        kernel = "fa2"  # fa3 / cudnn where they were not measured (A100): the stack's FA2
+    what, tflops, peak = ATTENTION_MEASURED[(kernel, family)]
+    x = log2(min(max(kv_len, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]))
+    i = min(int(x) - 9, len(ATTENTION_LENGTHS) - 2)  # ATTENTION_LENGTHS[i] = 2^(9 + i)
+    rate = (tflops[i] + (tflops[i + 1] - tflops[i]) * (x - 9 - i)) / peak
+    r = ATTENTION_SPLIT[kernel]
+    fwd = rate if what == "fwd" else rate * (1 + 2.5 / r) / 3.5  # 3.5 / rate = 1 / fwd + 2.5 / (r fwd)
+    return fwd, r * fwd
+
+
+def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed: float,
+                      gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2,
+                      kv_len: int = 0) -> tuple[float, float]:
+    """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
+    SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
+    (SDPA's FA2), ``fa3``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
+    (default ``s_kv``; :func:`attention_fractions`), or ``materialized`` (two batched GEMMs
+    forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
+    :data:`MATERIALIZED_BYTES`)."""
+    if kernel == "materialized":
+        m, scores = b * heads * s_q, b * heads * s_q * s_kv
+        qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs
+        fwd_b, bwd_b = (f(e) * scores for f in MATERIALIZED_BYTES)
+        return 2 * qk + membound_seconds(fwd_b, gpu), 4 * qk + membound_seconds(bwd_b, gpu)
+    fwd_flops = 4.0 * b * s_q * s_kv * heads * hd * executed
+    f, bw = attention_fractions(kernel, gpu.rates_key, kv_len or s_kv)
+    peak = gpu.peak_flops_bf16 * ((sms / SMS.get(gpu.rates_key, 108)) if sms else 1.0)
+    return fwd_flops / (peak * f), 2.5 * fwd_flops / (peak * bw)
