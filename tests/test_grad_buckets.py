@@ -175,8 +175,13 @@ def test_multi_stage_schedules_overlap_with_exact_gradients(group, schedule, buc
         state["in_stage_done"] = None
 
     reducer.stage_done = traced_stage_done
-    reducer.on_launch = lambda i, in_bw: events.append(("launch", i, reducer.buckets[i].stage, state["in_stage_done"],
-                                                        state["running"] and in_bw))
+    def traced_launch(i, in_bw):
+        events.append(("launch", i, reducer.buckets[i].stage, state["in_stage_done"], state["running"] and in_bw))
+        # let the all-reduce finish before the schedule goes on, so the next bucket's launch finds it
+        # completed and writes it back (otherwise that write-back races gloo's thread on a loaded machine)
+        reducer.buckets[i].work.wait()
+
+    reducer.on_launch = traced_launch
     unflatten = reducer._unflatten
     reducer._unflatten = lambda b: (events.append(("written", state["running"])), unflatten(b))
     sync = GradSync([reducer])
