@@ -79,7 +79,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
 from llmtrain.plan.asynctp import async_tp_fused_counts
-from llmtrain.plan.ringtime import ring_grad_units, ring_units
+from llmtrain.plan.ringtime import forward_passes, ring_grad_units, ring_units
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
     POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
 from llmtrain.plan.links import (  # noqa: F401 (re-exported: callers import them from comm)
@@ -290,7 +290,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # with recomputation), one for the vocabulary-parallel embedding (forward only) and one for
         # the output layer's input (backward only). With SP each all-reduce becomes an all-gather
         # plus a reduce-scatter (same bytes).
-        per_layer = 4 + (2 if c.recompute != "none" else 0)
+        per_layer = 2 * forward_passes(c.recompute) + 2
         # LoRA: block 0's input needs no gradient (frozen embedding): one all-reduce equivalent less
         # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
         # embedding output gradient's all-gather)
@@ -331,7 +331,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # still priced as the engine's, plan/activations.py)
         kv_heads = c.heads if c.cp_kv == "repeated" or not c.kv_heads else c.kv_heads
         kv = 2 * c.e * c.tokens * (kv_heads // d.tp) * c.head_dim
-        fwd = 1 + (1 if c.recompute != "none" else 0)
+        fwd = forward_passes(c.recompute)
         if c.cp_method == "ring":
             # cp - 1 ring passes per forward (and recomputed forward), K, V and dK/dV per backward
             # pass, plus the final pass that brings the accumulated dK/dV home; dK/dV travel in the
@@ -351,7 +351,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     if d.ep > 1 and c.moe_layers:
         g = lk("ep")
         msg = c.e * c.tokens * c.top_k * c.hidden
-        fwd = 2 * (1 + (1 if c.recompute != "none" else 0))
+        fwd = 2 * forward_passes(c.recompute)
         out.append(make("ep", "all-to-all", d.ep, msg, m * c.moe_layers * (fwd + 2), g, "ep",
                         "token dispatch and combine"))
     return out

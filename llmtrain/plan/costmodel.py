@@ -32,7 +32,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
     attention_executed,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
-    recompute_flops_per_token,
+    recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
@@ -40,7 +40,7 @@ from llmtrain.plan.memory import (
     optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.cluster.placement import Placement
-from llmtrain.plan.ringtime import apply_ring_overlap, ring_attention_seconds, ring_grad_units
+from llmtrain.plan.ringtime import apply_ring_overlap, forward_passes, ring_grad_units
 from llmtrain.plan.schedule import gradient_ready
 from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages, stage_layers
 from llmtrain.plan.assumptions import planner_assumptions
@@ -275,9 +275,13 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
         if dims.cp > 1 and p.cp_method == "ring":  # the engine's ring overlaps each hop with a block (ringtime.py)
-            a_f, a_b = ring_attention_seconds(shape, gpu, gpu.peak_flops_bf16 * efficiency(gpu), tokens_mb, seq,
-                                              max(1, m.heads // dims.tp), m.head_dim, executed)
-            apply_ring_overlap(comms, dims.cp, 1 + (recompute != "none"), ring_grad_units(compute_bytes(t.precision)),
+            if shape is not None:  # v2: the kernel's price, as in the block's time
+                a_f, a_b = ops.layer_attention_seconds(shape, gpu)
+            else:  # v1: the executed score FLOPs at v1's rate; flash backward runs 2.5x its forward
+                a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * executed
+                       / (gpu.peak_flops_bf16 * efficiency(gpu)))
+                a_b = 2.5 * a_f
+            apply_ring_overlap(comms, dims.cp, forward_passes(recompute), ring_grad_units(compute_bytes(t.precision)),
                                a_f, a_b)
         comm_by_rank.append(comms)
         stepped = model_state_bytes(inv.params, mode, worst_dp_index(inv.params, mode)).stepped

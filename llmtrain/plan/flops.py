@@ -179,7 +179,7 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     if qk_norm:
         split += 2.0 * 2 * hd * (1 + bwd * (q or k))
     # scores and values: 4 h s forward; backward dV, dP (for dQ or dK), dQ, dK, 2 h s each
-    split += 4.0 * h * seq_len + bwd * 2.0 * h * seq_len * (v + (q or k) + q + k)
+    split += score_flops_per_token(h, seq_len) + bwd * 2.0 * h * seq_len * (v + (q or k) + q + k)
     attn = q or k or v
     o = proj("wo", h, heads * hd, False, attn)
     r_grad = x_grad or o
@@ -188,6 +188,12 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     u = proj("w3", f, h, True, r_grad)
     proj("w2", h, f, False, g or u)
     return split, rep
+
+
+def score_flops_per_token(width: int, seq_len: int) -> float:
+    """Forward FLOPs per token of attention's scores and values (``Q K^T`` and ``P V``, unmasked) over
+    ``width`` = heads x head_dim query features: 2 x 2 x width x seq_len."""
+    return 4.0 * width * seq_len
 
 
 def attention_executed(cp: int, method: str) -> float:

@@ -132,6 +132,12 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     return fwd, bwd
 
 
+def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention kernels on one rank, one micro batch."""
+    return attention_seconds(x.b, x.s, x.seq, max(1, x.heads // x.tp), x.hd, x.attn_executed, gpu, sms, x.attention,
+                             x.e, x.kv_len)
+
+
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
 def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None) -> tuple[float, float]:
     """(forward, backward incl. recomputation) seconds of one block on one rank, one micro batch."""
@@ -161,8 +167,7 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
         f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
         fwd, bwd = fwd + count * f, bwd + count * b_
         again += count * f if recomputed else 0.0
-    af, ab = attention_seconds(x.b, x.s, x.seq, max(1, x.heads // t), x.hd, x.attn_executed, gpu, sms, x.attention, x.e,
-                               x.kv_len)
+    af, ab = layer_attention_seconds(x, gpu, sms)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":

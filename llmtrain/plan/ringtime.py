@@ -23,6 +23,13 @@ blocks (in ``a_f`` / ``a_b`` only as the attention FLOPs).
 from __future__ import annotations
 
 
+def forward_passes(recompute: str) -> int:
+    """Forward passes per micro batch: the forward, and the recomputed one unless ``recompute`` is
+    none (every mode re-runs attention's inputs' projections or more, so the ring sends its K/V again
+    and TP and EP repeat their forward collectives)."""
+    return 1 + (recompute != "none")
+
+
 def ring_grad_units(e: int) -> int:
     """dK/dV messages per K/V message: the engine accumulates them in fp32 at least
     (``context_blocks.acc_dtype``), in ``e``-byte activations' K/V-sized units."""
@@ -45,20 +52,6 @@ def ring_exposed_share(cp: int, passes: int, grad: int, hop_s: float, attn_fwd_s
     c = attn_bwd_s / cp
     bwd = max(0.0, h - c) + max(0, cp - 2) * max(0.0, (1 + grad) * h - c) + max(0.0, grad * h - c) + grad * h
     return min(1.0, (fwd + bwd) / (ring_units(cp, passes, grad) * h))
-
-
-def ring_attention_seconds(shape, gpu, v1_rate: float, tokens: int, seq: int, heads: int, head_dim: int,
-                           executed: float) -> tuple[float, float]:
-    """(forward, backward) attention seconds of one layer and micro batch on a rank: v2's kernel
-    price (``ops.attention_seconds`` of ``shape``) or, under v1 (``shape`` None), the executed
-    attention FLOPs (``4 tokens seq d`` per local head forward, 2.5x backward) at ``v1_rate``."""
-    if shape is not None:
-        from llmtrain.plan import ops  # noqa: PLC0415  (ops imports the recipe schema)
-
-        return ops.attention_seconds(shape.b, shape.s, shape.seq, heads, shape.hd, shape.attn_executed, gpu, None,
-                                     shape.attention, shape.e, shape.kv_len)
-    fwd = 4.0 * tokens * seq * heads * head_dim * executed / v1_rate
-    return fwd, 2.5 * fwd
 
 
 def apply_ring_overlap(comms, cp: int, passes: int, grad: int, attn_fwd_s: float, attn_bwd_s: float) -> None:
