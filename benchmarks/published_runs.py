@@ -117,6 +117,13 @@ MEGATRON = [  # (params, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per
     ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163), ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163),
 ]
 
+# what Megatron-LM could run at the paper's commit (aed2f75), beyond its zero and SP (benchmarks/search_rank.py
+# keeps these in its "stack kept" search): only full recomputation (--checkpoint-activations; selective
+# recomputation came in 2022), and equal stages: megatron/model/transformer.py asserts "num_layers must be
+# divisible by pipeline_model_parallel_size", and arguments.py the same per virtual stage
+MEGATRON_2021_STACK = {"train.activation_checkpointing": "full", "parallel.pp_layers_per_stage": None}
+
+
 def megatron_rows() -> list[dict]:
     """Megatron-LM at the paper's time (NVIDIA/Megatron-LM aed2f75, 2021-04-14): ``--DDP-impl`` defaults to
     ``local``, whose ``allreduce_gradients()`` runs after ``forward_backward_func`` returns (``training.py``
@@ -131,6 +138,7 @@ def megatron_rows() -> list[dict]:
                                                           reduce_dtype="bf16", dp_bucket_mb=65536),
                           dict(seq_len=2048, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="full"),
                           gpus, "a100-80g", attention="materialized", dp_overlap=False),
+            stack=MEGATRON_2021_STACK,
             note="1F1B, micro batch 1, full recomputation, DDP (zero 0); attention with the scores in HBM (2021, "
                  "before FlashAttention: planner.attention_kernel materialized); Megatron-LM's local DDP of 2021 "
                  "(--DDP-impl local, the default) all-reduces the fp16 gradient buffer after the whole backward: "

@@ -120,6 +120,23 @@ def test_keep_a_recomputation_mode_and_micro_batch_the_ladder_does_not_try():
     _check_valid_and_fitting(plan, res)
 
 
+def test_keep_equal_stages_drops_the_uneven_pipelines_and_pruning_still_loses_nothing():
+    """A stack that cannot split layers unevenly (Megatron-LM 2021): 30 layers on pp 2 leave 1F1B (15 + 15)
+    and drop every interleaved v (30 / 4, / 8, / 16); the kept top is the exhaustive order filtered."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", None, 2, 8)
+    recipe = plan.recipe.model_copy(update={"model": plan.recipe.model.model_copy(update={"layers": 30})})
+    pp2 = {"parallel.pp": 2, "parallel.zero": 1}
+    everything = search(recipe, plan.placement, top=10_000, exhaustive=True, keep=pp2)
+    uneven = [c for c in everything.top if c.overrides["parallel.pp_layers_per_stage"] is not None]
+    assert uneven and all(c.overrides["parallel.pp_schedule"] == "interleaved-1f1b" for c in uneven)
+    keep = pp2 | {"parallel.pp_layers_per_stage": None}
+    fast = search(recipe, plan.placement, top=3, keep=keep)
+    assert fast.top and all(c.overrides["parallel.pp_layers_per_stage"] is None and c.overrides["parallel.pp_virtual_stages"] == 1
+                            for c in fast.top)
+    even = [c for c in everything.top if c.overrides["parallel.pp_layers_per_stage"] is None]
+    assert [round(c.cost.time.step_s, 9) for c in fast.top] == [round(c.cost.time.step_s, 9) for c in even[:3]]
+
+
 def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not_choose():
     from llmtrain.errors import LLMTrainError
     from llmtrain.plan.search_keep import parse_keep
@@ -134,6 +151,11 @@ def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not
         with pytest.raises(LLMTrainError) as err:
             parse_keep([bad], recipe)
         assert str(err.value).startswith("--keep: ") and said in str(err.value), str(err.value)
+    even = {"parallel.pp_layers_per_stage": None}
+    assert parse_keep(["parallel.pp_layers_per_stage"], recipe) == even == parse_keep(["parallel.pp_layers_per_stage=even"], recipe)
+    with pytest.raises(LLMTrainError, match=r"^--keep: parallel.pp_layers_per_stage=\[8, 8\] cannot be kept: only equal "
+                                            r"stages can; keep those with --keep parallel.pp_layers_per_stage=even$"):
+        parse_keep(["parallel.pp_layers_per_stage=[8, 8]"], recipe)
     with pytest.raises(LLMTrainError, match="kept twice"):
         parse_keep(["parallel.tp=2", "parallel.tp=4"], recipe)
 

@@ -188,7 +188,8 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 skip = skipped_attention(recipe, cp)
                 floor = (dense_tok - skip + moe_tok * tp) * tokens_gpu / rate + tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
                 for schedule, v in _schedules(recipe, pp, m.layers, keep):
-                    if not (allowed(keep, "parallel.pp_schedule", schedule) and allowed(keep, "parallel.pp_virtual_stages", v)):
+                    if not (allowed(keep, "parallel.pp_schedule", schedule) and allowed(keep, "parallel.pp_virtual_stages", v)
+                            and allowed(keep, "parallel.pp_layers_per_stage", balanced_split(m.layers, pp * v))):
                         continue
                     for ep in eps:
                         if state_lower_bound(recipe, tp, pp, ep, dp * cp) > capacity:

@@ -5,7 +5,13 @@ schedule) or who has already chosen part of the layout wants the ranking among t
 run, not a winner they cannot use. ``--keep parallel.zero=0`` searches DDP layouts only;
 ``--keep parallel.zero`` (no value) keeps the recipe's own value; the flag repeats. Only the keys the
 search chooses can be kept (:data:`KEYS`); any other key, a value of the wrong type or outside the
-schema's choices is a one-line error naming ``--keep``. The constrained search is the same search
+schema's choices is a one-line error naming ``--keep``. ``--keep parallel.pp_layers_per_stage`` (or
+``=even``) keeps pipelines whose stages hold equal layer counts (layers divisible by pp x virtual
+stages), for stacks that cannot split unevenly: Megatron-LM before 2024's
+``--decoder-first-pipeline-num-layers`` asserted ``num_layers % pipeline_model_parallel_size == 0``
+(``megatron/model/transformer.py`` at aed2f75, 2021) and the same per virtual stage
+(``arguments.py``); the search otherwise spreads leftover layers over the middle stages. A list
+cannot be kept: the search picks pp and v, and a list fixes both. The constrained search is the same search
 (same bounds: they are lower bounds over any subset of the layouts), so what it returns is exactly the
 unconstrained search's order restricted to the kept layouts.
 """
@@ -26,7 +32,9 @@ KEYS: dict[str, tuple[str, int]] = {
     "parallel.zero": ("int", 0), "parallel.dp_replicate": ("int", 1), "parallel.pp_schedule": ("choice", 0),
     "parallel.pp_virtual_stages": ("int", 1), "train.micro_batch_size": ("int", 1),
     "train.activation_checkpointing": ("choice", 0), "parallel.sequence_parallel": ("bool", 0),
+    "parallel.pp_layers_per_stage": ("even", 0),
 }
+EVEN = None  # the kept value of parallel.pp_layers_per_stage: the recipe's "no list", i.e. equal stages
 
 
 def _choices(key: str) -> tuple[str, ...]:
@@ -59,6 +67,11 @@ def parse_keep(items: list[str], recipe: Recipe) -> dict[str, Any]:
                 shown = raw.strip() if sep else value
                 raise LLMTrainError(f"{key}={shown} is not an integer {'between ' + str(low) + top if top else f'>= {low}'}",
                                     f"e.g. --keep {key}={max(low, 1) if key != 'parallel.zero' else 0}", path="--keep")
+        elif kind == "even":
+            if value not in (None, "even"):
+                raise LLMTrainError(f"{key}={raw.strip() if sep else value} cannot be kept: only equal stages can",
+                                    f"keep those with --keep {key}=even", path="--keep")
+            value = EVEN
         elif kind == "bool":
             if not isinstance(value, bool):
                 raise LLMTrainError(f"{key}={raw.strip() if sep else value} is not true or false",
@@ -78,4 +91,4 @@ def allowed(keep: dict[str, Any] | None, key: str, value: Any) -> bool:
 
 
 def keep_text(keep: dict[str, Any] | None) -> str:
-    return " ".join(f"{k}={v}" for k, v in (keep or {}).items())
+    return " ".join(f"{k}={'even' if v is EVEN else v}" for k, v in (keep or {}).items())
