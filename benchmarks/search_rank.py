@@ -60,7 +60,7 @@ def label(s: tuple[int, int, int, int]) -> str:
     return " ".join(f"{k} {v}" for k, v in zip(("tp", "cp", "pp", "ep"), s) if v > 1 or k == "tp")
 
 
-def search_rank(row: dict, top: int = TOP, time_model: str = "v1") -> dict:
+def search_rank(row: dict, top: int = TOP, time_model: str = "v2") -> dict:
     """Where the row's published split lands in ``plan --search`` for its model, GPUs and batch."""
     data = dict(row["recipe"])
     data["cluster"] = dict(data["cluster"], time_model=time_model)
@@ -119,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="plan --search against published layouts")
     ap.add_argument("--tiny", action="store_true", help="CI smoke test: the first Megatron run only, top 20")
     ap.add_argument("--out", type=Path, default=None, help="also write OUT/search_rank.json")
-    ap.add_argument("--time-model", choices=("v1", "v2"), default="v1", help="cluster.time_model of every search")
+    ap.add_argument("--time-model", choices=("v1", "v2"), default="v2", help="cluster.time_model of every search (default v2, the planner's)")
     args = ap.parse_args()
     all_rows = rows()[:1] if args.tiny else rows()
     results = []

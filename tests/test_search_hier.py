@@ -36,8 +36,12 @@ P, R = 70_553_706_496, 2_101_354_496
 RECIPE = """model: {{preset: {preset}}}
 parallel: {{tp: 1, pp: 1, dp_shard: -1, zero: {zero}}}
 train: {{seq_len: {seq}, micro_batch_size: 1, global_batch_size: 32, precision: bf16, activation_checkpointing: full}}
-cluster: {{nodes: {nodes}, gpus_per_node: 8, gpu: {gpu}}}
+cluster: {{nodes: {nodes}, gpus_per_node: 8, gpu: {gpu}, time_model: v1}}
 """
+# Time model v1 (one NIC per GPU for a group that spans nodes, docs/planner.md 6.1): the hint's
+# mechanism. Under v2, the default, NCCL's rings use all eight NICs of a node, full FSDP's traffic
+# hides under these steps' compute, and HSDP's larger optimizer step makes it slower: no hint on
+# these recipes (docs/planner.md 6.1 gives the numbers).
 
 
 def _plan(tmp_path, preset="llama3-70b", gpu="h100-sxm", nodes=4, zero=3, seq=4096):

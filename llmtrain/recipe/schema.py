@@ -294,7 +294,7 @@ class ClusterConfig(Strict):
                     "peaks linearly, peak x cap / TDP (bandwidths unchanged; MFU stays against the datasheet peak); "
                     "from 50 % of the TDP up to the TDP (default: uncapped).")
     time_model: Literal["v1", "v2"] = Field(
-        "v1", description="Planner step-time model: v1 prices FLOPs at peak x one efficiency per GPU and collectives "
+        "v2", description="Planner step-time model: v1 prices FLOPs at peak x one efficiency per GPU and collectives "
                           "on one link; v2 prices each GEMM by shape (roofline, wave quantization, measured matmul "
                           "ceiling), flash attention, memory-bound ops at HBM bandwidth, and collectives with NCCL's "
                           "alpha-beta model over NVLink and all NICs of a node (docs/planner.md, Time model v2). "
