@@ -170,19 +170,23 @@ def test_planner_prices_fp8_matmuls_at_the_fp8_peak():
     """llama3-8b on 64 H100s: fp8 runs the blocks' Linear FLOPs (72 % of the model FLOPs,
     plan/flops.fp8_matmul_fraction) at 1979 instead of 989 TFLOPS, so the compute time falls to
     0.28 + 0.72 x 989 / 1979 = 0.64 of bf16's (2 % tolerance: the fraction excludes the small norm
-    terms the FLOP model counts in the blocks)."""
+    terms the FLOP model counts in the blocks). That is time model v1's rule; under v2, the default,
+    the FP8 GEMMs run at their measured fraction of the FP8 peak and torchao's eager scaling casts and
+    layout copies are priced beside them (plan/fp8time.py), so fp8 gains less: between v1's ratio and 1."""
     import json
     import subprocess
     import sys
 
-    def compute_s(precision: str) -> float:
+    def compute_s(precision: str, time_model: str) -> float:
         out = subprocess.run([sys.executable, "-m", "llmtrain.cli.app", "plan", "recipes/llama3-8b.yaml", "--json",
-                              "--set", f"train.precision={precision}"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout
+                              "--set", f"train.precision={precision}", "--set", f"cluster.time_model={time_model}"],
+                             cwd=REPO, capture_output=True, text=True, check=True).stdout
         return json.loads(out)["time"]["breakdown_s"]["compute"]
 
     from llmtrain.plan.flops import fp8_matmul_fraction
 
     f = fp8_matmul_fraction(load_recipe(REPO / "recipes/llama3-8b.yaml", []).model, 8192)
     assert 0.6 < f < 0.85
-    assert compute_s("fp8") / compute_s("bf16") == pytest.approx((1 - f) + f * 989 / 1979, rel=0.02)
+    ideal = (1 - f) + f * 989 / 1979
+    assert compute_s("fp8", "v1") / compute_s("bf16", "v1") == pytest.approx(ideal, rel=0.02)
+    assert ideal * 1.05 < compute_s("fp8", "v2") / compute_s("bf16", "v2") < 1

@@ -170,6 +170,7 @@ def test_cli_keep():
     text = subprocess.run([*CLI, "plan", "recipes/llama3-70b.yaml", "--search", "--top", "1", "--keep", "parallel.zero=0"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert text.returncode == 0 and "only layouts with parallel.zero=0 (--keep)" in text.stdout
+    assert "did not fit; time model v2; " in text.stdout.splitlines()[0]  # the default step-time model, named
     for args, said in ((["--keep", "parallel.zero=0"], "--keep: only applies to a layout search; add --search"),
                        (["--search", "--keep", "train.seq_len=2"], "--keep: 'train.seq_len' is not a key the search chooses")):
         out = subprocess.run([*CLI, "plan", "recipes/llama3-70b.yaml", *args], cwd=REPO, capture_output=True, text=True,

@@ -58,7 +58,7 @@ def format_result(res: SearchResult, recipe: Recipe, placement: Placement) -> st
     gpu = GPUS[recipe.cluster.gpu]
     head = (f"llmtrain plan --search {res.recipe}: {res.world_size:,} GPUs ({len(placement.nodes)} nodes, {gpu.name}); "
             f"{res.splits} splits (tp, cp, pp, schedule, ep), {res.splits_evaluated} explored, {res.layouts_evaluated} "
-            f"layouts priced, {res.rejected_memory} did not fit; {res.seconds:.2f} s")
+            f"layouts priced, {res.rejected_memory} did not fit; time model {recipe.cluster.time_model}; {res.seconds:.2f} s")
     if res.kept:
         head += "\nonly layouts with " + keep_text(res.kept) + " (--keep)"
     if not res.top:
