@@ -41,15 +41,13 @@ from published_runs import rows  # noqa: E402
 
 from llmtrain.plan.api import resolve_placement  # noqa: E402
 from llmtrain.plan.search import search  # noqa: E402
+from llmtrain.plan.search_keep import keep_text  # noqa: E402
 from llmtrain.recipe.load import validate_recipe_dict  # noqa: E402
 
 NEAR = 0.05  # a published split this close to the search's #1 is inside the model's own error (docs/planner.md 7)
 TOP = 200  # layouts the search returns per run (distinct splits are fewer); enough to reach the published zero
 SEARCHED = ("Megatron-LM Table 1", "Llama 3 Table 4", "NeMo performance summary", "torchtitan H100 2024-12 Table 5",
             "llm-foundry H100 tables", "Megatron-Bridge 25.11 DGX-H100")
-
-
-STACK_SAID = {"Megatron-LM Table 1": "; full recomputation, equal stages"}  # the rows' "stack" (published_runs.py)
 
 
 def split_of(parallel: dict) -> tuple[int, int, int, int]:
@@ -127,6 +125,7 @@ def main() -> None:
           "rank, stack kept | step time vs #1 (all / kept) | search s |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     ranks: dict[str, list] = {}
+    stacks: dict[str, dict] = {}  # what each source's rows say their stack lacked (published_runs.py "stack")
     seen_runs = set()
     for r in all_rows:
         if r["source"] not in SEARCHED:
@@ -139,6 +138,7 @@ def main() -> None:
         x = search_rank(r, top=20 if args.tiny else TOP, time_model=args.time_model)
         results.append({"source": r["source"], "run": r["name"], **{k: v for k, v in x.items()}})
         ranks.setdefault(r["source"], []).append((x["rank"], x["kept_rank"], x["kept_gap"]))
+        stacks[r["source"]] = r.get("stack", {})
         rank, same = (str(x[k + "rank"]) if x[k + "rank"] else f"> {x[k + 'seen']}" for k in ("", "kept_"))
         best = f"{label(x['best'])} zero {x['best_zero']} ({x['best_tokens']:,.0f})" if "best" in x else "nothing fits"
         zero = r["recipe"]["parallel"].get("zero", 0)
@@ -150,7 +150,7 @@ def main() -> None:
         top3, same3 = (sum(1 for k in rs if k[i] and k[i] <= 3) for i in (0, 1))
         near = sum(1 for k in rs if k[2] is not None and k[2] <= NEAR)
         print(f"- {source}: published split in the top 3 for {top3} of {len(rs)} runs; "
-              f"{same3} of {len(rs)} with the published stack kept (its zero; no SP where it had none{STACK_SAID.get(source, '')}); "
+              f"{same3} of {len(rs)} with the published stack kept (its zero; no SP where it had none{'; ' + keep_text(stacks[source]) if stacks[source] else ''}); "
               f"within {NEAR:.0%} of #1's step time (kept) for {near} of {len(rs)}")
     print("\n| source | layouts (published -> predicted tokens/s/GPU) | Kendall tau |")
     print("|---|---|---:|")

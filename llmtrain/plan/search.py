@@ -188,15 +188,16 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 skip = skipped_attention(recipe, cp)
                 floor = (dense_tok - skip + moe_tok * tp) * tokens_gpu / rate + tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
                 for schedule, v in _schedules(recipe, pp, m.layers, keep):
+                    split = balanced_split(m.layers, pp * v)  # None for pp 1: one stage holds every layer
                     if not (allowed(keep, "parallel.pp_schedule", schedule) and allowed(keep, "parallel.pp_virtual_stages", v)
-                            and allowed(keep, "parallel.pp_layers_per_stage", balanced_split(m.layers, pp * v))):
+                            and allowed(keep, "parallel.pp_layers_per_stage", split)):
                         continue
                     for ep in eps:
                         if state_lower_bound(recipe, tp, pp, ep, dp * cp) > capacity:
                             continue
                         ep_s = ep_floor(recipe, gpu, tp, pp, cp, dp, gbs, ep)
                         bound = (floor + ep_s) * (1 + bubble_fraction(schedule, pp, v, gbs // dp))
-                        splits.append((bound, tp, cp, pp, schedule, v, ep, dp))
+                        splits.append((bound, tp, cp, pp, schedule, v, ep, dp, split))
     result.splits = len(splits)
     splits.sort()
     found: list[Choice] = []
@@ -206,10 +207,9 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    for bound, tp, cp, pp, schedule, v, ep, dp in splits:
+    for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
-        split = balanced_split(m.layers, pp * v) if pp > 1 else None
         sp = tp > 1 and (t.seq_len // cp) % tp == 0
         kept_sp = (keep or {}).get("parallel.sequence_parallel")
         if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
