@@ -9,7 +9,10 @@ What is measured (docs/planning-speed.md explains the goal, < 0.5 s cold):
   ``llmtrain`` process, output to /dev/null, for: ``python -c pass`` (the interpreter alone, the
   floor), ``llmtrain plan recipes/llama3-405b.yaml --nodes 2048 --gpus-per-node 8`` and the same
   with ``--search`` (default ``--top 5``). "Cold" = a new interpreter each time; the ``.pyc``
-  files already exist (one warm-up round is run first and discarded). The commands are run
+  files already exist, as on any machine after the first run: the children run without
+  ``PYTHONDONTWRITEBYTECODE`` (some sandboxes set it, and then an editable install compiles
+  llmtrain's modules from source on every run, ~0.1 s more), and one warm-up round writes them
+  and is discarded. The commands are run
   round-robin (common.interleaved), so load from other users of the machine hits them alike;
   median and minimum are reported (the minimum is the best estimate of an idle machine), plus
   the child's CPU time (``getrusage(RUSAGE_CHILDREN)``).
@@ -39,10 +42,12 @@ def cli() -> list[str]:
 
 
 def timed_run(cmd: list[str], cpu: list[float]):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
     def fn() -> float:
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
-        done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        done = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wall = time.perf_counter() - t0
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if done.returncode != 0:
