@@ -30,8 +30,22 @@ def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int,
     cmd = [sys.executable, str(LAUNCH), str(nproc), str(WORKER), str(spec)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{error_lines(proc.stdout + proc.stderr)}\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return torch.load(out, weights_only=False)
+
+
+def error_lines(text: str, most: int = 20) -> str:
+    """Every distinct exception line of a failed job, in order of first appearance. The tail
+    alone shows the first rank the agent saw fail; a peer's own error (the cause of a gloo
+    "Connection closed by peer" on the rank that failed first) is earlier in the output."""
+    seen: dict[str, None] = {}
+    for line in text.splitlines():
+        msg = line.split("] ", 1)[-1].strip() if "api.py" in line else line.strip()  # drop the agent's log prefix
+        if msg and ("Error:" in msg or "Exception:" in msg) and not msg.startswith("raise "):
+            seen.setdefault(msg[:500])
+    lines = list(seen)
+    return "distinct errors:\n" + "\n".join(lines[:most]) + (f"\n(+{len(lines) - most} more)" if len(lines) > most else "")
 
 
 def compare_to_reference(case: str, got: dict, ref: dict, steps: int, loss_tol: float, weight_tol: float
