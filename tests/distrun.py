@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "dist_worker.py"
 LAUNCH = ROOT / "tests" / "dist_launch.py"
+GLOG_PREFIX = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+:\d+\] ")  # "E1203 16:05:12.093000 11179 .../api.py:836] "
 
 
 def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int, common: list[str] | None = None,
@@ -41,7 +43,7 @@ def error_lines(text: str, most: int = 20) -> str:
     "Connection closed by peer" on the rank that failed first) is earlier in the output."""
     seen: dict[str, None] = {}
     for line in text.splitlines():
-        msg = line.split("] ", 1)[-1].strip() if "api.py" in line else line.strip()  # drop the agent's log prefix
+        msg = GLOG_PREFIX.sub("", line).strip()  # the agent logs each rank's traceback line behind one
         if msg and ("Error:" in msg or "Exception:" in msg) and not msg.startswith("raise "):
             seen.setdefault(msg[:500])
     lines = list(seen)
