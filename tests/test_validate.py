@@ -322,7 +322,12 @@ def test_large_bubble_warns():
     plan = plan_of(data)
     assert plan.valid
     p = find(plan.validation.warnings, "parallel.pp", "pipeline bubble is 75% of the step (4 microbatches for pp 4, 1f1b)")
-    assert "raise global_batch_size" in p.hint
+    assert "raise global_batch_size" in p.hint and p.hint.endswith("or use an interleaved schedule")
+    # already interleaved: the way out is more virtual stages, not "use an interleaved schedule"
+    inter = debug({"parallel": {"pp": 2, "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": 2},
+                   "train": {"global_batch_size": 16, "micro_batch_size": 2}})
+    p = find(warnings(inter), "parallel.pp", "pipeline bubble is 25% of the step (2 microbatches for pp 2, interleaved-1f1b)")
+    assert p.hint.endswith("or raise parallel.pp_virtual_stages (now 2)") and "interleaved schedule" not in p.hint
     data["train"]["global_batch_size"] = 64  # 32 microbatches: bubble 3/32 < 20%
     assert not [w for w in warnings(data) if w.path == "parallel.pp"]
 

@@ -209,8 +209,8 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
                          "remove it"))
         _check_compression(recipe, dp * p.cp, err, warn)
         if p.zero == 3 and p.pp > 1:
-            warn(Problem("parallel.zero", "with pp > 1 parameters are not resharded after forward (memory as zero 2): "
-                         "zero-bubble schedules need the unsharded weights for their weight-gradient pass",
+            warn(Problem("parallel.zero", "with pp > 1 parameters are not resharded after forward (memory as zero 2), "
+                         "under every schedule: the zero-bubble ones need the unsharded weights for their weight-gradient pass",
                          "nothing to do; set zero: 2 to make it explicit"))
         if not out.errors:
             out.dims = dims
@@ -316,8 +316,13 @@ def _check_microbatches(recipe: Recipe, batch: BatchMath, err, warn) -> None:
     else:
         bubble = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, mb)
         if bubble > BUBBLE_WARN:
+            # the third way out depends on the schedule: interleaved ones take more virtual stages, the
+            # V schedules (zbv, dualpipev) hold a fixed two per rank
+            third = {"gpipe": ", or use an interleaved schedule", "1f1b": ", or use an interleaved schedule"}.get(
+                p.pp_schedule, f", or raise parallel.pp_virtual_stages (now {p.pp_virtual_stages})"
+                if p.pp_schedule in INTERLEAVED else "")
             warn(Problem("parallel.pp", f"pipeline bubble is {bubble:.0%} of the step ({mb} microbatches for pp {p.pp}, {p.pp_schedule})",
-                         "raise global_batch_size (more microbatches), lower micro_batch_size, or use an interleaved schedule"))
+                         f"raise global_batch_size (more microbatches) or lower micro_batch_size{third}"))
 
 
 def _even_split(layers: int, stages: int) -> list[int]:
