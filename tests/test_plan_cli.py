@@ -105,7 +105,7 @@ def test_recipe_errors_one_line_each(tmp_path):
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 3 and all(line.startswith("error: ") for line in lines)
-    assert "error: parallel.tpp: unknown key; valid keys here: tp, pp, cp, ep" in out.stderr
+    assert "error: parallel.tpp: unknown key; did you mean parallel.tp or parallel.pp? valid keys here: tp, pp, cp, ep" in out.stderr
     assert "error: parallel.pp: " in out.stderr and "error: train.seq_len: " in out.stderr
 
 

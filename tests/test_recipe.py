@@ -188,11 +188,19 @@ def test_literals_list_allowed_values(snippet, path, allowed):
 def test_unknown_key_lists_valid_keys():
     errs = problems_of("model: {preset: debug-dense}\nparallel: {tpp: 2}\ntrian: {}")
     p = find(errs, "parallel.tpp", "unknown key")
-    assert p.hint.startswith("valid keys here: ") and "tp, pp, cp, ep, dp_replicate, dp_shard" in p.hint
+    assert p.hint.startswith("did you mean parallel.tp or parallel.pp? valid keys here: ")
+    assert "tp, pp, cp, ep, dp_replicate, dp_shard" in p.hint
     p = find(errs, "trian", "unknown key")
-    assert "model, parallel, train, data, checkpoint, cluster" in p.hint
+    assert p.hint.startswith("did you mean train? ") and "model, parallel, train, data, checkpoint, cluster" in p.hint
     p = find(problems_of("model: {preset: debug-dense, moe: {topk: 2}}"), "model.moe.topk", "unknown key")
-    assert "top_k" in p.hint
+    assert p.hint.startswith("did you mean model.moe.top_k? ")
+    # the same name in another section: the key the user had in mind, one level off
+    for typo, meant in (("train: {lr: 0.1}", "train.optimizer.lr"), ("parallel: {seq_len: 8}", "train.seq_len"),
+                        ("train: {warmup_steps: 3}", "train.schedule.warmup_steps"), ("train: {tp: 2}", "parallel.tp")):
+        (p,) = problems_of(f"model: {{preset: debug-dense}}\n{typo}")
+        assert p.message == "unknown key" and p.hint.startswith(f"did you mean {meant}? valid keys here: "), p.line()
+    (p,) = problems_of("model: {preset: debug-dense}\ntrain: {optimizer: {learning_rate: 1}}")
+    assert p.hint == "valid keys here: lr, betas, weight_decay, eps, states"  # nothing close: only the list
 
 
 def test_several_field_errors_at_once():

@@ -44,5 +44,6 @@ def prepare_cmd(
 
     meta = prepare(inputs, out, tokenizer, progress=progress, force=force, text_field=text_field, split=split,
                    workers=workers)
-    print(f"prepared {meta['n_tokens']:,} tokens in {meta['n_docs']:,} documents "
+    docs = f"{meta['n_docs']:,} document" + ("" if meta["n_docs"] == 1 else "s")
+    print(f"prepared {meta['n_tokens']:,} tokens in {docs} "
           f"({meta['dtype']}, vocab {meta['vocab_size']:,}) -> {out}")

@@ -6,6 +6,7 @@ its dotted recipe path and a fix; nothing here raises anything else for bad inpu
 
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
 import typing
@@ -163,7 +164,9 @@ def _problem_from_pydantic(err: dict[str, Any]) -> Problem:
     got = _short(err.get("input"))
     if kind == "extra_forbidden":
         valid = _valid_keys(loc[:-1])
-        return Problem(path, "unknown key", f"valid keys here: {', '.join(valid)}" if valid else "remove it")
+        guess = _did_you_mean(loc)
+        listed = f"valid keys here: {', '.join(valid)}" if valid else "remove it"
+        return Problem(path, "unknown key", f"did you mean {guess}? {listed}" if guess else listed)
     if kind == "invalid_key":  # a YAML key that is not a string (true, 1, null); loc holds it mangled
         key = err.get("input")
         valid = _valid_keys(loc[:-1])
@@ -231,6 +234,34 @@ def _valid_keys(loc: list[str]) -> list[str]:
     if model is None:
         return []
     return [field.alias or name for name, field in model.model_fields.items()]
+
+
+def _key_paths(model: type[BaseModel], prefix: str = "", depth: int = 0) -> list[str]:
+    """Every key of the recipe schema as a dotted path (sections and leaves)."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        out.append(path)
+        child = _model_of(field.annotation)
+        if child is not None and depth < 6:
+            out.extend(_key_paths(child, path + ".", depth + 1))
+    return out
+
+
+def _did_you_mean(loc: list[str]) -> str | None:
+    """For an unknown key: a sibling spelled almost the same (``parallel.tpp`` -> tp or pp), else
+    the same name in another section (``train.lr`` -> ``train.optimizer.lr``, ``parallel.seq_len``
+    -> ``train.seq_len``), nearest to where it was written first."""
+    name, parent = loc[-1], loc[:-1]
+    close = difflib.get_close_matches(name, _valid_keys(parent), n=2, cutoff=0.8)
+    if close:
+        return " or ".join(".".join([*parent, c]) for c in close)
+    same = [p for p in _key_paths(Recipe) if p.rsplit(".", 1)[-1] == name]
+    if not same:
+        return None
+    here = ".".join(parent) + "."
+    same.sort(key=lambda p: (not p.startswith(here) if parent else False, p.count("."), p))
+    return " or ".join(same[:2])
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:
