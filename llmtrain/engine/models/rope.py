@@ -92,9 +92,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     module docstring, equal up to fp32 rounding (the complex kernel may fuse multiply-adds), but
     one kernel forward and one backward instead of strided selects, four multiplies, a stack and
     their backward (about 3x faster on CPU, see docs/engine.md "Performance").
+
+    Under ``torch.compile`` (``train.compile``) the formula itself runs instead: inductor does not
+    generate code for complex operators (it falls back to the eager kernel and warns, on every
+    rank), while the four multiplies and two adds fuse with the cast and the copy around them.
     """
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if torch.compiler.is_compiling():
+        c, s = cos.float().unsqueeze(2), sin.float().unsqueeze(2)  # [b|1, s, 1, d/2]
+        pairs = x.to(torch.float32).unflatten(-1, (-1, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
     # .float(): FSDP2's bf16 MixedPrecisionPolicy casts a block's floating inputs, cos/sin included.
     rotation = torch.complex(cos.float(), sin.float()).unsqueeze(2)  # [b|1, s, 1, d/2], complex64
     pairs = torch.view_as_complex(x.to(torch.float32).contiguous().unflatten(-1, (-1, 2)))
