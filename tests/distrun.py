@@ -34,7 +34,21 @@ def run_cases(tmp: Path, nproc: int, recipe: str, cases: list[dict], steps: int,
     if proc.returncode != 0:
         raise AssertionError(f"torchrun failed ({proc.returncode}):\n{error_lines(proc.stdout + proc.stderr)}\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    ours = own_warnings(proc.stdout + proc.stderr)
+    if ours:
+        raise AssertionError("the engine's own code warned (a deprecated torch API: every rank prints it to the "
+                             "user):\n" + "\n".join(ours))
     return torch.load(out, weights_only=False)
+
+
+OWN_WARNING = re.compile(r"/llmtrain/[\w/]+\.py:\d+: \w*Warning: ")  # ".../llmtrain/engine/x.py:12: FutureWarning: ..."
+
+
+def own_warnings(text: str) -> list[str]:
+    """Python warnings raised at a line of llmtrain's own source (torch's deprecations of the
+    functional collectives were: one line per rank and call site), distinct, in order."""
+    found = (OWN_WARNING.search(line) for line in text.splitlines())
+    return list(dict.fromkeys(m.string[m.start():].strip()[:300] for m in found if m))  # rank prefixes dropped
 
 
 def error_lines(text: str, most: int = 20) -> str:

@@ -58,3 +58,18 @@ def test_readme_main_job_trains_and_reports(tmp_path):
     assert report.returncode == 0, report.stderr
     png = (run / "report.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_own_warning_pattern_catches_the_engines_lines_only():
+    """tests/distrun.py fails a multi-rank job whose output has a Python warning raised at a line
+    of llmtrain's own source (a deprecated torch API, printed by every rank); torch's own
+    warnings and the source line echoed under a warning are not ours."""
+    from tests.distrun import own_warnings
+
+    text = ("[localhost:0] /ci/llmtrain/engine/parallel/expert.py:158: FutureWarning: `all_gather_tensor` is deprecated\n"
+            "[localhost:0]   return wait_tensor(funcol.all_gather_tensor(x.contiguous(), 1, group))\n"
+            "[localhost:1] /ci/llmtrain/engine/parallel/expert.py:158: FutureWarning: `all_gather_tensor` is deprecated\n"
+            "/ci/llmtrain/.venv/lib/python3.11/site-packages/torch/x.py:3: UserWarning: torch's own\n"
+            "/ci/llmtrain/engine/parallel/context.py:126: FutureWarning: deprecated\n")
+    assert [w.split(": ")[0].rsplit("/", 1)[-1] for w in own_warnings(text)] == ["expert.py:158", "context.py:126"]
+    assert own_warnings("warning: train.schedule.warmup_steps: warmup (5) is longer than the run") == []
