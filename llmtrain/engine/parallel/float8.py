@@ -60,7 +60,9 @@ paths run in the GPU check
 
 from __future__ import annotations
 
+import logging
 import sys
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -125,7 +127,29 @@ def apply_float8(model: nn.Module, fp8_all_gather: bool = False, emulate: bool =
 
 def precompute_fp8_scales(parts: list[nn.Module]) -> None:
     """One all-reduce for the tensorwise scales of every FP8-all-gathered weight (module docstring:
-    called at the start of each step). A no-op for modules without such weights."""
+    called at the start of each step). A no-op for modules without such weights.
+
+    Under TP x FSDP2 the weights are 2-D DTensors and torchao stacks their amaxes into one 2-D
+    ``Partial(max)`` vector, which DTensor reduces with two sequential all-reduces (one per mesh
+    dimension); torch 2.13 logs that once per rank ("... 2 sequential all_reduce operations ...
+    flatten mesh dimensions"). The vector is one fp32 value per weight (a few KiB), so the cost is
+    one collective latency per step, and torch's remedy (a flattened (dp_shard_cp, tp) mesh: one
+    more process group for every 2-D layout) is not worth it; the note is kept out of every rank's
+    output for this call only (:func:`_quiet_redistribute_note`)."""
     float8 = _torchao_float8()
-    for part in parts:
-        float8.precompute_float8_dynamic_scale_for_fsdp(part)
+    with _quiet_redistribute_note():
+        for part in parts:
+            float8.precompute_float8_dynamic_scale_for_fsdp(part)
+
+
+@contextmanager
+def _quiet_redistribute_note():
+    """DTensor's redistribution logger at ERROR for the block (restored after): its only
+    WARNING is the sequential-collectives note of :func:`precompute_fp8_scales`."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
