@@ -316,11 +316,13 @@ def _check_microbatches(recipe: Recipe, batch: BatchMath, err, warn) -> None:
     else:
         bubble = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual_stages, mb)
         if bubble > BUBBLE_WARN:
-            # the third way out depends on the schedule: interleaved ones take more virtual stages, the
-            # V schedules (zbv, dualpipev) hold a fixed two per rank
-            third = {"gpipe": ", or use an interleaved schedule", "1f1b": ", or use an interleaved schedule"}.get(
-                p.pp_schedule, f", or raise parallel.pp_virtual_stages (now {p.pp_virtual_stages})"
-                if p.pp_schedule in INTERLEAVED else "")
+            # the third way out depends on the schedule; the V schedules (zbv, dualpipev) hold a fixed
+            # two stages per rank, so only more micro batches help them
+            third = ""
+            if p.pp_schedule in ("gpipe", "1f1b"):
+                third = ", or use an interleaved schedule"
+            elif p.pp_schedule in INTERLEAVED:
+                third = f", or raise parallel.pp_virtual_stages (now {p.pp_virtual_stages})"
             warn(Problem("parallel.pp", f"pipeline bubble is {bubble:.0%} of the step ({mb} microbatches for pp {p.pp}, {p.pp_schedule})",
                          f"raise global_batch_size (more microbatches) or lower micro_batch_size{third}"))
 

@@ -46,14 +46,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed import _functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
-
-# torch 2.13 renamed it (the old name warns once per rank); same signature, older torch has only the old
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+from llmtrain.engine.parallel.funcol_names import all_gather_autograd
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, method: str) -> torch.Tensor:
@@ -127,7 +124,7 @@ def _gather_seq(x: torch.Tensor, group, cp: int, order: list[int] | None = None)
     # wait here, while ``flat`` (a temporary) is alive: the collective then never outlives the
     # buffers it reads (a gloo send thread once segfaulted reading freed memory in a CP job under
     # heavy load; not proven to be this, but nothing overlaps here anyway: SDPA waits next)
-    gathered = wait_tensor(_all_gather_autograd(flat, gather_dim=0, group=group))  # [cp*s, b, h, d]
+    gathered = wait_tensor(all_gather_autograd(flat, gather_dim=0, group=group))  # [cp*s, b, h, d]
     del flat
     if order is not None:  # rank order -> global order; the rank-order buffer is freed on rebinding
         gathered = ChunkOrder.apply(gathered, order)

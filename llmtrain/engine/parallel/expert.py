@@ -61,15 +61,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
-# torch 2.13 renamed the functional all-gather / reduce-scatter (the old names warn on every call
-# site, once per rank: 64 lines in a 16-rank run); same signature, older torch has only the old
-_all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", funcol.reduce_scatter_tensor)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from llmtrain.engine.models.moe import MoE, GroupedExperts
+from llmtrain.engine.parallel import funcol_names
 
 
 class AllToAllDispatcher:
@@ -160,11 +156,11 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return wait_tensor(_all_gather(x.contiguous(), 1, group))
+        return wait_tensor(funcol_names.all_gather(x.contiguous(), 1, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return wait_tensor(_reduce_scatter(grad.contiguous(), "sum", 1, ctx.group)), None
+        return wait_tensor(funcol_names.reduce_scatter(grad.contiguous(), "sum", 1, ctx.group)), None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -173,11 +169,11 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return wait_tensor(_reduce_scatter(x.contiguous(), "sum", 1, group))
+        return wait_tensor(funcol_names.reduce_scatter(x.contiguous(), "sum", 1, group))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return wait_tensor(_all_gather(grad.contiguous(), 1, ctx.group)), None
+        return wait_tensor(funcol_names.all_gather(grad.contiguous(), 1, ctx.group)), None
 
 
 class ExpertTPRegion:
