@@ -129,6 +129,30 @@ def test_unfused_norm_adds_its_bytes_to_both_norms_and_the_final_one():
     assert v1_unfused.time.step_s == v1.time.step_s
 
 
+def test_whole_block_recompute_reruns_the_last_gemm_and_counts_its_flops():
+    """planner.full_recompute whole_block (Megatron-LM's CheckpointFunction): full recomputation
+    re-runs each block's w2 as well: the backward gains exactly w2's forward GEMM time (v2), the
+    hardware FLOPs 2 x h x ffn per token and block (8B: 32 blocks, h 4096, ffn 14336), model FLOPs
+    and memory do not move; without full AC it changes nothing; plan names it only under full AC."""
+    gpu = GPUS["h100-sxm"]
+    x = ops.BlockShape(**{**TINY.__dict__, "fp8_peak": 0.0, "recompute": "full"})
+    w = ops.BlockShape(**{**x.__dict__, "recompute_whole": True})
+    (ef, eb), (wf, wb) = ops.block_seconds(x, gpu, False), ops.block_seconds(w, gpu, False)
+    w2 = ops.gemm_fwd_bwd(x.b * x.s, x.h, x.ffn, gpu, None, None)[0]
+    assert wf == ef and wb - eb == pytest.approx(w2, rel=1e-12)
+    full = dict(train__precision="bf16", train__activation_checkpointing="full")
+    engine, whole = _plan(_recipe(**full)), _plan(_recipe(**full, planner__full_recompute="whole_block"))
+    tokens = 16 * 8192
+    assert whole.flops["hardware_flops_per_step"] - engine.flops["hardware_flops_per_step"] == pytest.approx(
+        2 * 4096 * 14336 * 32 * tokens, rel=1e-9)
+    assert whole.flops["model_flops_per_step"] == engine.flops["model_flops_per_step"]
+    assert whole.worst.peak == engine.worst.peak and whole.time.step_s > engine.time.step_s
+    assert "planner.full_recompute whole_block" in whole.assumptions and not engine.assumptions
+    sel, sel_whole = _plan(_recipe(train__precision="bf16")), _plan(_recipe(train__precision="bf16",
+                                                                            planner__full_recompute="whole_block"))
+    assert sel_whole.time.step_s == sel.time.step_s and not sel_whole.assumptions
+
+
 def test_unchunked_loss_holds_the_full_fp32_logits_and_changes_no_time():
     """planner.loss unchunked: the last stage keeps the [b s, V] fp32 log-probabilities (4 bytes) and
     the bf16 logits through the backward; memory only. 8B: V = 128,256, b s = 16,384."""

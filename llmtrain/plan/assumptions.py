@@ -21,6 +21,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append("planner.tp_overlap true")
     if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
         out.append(f"planner.norm {pl.norm}")
+    if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":
+        out.append(f"planner.full_recompute {pl.full_recompute}")
     if pl.loss != "engine":
         out.append(f"planner.loss {pl.loss}")
     if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):

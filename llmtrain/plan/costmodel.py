@@ -227,6 +227,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     lk = lora_key(t.lora)
     model_tok = flops_per_token(m, seq, lk)
     recompute = t.activation_checkpointing
+    whole = recipe.planner.full_recompute == "whole_block"  # another stack's checkpoint re-runs each block's last GEMM
     hw_tok = head_flops_per_token(m, lk)
     works: list[RankWork] = []
     comm_by_rank: list[list[Comm]] = []
@@ -243,7 +244,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
         fwd = bwd = 0.0
-        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk, dims.tp):
+        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk, dims.tp, whole):
             # Time, not FLOP counting: causal SDPA kernels skip the masked half of the scores
             # (a third of them in the forward)
             split -= skipped_attention
@@ -300,7 +301,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             cpu_f, cpu_b = ops.launch_seconds(shape, len(inv.layers), t.compile, mode.kind == "fsdp")
             works[-1].fwd_s, works[-1].bwd_s = max(f_s, cpu_f), max(b_s, cpu_b)
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last)
-    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp):
+    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp, whole):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
@@ -326,7 +327,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     return cm
 
 
-def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1) -> list[tuple]:
+def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1,
+                  whole_block: bool = False) -> list[tuple]:
     """``(count, (split, replicated, recompute split, recompute replicated), (forward split, forward
     replicated))`` FLOPs per token of the given blocks, grouped: by kind (dense, MoE) without LoRA
     (the forward is a third); with LoRA block 0 differs from the others (its input needs no
@@ -340,7 +342,8 @@ def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: 
         if n:
             layer = next(layer for layer in layers if is_moe_layer(m, layer) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
-            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute, tp=tp), (split / 3, rep / 3)))
+            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute, tp=tp, whole_block=whole_block),
+                        (split / 3, rep / 3)))
     return out
 
 

@@ -80,7 +80,7 @@ def head_flops_per_token(model: ModelConfig, lora=None) -> float:
 
 
 def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, recompute: str,
-                              lora=None, tp: int = 1) -> tuple[float, float]:
+                              lora=None, tp: int = 1, whole_block: bool = False) -> tuple[float, float]:
     """Extra hardware FLOPs per token of block ``layer`` from activation recomputation (``tp``:
     the tensor-parallel degree, which only ``selective_mm`` depends on).
 
@@ -89,6 +89,9 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     non-reentrant checkpoint stops recomputing once every tensor backward needs exists again
     (``set_checkpoint_early_stop``, on by default), and the down projection's output feeds only
     the residual add, which saves nothing (dense: ``w2``; MoE: the shared experts' ``w2``).
+    ``whole_block`` (``planner.full_recompute: whole_block``, another stack's checkpoint: Megatron-LM's
+    ``CheckpointFunction``, torch's ``use_reentrant=True``) re-runs that last matmul too: one third of
+    the block's forward + backward (LoRA recipes keep the engine's rule).
     ``selective`` keeps every matmul and SDPA output (``engine/parallel/checkpointing.py``) and
     recomputes only element-wise ops (norms, RoPE, SiLU, residual adds): no matmul FLOPs, 0.
     ``selective_mm`` (torchtitan's op policy) re-runs the forward GEMMs of ``wk``, the dense MLP's
@@ -112,6 +115,8 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
         return split - 2.0 * model.hidden * model.ffn_hidden, replicated
     split, replicated = block_flops_per_token(model, layer, seq_len)
     h = model.hidden
+    if whole_block:
+        return split / 3.0, replicated / 3.0
     if model.is_moe_layer(layer):
         return split / 3.0 - 2.0 * h * model.moe.shared_experts * model.expert_ffn, replicated / 3.0
     return split / 3.0 - 2.0 * h * model.ffn_hidden, replicated / 3.0

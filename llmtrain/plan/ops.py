@@ -89,6 +89,7 @@ class BlockShape:
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
     attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
     norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
+    recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
 
 
@@ -166,7 +167,7 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     for m, n, k, peak, count, recomputed in gemms:
         f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
         fwd, bwd = fwd + count * f, bwd + count * b_
-        again += count * f if recomputed else 0.0
+        again += count * f if recomputed or x.recompute_whole else 0.0
     af, ab = layer_attention_seconds(x, gpu, sms)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
@@ -213,6 +214,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
                       recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel,
                       norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
+                      recompute_whole=recipe.planner.full_recompute == "whole_block",
                       kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0)
 
 

@@ -61,6 +61,13 @@ class PlannerConfig(Strict):
                               "composite RMSNorm of torchtitan 2024's norm_type rmsnorm: x.float(), pow, mean, rsqrt, "
                               "mul, type_as, mul by the weight, each its own kernel, and their autograd backward; "
                               "fused again under train.compile). plan/ops.py.")
+    full_recompute: Literal["engine", "whole_block"] = Field(
+        "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
+                              "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
+                              "every tensor the backward needs exists again, so each block's last GEMM, w2, is not "
+                              "re-run), whole_block (the whole forward of each block, its last GEMM included, as "
+                              "Megatron-LM's and Megatron-Core's CheckpointFunction and torch's use_reentrant=True "
+                              "do). Time and hardware FLOPs; memory is the same. plan/flops.py.")
     cp_kv: Literal["engine", "repeated"] = Field(
         "engine", description="Planner only; what context parallelism moves. engine (the bundled engine: K/V with "
                               "their kv_heads only, repeated for GQA after the exchange, as Megatron-Core and Llama 3 "
