@@ -85,7 +85,7 @@ def with_split(recipe: dict) -> dict:
     """The planner's balanced pipeline split where the layers do not divide pp x v evenly."""
     par = recipe["parallel"]
     pp, v = par.get("pp", 1), par.get("pp_virtual_stages", 1)
-    if pp > 1:
+    if pp > 1 and "pp_layers_per_stage" not in par:
         split = balanced_split(layers_of(recipe["model"]), pp * v)
         if split:
             par["pp_layers_per_stage"] = split
@@ -191,19 +191,35 @@ def megatron_flops(batch: int, layers: int, h: int, s: int = 2048, vocab: int = 
     return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
 
 
+# Llama 3 405B's stack as the paper (section 3.3.2) describes it: FSDP that "shards optimizer states and
+# gradients, but for model shards we do not reshard after forward computation" (the engine's zero 2:
+# FSDP2 without resharding after the forward), gradients "reduce-scatter[ed] ... in FP32" (reduce_dtype
+# fp32); "we reduce one Transformer layer each from the first and the last stages ... the first model
+# chunk on the first stage has only the embedding, and the last model chunk on the last stage has only
+# output projection and loss": removing one layer empties a chunk, so a chunk is one layer and the 126
+# layers fill pp x v - 2 chunks: v = 8 at pp 16 (interleaved); "we could pre-train Llama 3 on sequences
+# of 8K tokens without activation checkpointing".
+LLAMA3_LAYERS = [0] + [1] * 126 + [0]
+
+
 def llama3_rows() -> list[dict]:
     out = []
     for gpus, cp, seq, gbs, tflops, mfu in ((8192, 1, 8192, 2048, 430, 0.43), (16384, 1, 8192, 2048, 400, 0.41),
                                             (16384, 16, 131072, 128, 380, 0.38)):
+        ac = "none" if cp == 1 else "selective"  # the paper says so for 8K; 128K: not said, the engine's lightest fit
         out.append(dict(
             source="Llama 3 Table 4", url=LLAMA3_URL, name=f"Llama 3 405B, {gpus:,} H100, TP 8 CP {cp} PP 16, seq {seq:,}",
             metric="TFLOP/s/GPU (MFU)", published=tflops, published_mfu=mfu,
-            recipe=recipe(dict(preset="llama3-405b"), dict(tp=8, cp=cp, pp=16, zero=1, pp_schedule="interleaved-1f1b",
-                                                           pp_virtual_stages=4, cp_method="allgather"),
-                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=gbs, activation_checkpointing="selective"),
+            recipe=recipe(dict(preset="llama3-405b"), dict(tp=8, cp=cp, pp=16, zero=2, reduce_dtype="fp32",
+                                                           pp_schedule="interleaved-1f1b", pp_virtual_stages=8,
+                                                           pp_layers_per_stage=list(LLAMA3_LAYERS), cp_method="allgather"),
+                          dict(seq_len=seq, micro_batch_size=1, global_batch_size=gbs, activation_checkpointing=ac),
                           gpus, "h100-sxm"),
-            note=("interleaved v = 4 (the paper does not give v), ZeRO-1, selective recomputation" if cp == 1 and gpus == 8192
-                  else "all-gather CP" if cp > 1 else "as above")))
+            note=("FSDP without resharding after the forward (zero 2), fp32 reduce-scatter, interleaved v = 8 with the "
+                  "first and last chunks holding only the embedding and the output (the paper's pipeline balancing: "
+                  "one layer per chunk), no activation checkpointing at 8K (section 3.3.2)" if cp == 1 and gpus == 8192
+                  else "all-gather CP; selective recomputation (the paper says none only for 8K)" if cp > 1
+                  else "as above")))
     return out
 
 

@@ -1,6 +1,7 @@
 """The layout orderings the Megatron-LM SC'21 paper measured (its Figures 11-16), planned with the CLI.
 
-    python benchmarks/sc21_figures.py          # the markdown table of docs/planner.md 7, "Rank quality"
+    python benchmarks/sc21_figures.py                 # the markdown table of docs/planner.md 7, "Rank quality"
+    python benchmarks/sc21_figures.py --tiny --out D  # CI smoke test: the same (under a second), D/sc21_figures.json
 
 Table 1 of the paper (benchmarks/published_runs.py) gives one layout per model, so it can only say
 where the search puts that layout. Figures 11-16 measure several layouts of one model on one GPU
@@ -28,6 +29,8 @@ torch's 1F1B schedules refuse them; Megatron-LM ran them with a longer bubble).
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -149,7 +152,11 @@ def evaluate() -> list[dict]:
     return [f() for f in FIGURES]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="the SC'21 paper's measured layout orders, planned")
+    ap.add_argument("--tiny", action="store_true", help="CI smoke test (the whole benchmark: it plans in under a second)")
+    ap.add_argument("--out", type=Path, default=None, help="also write OUT/sc21_figures.json")
+    args = ap.parse_args(argv)
     results = evaluate()
     print("| figure | runs (NVIDIA's script) | the paper says | planned TFLOP/s/GPU (eq. 3), in the runs' order | order holds |")
     print("|---|---|---|---|---|")
@@ -157,6 +164,9 @@ def main() -> None:
         print(f"| {r['fig']} | {r['runs']} | {r['says']} | {r['planned']} | {'yes' if r['holds'] else '**no**'} |")
     print(f"\n{sum(r['holds'] for r in results)} of {len(results)} stated orderings hold; scripts: "
           + SCRIPTS.format(n="11 ... 16"), file=sys.stderr)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sc21_figures.json").write_text(json.dumps({"tiny": args.tiny, "results": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

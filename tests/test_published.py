@@ -153,7 +153,7 @@ def test_sc21_figure_orderings_and_their_docs_table():
                                                        "16": False}
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        sc21_figures.main()
+        sc21_figures.main([])
     table = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("|"))
     assert table in (REPO / "docs" / "planner.md").read_text(), \
         "docs/planner.md Rank quality is stale: paste `python benchmarks/sc21_figures.py`"
