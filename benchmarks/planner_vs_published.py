@@ -58,7 +58,7 @@ def predict(row: dict, time_model: str = "v1", path: Path | None = None) -> dict
     data = plan_json(path, [f"cluster.time_model={time_model}"])
     t, mem = data["time"], data["memory"]
     value = t[METRIC_KEY[row["metric"]]]
-    if "flops_per_step" in row:  # the source's own FLOP count over the predicted time (published_runs.megatron_flops)
+    if "flops_per_step" in row:  # the source's own FLOP count over the predicted time (published_megatron.megatron_flops)
         value = row["flops_per_step"] / (data["world_size"] * t["step_s"]) / 1e12
     return {"predicted": value, "mfu": t["mfu"], "fits": mem["fits"], "peak_gib": mem["peak_gib"],
             "breakdown_s": t["breakdown_s"]}

@@ -108,89 +108,6 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
     return with_split(out)
 
 
-# Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473), Table 1: GPT on DGX A100 80GB, s = 2048,
-# V = 51200, activation recomputation, TFLOP/s per GPU counted with recomputation. What the table leaves
-# out (micro batch, DDP implementation, layers per virtual stage) is NVIDIA's reproduction script for the
-# table, NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (first version de7dc40, 2021-08-10: "scripts for
-# sc21"; the same values at 79a3bb6), which passes each through examples/sc21/CONFIG.sh with --fp16.
-MEGATRON = [  # (params, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU, MBS, DDP, layers per virtual stage)
-    ("1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, 16, "torch", None),
-    ("3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, 16, "torch", None),
-    ("7.5B", 32, 4096, 36, 4, 1, 128, 512, 142, 16, "torch", None),
-    ("18B", 48, 6144, 40, 8, 1, 256, 1024, 135, 8, "torch", None),
-    ("39B", 64, 8192, 48, 8, 2, 512, 1536, 138, 4, "local", None),
-    ("76B", 80, 10240, 60, 8, 4, 1024, 1792, 140, 2, "local", 5),
-    ("146B", 96, 12288, 80, 8, 8, 1536, 2304, 148, 2, "local", 5),
-    ("310B", 128, 16384, 96, 8, 16, 1920, 2160, 155, 1, "local", 3),
-    ("530B", 128, 20480, 105, 8, 35, 2520, 2520, 163, 1, "local", 1),
-    ("1T", 160, 25600, 128, 8, 64, 3072, 3072, 163, 1, "local", None),
-]
-SC21_SCRIPT = "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (de7dc40)"
-# --checkpoint-activations at aed2f75: megatron/mpu/random.py CheckpointFunction.backward re-runs the whole
-# checkpointed layer (``outputs = ctx.run_function(*detached_inputs)``), its last GEMM included, where the
-# engine's torch checkpoint stops before it (planner.full_recompute; the paper's eq. 3 counts the whole pass)
-WHOLE = "whole_block"
-TORCH_DDP_BUCKET_MB = 25  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default (Megatron passed none)
-
-# what Megatron-LM could run at the paper's commit (aed2f75), beyond its zero and SP (benchmarks/search_rank.py
-# keeps these in its "stack kept" search): only full recomputation (--checkpoint-activations; selective
-# recomputation came in 2022), and equal stages: megatron/model/transformer.py asserts "num_layers must be
-# divisible by pipeline_model_parallel_size", and arguments.py the same per virtual stage
-MEGATRON_2021_STACK = {"train.activation_checkpointing": "full", "parallel.pp_layers_per_stage": None}
-
-
-def megatron_parallel(tp: int, pp: int, ddp: str, layers_per_virtual: int | None, layers: int) -> dict:
-    """The parallel section of a Megatron-LM 2021 run. ``--DDP-impl local`` (the default at aed2f75):
-    ``allreduce_gradients()`` runs after ``forward_backward_func`` returns (``training.py`` ``train_step``: not
-    overlapped with the backward), on the contiguous gradient buffer in the parameters' fp16
-    (``--accumulate-allreduce-grads-in-fp32`` defaults to off): 2 bytes in one bucket. ``--DDP-impl torch``:
-    torch's DistributedDataParallel around the fp16 module, its default 25 MB buckets all-reduced during the
-    backward (the recipe's ``planner.assume_dp_overlap``, set by ``recipe``)."""
-    par = dict(tp=tp, pp=pp, zero=0, pp_schedule="1f1b", sequence_parallel=False, reduce_dtype="bf16",
-               dp_bucket_mb=TORCH_DDP_BUCKET_MB if ddp == "torch" else 65536)
-    if layers_per_virtual:  # --num-layers-per-virtual-pipeline-stage: the interleaved schedule
-        par |= dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=layers // (pp * layers_per_virtual))
-    return par
-
-
-def megatron_rows() -> list[dict]:
-    """Megatron-LM at the paper's time (NVIDIA/Megatron-LM aed2f75, 2021-04-14), each row as
-    ``examples/sc21/run_table_1.sh`` ran it (``megatron_parallel`` says what its DDP choices mean)."""
-    out = []
-    for name, heads, h, layers, tp, pp, gpus, batch, tflops, mbs, ddp, per_virtual in MEGATRON:
-        par = megatron_parallel(tp, pp, ddp, per_virtual, layers)
-        v = par.get("pp_virtual_stages", 1)
-        schedule = f"interleaved 1F1B, v = {v} ({per_virtual} layer{'s' if per_virtual > 1 else ''} per virtual stage)" if v > 1 else "1F1B" if pp > 1 else "no PP"
-        ddp_note = ("torch DDP (--DDP-impl torch): fp16 gradients all-reduced in 25 MB buckets during the backward "
-                    "(planner.assume_dp_overlap)" if ddp == "torch" else
-                    "local DDP (--DDP-impl local): the fp16 gradient buffer all-reduced after the whole backward, "
-                    "one bucket (dp_bucket_mb 65536), no planner.assume_dp_overlap")
-        first = name == MEGATRON[0][0]
-        out.append(dict(
-            source="Megatron-LM Table 1", url=MEGATRON_URL, name=f"GPT {name}, {gpus} A100, TP {tp} PP {pp}",
-            metric="hw TFLOP/s/GPU", published=tflops, flops_per_step=megatron_flops(batch, layers, h),
-            recipe=recipe(gpt(h, heads, layers, tp), par,
-                          dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing="full"),
-                          gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE),
-            stack=MEGATRON_2021_STACK,
-            note=(f"micro batch {mbs}, {schedule}, full recomputation, zero 0, {ddp_note}; attention with the scores in "
-                  "HBM (2021, before FlashAttention: planner.attention_kernel materialized); micro batch, DDP and virtual "
-                  f"stages from {SC21_SCRIPT}; Megatron-LM's CheckpointFunction re-runs whole layers (planner.full_recompute "
-                  "whole_block); predicted = the paper's FLOPs per step (its eq. 3) / predicted step time"
-                  if first else f"micro batch {mbs}, {schedule}, {ddp} DDP; the rest as the 1.7B row")))
-    return out
-
-
-def megatron_flops(batch: int, layers: int, h: int, s: int = 2048, vocab: int = 51200) -> float:
-    """FLOPs per step as the SC'21 paper counts them for its TFLOP/s (section 5.1, eq. 3: the GEMMs of
-    forward, backward and the recomputed forward, ``96 B s l h^2 (1 + s / 6h + V / 16 l h)``). The
-    benchmark divides this count, not the planner's own, by the predicted step time: the published
-    number is this count over the measured time, so only the times are compared (the planner's
-    hardware FLOPs are about 5 % fewer: its recomputation stops before each block's last GEMM, as
-    the engine's does)."""
-    return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
-
-
 # Llama 3 405B's stack as the paper (section 3.3.2) describes it: FSDP that "shards optimizer states and
 # gradients, but for model shards we do not reshard after forward computation" (the engine's zero 2:
 # FSDP2 without resharding after the forward), gradients "reduce-scatter[ed] ... in FP32" (reduce_dtype
@@ -384,6 +301,7 @@ def trainy_rows() -> list[dict]:
 def rows() -> list[dict]:
     from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_megatron import megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
             + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows())

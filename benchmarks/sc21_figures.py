@@ -16,9 +16,9 @@ them, ``--checkpoint-activations`` (full recomputation), ``--DDP-impl local`` (g
 after the backward, one fp16 bucket), the 1F1B schedule unless the script asks for virtual stages,
 attention with the scores in HBM (``planner.attention_kernel: materialized``), whole layers recomputed
 (``planner.full_recompute: whole_block``): the stack of the
-Table 1 rows (``published_runs.megatron_parallel``). Each run is a recipe planned by ``llmtrain plan
+Table 1 rows (``published_megatron.megatron_parallel``). Each run is a recipe planned by ``llmtrain plan
 --json`` in this process (``planner_vs_published.plan_json``), and its throughput is the paper's
-y axis, TFLOP/s per GPU counted by the paper's eq. 3 (``published_runs.megatron_flops``) over the
+y axis, TFLOP/s per GPU counted by the paper's eq. 3 (``published_megatron.megatron_flops``) over the
 predicted step time.
 
 What this engine cannot run is left out and named: tensor parallelism across nodes (Figures 13 and
@@ -38,7 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_vs_published import plan_json  # noqa: E402
-from published_runs import WHOLE, gpt, megatron_flops, megatron_parallel, recipe  # noqa: E402
+from published_megatron import WHOLE, megatron_flops, megatron_parallel  # noqa: E402
+from published_runs import gpt, recipe  # noqa: E402
 
 SCRIPTS = "NVIDIA/Megatron-LM examples/sc21/run_figure_{n}.sh (de7dc40)"
 
