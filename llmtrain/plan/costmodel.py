@@ -327,8 +327,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     return cm
 
 
-def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1,
-                  whole_block: bool = False) -> list[tuple]:
+def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1, whole: bool = False) -> list[tuple]:
     """``(count, (split, replicated, recompute split, recompute replicated), (forward split, forward
     replicated))`` FLOPs per token of the given blocks, grouped: by kind (dense, MoE) without LoRA
     (the forward is a third); with LoRA block 0 differs from the others (its input needs no
@@ -342,7 +341,7 @@ def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: 
         if n:
             layer = next(layer for layer in layers if is_moe_layer(m, layer) == kind)
             split, rep = block_flops_per_token(m, layer, seq)
-            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute, tp=tp, whole_block=whole_block),
+            out.append((n, (split, rep) + recompute_flops_per_token(m, layer, seq, recompute, tp=tp, whole_block=whole),
                         (split / 3, rep / 3)))
     return out
 
