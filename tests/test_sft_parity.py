@@ -119,7 +119,8 @@ def test_assistant_only_loss_falls_near_zero_on_two_ranks(tmp_path):
                            "--runs", str(tmp_path / "runs"), "--set", "train.steps=60"],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "data: chat" in proc.stdout
+    # once: rank 0's line in the run log (the launcher's pre-check prints it only with --dry-run)
+    assert sum("data: chat: 200 rows" in line for line in proc.stdout.splitlines()) == 1, proc.stdout[-3000:]
     lock = next((tmp_path / "runs").rglob("recipe.lock.yaml")).read_text()
     assert "chat_date: '" in lock  # the launch date, so that a resume renders the same text
     metrics = next((tmp_path / "runs").rglob("metrics.jsonl"))

@@ -96,7 +96,7 @@ def launch(
         set_ = [*set_, f"launch.max_restarts={max_restarts}"]
     if init_from_hf is not None:
         set_ = [*set_, *check_init_from_hf(recipe, set_, init_from_hf)]
-    set_ = check_data(recipe, set_, local=hosts is None and launcher != "slurm")
+    set_ = check_data(recipe, set_, local=hosts is None and launcher != "slurm", show=dry_run)
     if launcher == "slurm":
         for flag, value in (("--hosts", hosts), ("--include", include), ("--exclude", exclude),
                             ("--skip-preflight", skip_preflight), ("--accept-new-host-keys", accept_new_host_keys)):
@@ -130,10 +130,12 @@ def launch(
     raise typer.Exit(code)
 
 
-def check_data(recipe: Path, set_: list[str], local: bool) -> list[str]:
+def check_data(recipe: Path, set_: list[str], local: bool, show: bool = False) -> list[str]:
     """Fine-tuning data (chat / instruction / text) is read, rendered and tokenized here before
     anything starts, exactly as every rank will, so that a bad row is one line naming its
-    file:line and the counts (kept, truncated, dropped) are shown up front. Over SSH the data
+    file:line before any process starts. The counts (kept, truncated, dropped) are printed here
+    only with ``show`` (``--dry-run``, where no rank runs): a launched run's rank 0 prints the same
+    line in the run log, and printing it here too showed it twice. Over SSH the data
     lives on the hosts: it is checked here only if ``data.path`` exists on this machine too.
     Chat data without ``data.chat_date`` gets today's date (returned as one more ``--set``, so
     it lands in recipe.lock.yaml and a resume renders the same text)."""
@@ -149,7 +151,7 @@ def check_data(recipe: Path, set_: list[str], local: bool) -> list[str]:
     if cfg.data.source in ("synthetic", "memmap") or (not local and not Path(cfg.data.path or "").exists()):
         return set_
     summary = check_finetune_data(cfg)
-    if summary is not None:
+    if summary is not None and show:
         print(f"data: {summary.line()}", flush=True)
     return set_
 
