@@ -1,0 +1,53 @@
+"""The fine-tuning rules of llmtrain.plan.validate (data sources, chat templates, packing, LoRA): the
+path, the numbers in the message, the fix. Split from tests/test_validate.py by concept; same
+debug-preset recipes (tests/helpers_plan.py)."""
+
+from __future__ import annotations
+
+from tests.helpers_plan import debug, find, paths, plan_of
+
+
+def errors(data, **kw):
+    return plan_of(data, **kw).validation.errors
+
+
+def test_finetune_sources_need_a_path():
+    for source in ("chat", "instruction", "text"):
+        tok = "hf-tokenizer-dir" if source == "chat" else "byte"
+        p = find(errors(debug({"data": {"source": source, "tokenizer": tok}})), "data.path",
+                 f"source {source} reads samples from data.path")
+        assert ".jsonl" in p.hint and (".txt" in p.hint) == (source == "text")
+        assert plan_of(debug({"data": {"source": source, "tokenizer": tok, "path": "d.jsonl"}})).valid
+
+
+def test_chat_needs_a_tokenizer_with_a_chat_template():
+    for tok in ("byte", "bpe:512"):
+        p = find(errors(debug({"data": {"source": "chat", "path": "c.jsonl", "tokenizer": tok}})), "data.tokenizer",
+                 "source chat needs a chat template", repr(tok), "tokenizer_config.json")
+        assert "Hugging Face tokenizer directory" in p.hint
+    # instruction and text have no template: byte is fine
+    assert plan_of(debug({"data": {"source": "instruction", "path": "i.jsonl", "tokenizer": "byte"}})).valid
+
+
+def test_packing_needs_samples_and_no_context_parallelism():
+    p = find(errors(debug({"data": {"packing": True}})), "data.packing", "source synthetic already yields full")
+    assert "data.packing: false" in p.hint
+    find(errors(debug({"data": {"source": "memmap", "path": "m", "packing": True}})), "data.packing", "source memmap")
+    data = debug({"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2}})
+    p = find(errors(data), "data.packing", "parallel.cp=2", "isolation is not implemented")
+    assert "parallel.cp: 1" in p.hint and "data.packing: false" in p.hint
+    assert plan_of(debug({"data": {"source": "text", "path": "t.txt", "packing": True}})).valid
+
+
+def test_lora_on_moe_is_an_error_and_dense_lora_is_valid():
+    p = find(errors(debug({"train": {"lora": {"rank": 4}}}, preset="debug-moe")), "train.lora",
+             "MoE model", "routed experts are not implemented")
+    assert "remove train.lora" in p.hint
+    assert plan_of(debug({"train": {"lora": {"rank": 4, "targets": ["wq", "wv"]}}})).valid
+
+
+def test_finetune_problems_are_reported_together():
+    data = debug({"data": {"source": "chat", "packing": True}, "parallel": {"cp": 2}, "train": {"lora": {}}},
+                 preset="debug-moe")
+    got = paths(errors(data))
+    assert {"data.path", "data.tokenizer", "data.packing", "train.lora"} <= set(got)
