@@ -17,6 +17,9 @@
   11 held-out windows in rounds of one training step (8 windows in 4 microbatches of 2 per
   data-parallel rank): the last round has a 1-window microbatch and, on dp rank 1, an uncounted
   dummy forward.
+* **Fine-tuning rows**: a chat run (the committed example, unpacked) with ``data.eval_path`` read
+  like its training data, under PP 2 (1f1b) and CP 2 (allgather) x TP 2, equals the 1-process rows
+  to the same 1e-5 (16 held-out samples, loss over the reply tokens only).
 * **Training is not disturbed**: two cases run again without eval (interleaved zero 3, whose
   FSDP parameters the eval gathers and re-shards, and zbv); losses, gradient norms and final
   weights are bitwise equal (tolerance 0: eval draws no RNG, builds no autograd graph and
@@ -64,6 +67,15 @@ CASES = {
     "pp2_cp2": ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=1f1b"],
 }
 TWINS = ("pp2_interleaved_zero3", "pp2_zbv")  # run again without eval
+# A chat fine-tuning run (the committed example's data and tokenizer, unpacked: CP refuses packing) with
+# its held-out rows read like the training rows (docs/eval.md): PP 2 and CP 2 x TP 2 against one process.
+CHAT, TOKENIZER = ROOT / "examples/sft/chat.jsonl", ROOT / "examples/sft/tokenizer"
+SFT = ["data.source=chat", f"data.path={CHAT}", f"data.tokenizer={TOKENIZER}", "data.packing=false", "train.seq_len=128",
+       "train.eval_interval=2", f"data.eval_path={CHAT}"]
+SFT_CASES = {
+    "sft_pp2": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.zero=1"],
+    "sft_cp2_allgather_tp2": ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2"],
+}
 
 
 def eval_sets(path: Path) -> list[str]:
@@ -102,7 +114,20 @@ def test_periodic_eval_under_pp_and_cp_equals_one_process(heldout, tmp_path):
     assert abs(want[1]["eval_loss"] - want[0]["eval_loss"]) > 10 * REL * want[0]["eval_loss"]  # weights matter
     cases = [{"name": k, "set": v + eval_sets(heldout), "run_dir": str(tmp_path / k)} for k, v in CASES.items()]
     cases += [{"name": f"{k}_plain", "set": CASES[k]} for k in TWINS]
+    cases += [{"name": k, "set": v + SFT, "run_dir": str(tmp_path / k)} for k, v in SFT_CASES.items()]
+    want_sft = reference(tmp_path / "ref_sft", COMMON + SFT + ["cluster.gpus_per_node=1"])
+    assert [r["step"] for r in want_sft] == [2, 4] and all(r["eval_windows"] == 16 for r in want_sft)
+    assert abs(want_sft[1]["eval_loss"] - want_sft[0]["eval_loss"]) > 10 * REL * want_sft[0]["eval_loss"]
     got = run_cases(tmp_path, 4, "recipes/debug.yaml", cases, steps=4, common=COMMON)
+    for name in SFT_CASES:
+        rows = got[name]["evals"]
+        assert not got[name]["layout_errors"], got[name]["layout_errors"]
+        worst = max(abs(r["eval_loss"] - w["eval_loss"]) / w["eval_loss"] for r, w in zip(rows, want_sft))
+        print(f"{name:24s} eval {[round(r['eval_loss'], 7) for r in rows]}  rel diff {worst:.1e}")
+        assert [r["step"] for r in rows] == [2, 4], (name, rows)
+        for r, w in zip(rows, want_sft):
+            assert r["eval_windows"] == 16 and r["eval_tokens"] == w["eval_tokens"] < 16 * 128
+            assert close(r["eval_loss"], w["eval_loss"]), (name, r, w)
     for name in CASES:
         rows = got[name]["evals"]
         assert not got[name]["layout_errors"], got[name]["layout_errors"]

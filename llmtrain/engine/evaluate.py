@@ -44,6 +44,13 @@ Decisions:
   ``positions`` and ``return_hidden`` (the chunked loss's last pipeline stage returns hidden
   states) are set for eval and put back after, and FSDP parameters the forwards gathered are
   re-sharded, so the next training step starts from the state it would have had.
+* **Fine-tuning data** (``data.source`` chat, instruction or text: the periodic eval of an SFT
+  run). ``data.eval_path`` is read exactly as ``data.path`` is (same source, tokenizer, chat
+  template, fields, ``data.overlong``), one sample per row (never packed: a packed row would need
+  the training step's document isolation), padded to ``train.seq_len``; the labels are the
+  training labels (loss on the targets only: the assistant replies for chat, the completion for
+  instruction, every token for text). loss = sum of the target-token losses / number of target
+  tokens over the evaluated rows (training's token-weighted loss), ``tokens`` = those targets.
 * **No effect on training.** No RNG is drawn, the forward runs under ``torch.no_grad`` in eval
   mode (MoE routers count no tokens for the bias update in eval mode) and the previous mode
   is restored.
@@ -62,6 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from llmtrain.engine.data.sft_sources import FINETUNE_SOURCES
 from llmtrain.errors import LLMTrainError
 from llmtrain.safeio import printable
 from llmtrain.recipe.schema import bf16_compute
@@ -227,11 +235,11 @@ class _Forward:
 
             self.pipeline = PipelineEval(parts, meshes, recipe, device, seq_len, token_sums, act_dtype)
 
-    def __call__(self, windows: torch.Tensor) -> torch.Tensor | None:
+    def __call__(self, windows: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor | None:
         from llmtrain.engine.parallel.context import shard_sequence
         from llmtrain.engine.step import loss_context
 
-        inputs, labels = windows, window_labels(windows)
+        inputs, labels = windows, window_labels(windows) if labels is None else labels
         if self.positions is not None:
             inputs, labels = shard_sequence(inputs, self.positions), shard_sequence(labels, self.positions)
         with loss_context(self.tp):
@@ -253,11 +261,12 @@ class _Forward:
 
 
 def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshes, recipe=None, micro: int = 1,
-             act_dtype=torch.float32) -> EvalResult:
+             act_dtype=torch.float32, labels: np.ndarray | None = None) -> EvalResult:
     """Loss over ``windows`` with the (parallelized) model ``parts`` on every rank of the mesh,
     ``batch`` windows per forward round and data-parallel rank (with PP: in microbatches of
     ``micro`` windows, boundaries sent as ``act_dtype``). ``recipe`` (its ``parallel`` and
-    ``model``) is needed for pipeline and context parallelism."""
+    ``model``) is needed for pipeline and context parallelism. ``labels`` (``[W, N]``, -100 =
+    ignored; fine-tuning rows): the loss is then the mean over all target tokens, not over windows."""
     dims = meshes.dims
     dp_rank, dp = dp_coords(dims)
     n, seq_len = windows.shape
@@ -273,12 +282,15 @@ def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshe
             for r in range(rounds):
                 lo = (r * dp + dp_rank) * batch
                 chunk = windows[lo:lo + batch]
+                given = None if labels is None else labels[lo:lo + batch]
                 real = len(chunk)
                 if real == 0:
                     chunk = windows[:1]  # a dummy forward: every rank takes part in the collectives
-                sums = forward(torch.from_numpy(chunk).to(device))
+                    given = None if labels is None else labels[:1]
+                sums = forward(torch.from_numpy(chunk).to(device),
+                               None if given is None else torch.from_numpy(given).to(device))
                 if sums is not None:
-                    total += sums[:real].sum() / (seq_len - 1)
+                    total += sums[:real].sum() / (seq_len - 1 if labels is None else 1)
     finally:
         if forward is not None:
             forward.close()
@@ -288,11 +300,25 @@ def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshe
         dist.all_reduce(total, group=meshes.dp_cp.get_group())
     if dims.pp > 1:  # only the last stage's ranks hold the sum: give it to every rank (rank 0 prints)
         dist.all_reduce(total, group=meshes.pp.get_group())
-    loss = float(total.item()) / n
-    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), n * seq_len, n)
+    if labels is None:
+        loss, tokens = float(total.item()) / n, n * seq_len
+    else:
+        tokens = int((labels != IGNORE).sum())
+        loss = float(total.item()) / tokens
+    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), tokens, n)
 
 
 # -- during training ----------------------------------------------------------------------------
+
+def finetune_rows(recipe, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``limit`` samples of ``data.eval_path`` as fine-tuning rows (``[W, seq_len]`` inputs
+    and labels): read as ``data.path`` is, one sample per row, unpacked (module docstring)."""
+    from llmtrain.engine.data.sft import build_eval_sft_data
+
+    data = build_eval_sft_data(recipe)
+    rows = [data.sample(i) for i in range(min(limit, len(data)))]
+    return (np.stack([r["inputs"] for r in rows]).astype(np.int64), np.stack([r["labels"] for r in rows]).astype(np.int64))
+
 
 class PeriodicEval:
     """``train.eval_interval``: the first ``eval_batches x global batch`` windows of
@@ -303,11 +329,15 @@ class PeriodicEval:
         if not recipe.data.eval_path:
             raise LLMTrainError(f"train.eval_interval is {t.eval_interval} but data.eval_path is not set",
                                 "set data.eval_path to held-out text, or train.eval_interval=0", path="data.eval_path")
-        path = Path(recipe.data.eval_path)
-        tokenizer = None if path.is_dir() else recipe_tokenizer(recipe.data)
-        tokens = read_token_stream(path, tokenizer, field="data.eval_path", limit=t.eval_batches * gbs * t.seq_len)
-        windows = make_windows(tokens, t.seq_len, recipe.model.vocab_size, str(path), field="data.eval_path")
-        self.windows = windows[: t.eval_batches * gbs]
+        self.labels = None
+        if recipe.data.source in FINETUNE_SOURCES:
+            self.windows, self.labels = finetune_rows(recipe, t.eval_batches * gbs)
+        else:
+            path = Path(recipe.data.eval_path)
+            tokenizer = None if path.is_dir() else recipe_tokenizer(recipe.data)
+            tokens = read_token_stream(path, tokenizer, field="data.eval_path", limit=t.eval_batches * gbs * t.seq_len)
+            windows = make_windows(tokens, t.seq_len, recipe.model.vocab_size, str(path), field="data.eval_path")
+            self.windows = windows[: t.eval_batches * gbs]
         self.recipe, self.interval, self.micro = recipe, t.eval_interval, t.micro_batch_size
         # PP: one round = one training step's microbatches (count and size) per data-parallel rank
         self.batch = self.micro * (gbs // (self.micro * dims.dp) if dims.pp > 1 else 1)
@@ -321,7 +351,7 @@ class PeriodicEval:
 
         bf16 = bf16_compute(self.recipe.train.precision) and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
         result = evaluate(parts, self.windows, self.batch, device, meshes, self.recipe, self.micro,
-                          torch.bfloat16 if bf16 else torch.float32)
+                          torch.bfloat16 if bf16 else torch.float32, labels=self.labels)
         if dist.get_rank() == 0:
             writer.log({"step": step, "eval_loss": result.loss, "eval_perplexity": result.perplexity,
                         "eval_tokens": result.tokens, "eval_windows": result.windows,

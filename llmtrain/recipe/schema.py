@@ -263,7 +263,9 @@ class DataConfig(Strict):
     tokenizer: str = Field("byte", min_length=1, description="byte, PATH/tokenizer.json, a Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json), or bpe:VOCAB (informational for memmap data).")
     eval_path: str | None = Field(
         None, min_length=1,
-        description="Held-out data for train.eval_interval: a .txt, a .jsonl (field text) or a `data prepare` directory (docs/eval.md).",
+        description="Held-out data for train.eval_interval: a .txt, a .jsonl (field text) or a `data prepare` directory "
+                    "(docs/eval.md); with data.source chat, instruction or text, a file like data.path, read the same "
+                    "way (loss on the same targets).",
     )
 
 

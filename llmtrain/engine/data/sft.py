@@ -220,7 +220,26 @@ def build_sft_data(data_cfg, seq_len: int, model_vocab_size: int | None = None) 
 
 def check_finetune_data(recipe) -> DataSummary | None:
     """Build the recipe's fine-tuning dataset exactly as the engine will (pure Python, no torch) and
-    return its summary; ``None`` for synthetic/memmap data. Raises the one-line data error."""
+    return its summary; ``None`` for synthetic/memmap data. Raises the one-line data error. The
+    held-out rows of ``train.eval_interval`` (``data.eval_path``) are built and checked too."""
     if recipe.data.source not in FINETUNE_SOURCES:
         return None
-    return build_sft_data(recipe.data, recipe.train.seq_len, recipe.model.vocab_size).summary
+    summary = build_sft_data(recipe.data, recipe.train.seq_len, recipe.model.vocab_size).summary
+    if recipe.train.eval_interval and recipe.data.eval_path:
+        build_eval_sft_data(recipe)
+    return summary
+
+
+def build_eval_sft_data(recipe) -> SFTDataset:
+    """``data.eval_path`` read as ``data.path`` is (same source, tokenizer, template, fields,
+    ``data.overlong``), one sample per row (unpacked: a packed row would need the training step's
+    document isolation); a data problem names ``data.eval_path``."""
+    from dataclasses import replace
+
+    cfg = recipe.data.model_copy(update={"path": recipe.data.eval_path, "packing": False})
+    try:
+        return build_sft_data(cfg, recipe.train.seq_len, recipe.model.vocab_size)
+    except LLMTrainError as exc:  # its problems name data.path: here they are about data.eval_path
+        raise LLMTrainError([replace(p, path="data.eval_path", message=p.message.replace("data.path", "data.eval_path"),
+                                     hint=p.hint.replace("data.path", "data.eval_path")) if p.path == "data.path" else p
+                             for p in exc.problems]) from None
