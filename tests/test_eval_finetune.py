@@ -25,13 +25,30 @@ SETS = ["train.steps=2", "train.eval_interval=2", "train.eval_batches=1", f"data
         "cluster.gpus_per_node=1", "checkpoint.async=false"]
 
 
+def cli(args: list[str]):
+    """``llmtrain ARGS`` in this process: (exit code, stdout, stderr)."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app as app_module
+    from llmtrain.cli import eval as _eval  # noqa: F401  (registers the command)
+
+    result = CliRunner().invoke(app_module.app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr
+
+
 def test_chat_eval_is_the_token_weighted_loss_over_the_replies(tmp_path):
+    """... and ``llmtrain eval RUN --data FILE.jsonl`` of that run's checkpoint reads the file as the
+    run reads its data: the same number for the same samples (the 8 held-out lines here)."""
     from llmtrain.engine.data.sft import build_sft_data
     from llmtrain.engine.eval_main import single_process_group
     from llmtrain.engine.trainer import train
     from llmtrain.recipe.load import load_recipe
 
-    recipe = load_recipe(RECIPE, SETS)
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:8]))
+    recipe = load_recipe(RECIPE, SETS[:3] + [f"data.eval_path={heldout}"] + SETS[4:])
     run = tmp_path / "run"
     with single_process_group() as device:
         res = train(recipe, device, run_dir=str(run), verbose=False)
@@ -40,7 +57,7 @@ def test_chat_eval_is_the_token_weighted_loss_over_the_replies(tmp_path):
         evals = [r for r in rows if "eval_loss" in r]
         assert [r["step"] for r in evals] == [2]
         gbs = recipe.train.global_batch_size
-        data = build_sft_data(recipe.data.model_copy(update={"path": str(CHAT), "packing": False}),
+        data = build_sft_data(recipe.data.model_copy(update={"path": str(heldout), "packing": False}),
                               recipe.train.seq_len, recipe.model.vocab_size)
         samples = [data.sample(i) for i in range(gbs)]
         inputs = torch.from_numpy(np.stack([s["inputs"] for s in samples]))
@@ -60,6 +77,14 @@ def test_chat_eval_is_the_token_weighted_loss_over_the_replies(tmp_path):
     assert targets < gbs * recipe.train.seq_len / 2  # replies only: most tokens (prompts, padding) are not targets
     assert abs(got["eval_loss"] - want) <= 1e-6 * want
     assert 0 < got["eval_loss"] < 10
+    code, out, err = cli(["eval", str(run), "--data", str(heldout), "--json"])
+    assert code == 0, err
+    cli_result = json.loads(out.strip().splitlines()[-1])
+    print(f"llmtrain eval RUN {cli_result['loss']:.9f}")
+    assert cli_result["windows"] == gbs and cli_result["tokens"] == targets
+    assert abs(cli_result["loss"] - got["eval_loss"]) <= 1e-6 * want
+    code, _, err = cli(["eval", str(run), "--data", str(tmp_path / "nothing.jsonl")])
+    assert code == 2 and err.strip().startswith("error: --data: ") and "data.path" not in err, err
 
 
 def test_bad_eval_data_is_one_error_naming_data_eval_path(tmp_path):

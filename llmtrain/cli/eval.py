@@ -27,6 +27,12 @@ Decisions (docs/eval.md; the definition of the number is in :mod:`llmtrain.engin
 * **LoRA.** A LoRA run's checkpoint is evaluated as its merged model (``W + scale B A``, the
   weights ``ckpt export --hf`` writes); an adapters-only checkpoint (``checkpoint.init_from_hf``)
   reads its base from that directory after the fingerprint check of ``resume`` and ``export``.
+* **Fine-tuning runs.** A checkpoint whose recipe has ``data.source`` chat or instruction
+  evaluates a ``.jsonl`` ``--data`` (or a directory of them) as that run reads ``data.path``: its
+  template, fields and ``data.overlong``, one unpacked sample per row of ``--seq-len``, loss over
+  the target tokens only (the replies, the completion), token-weighted: the number its periodic
+  eval logs for the same samples. ``tokens`` are then those targets, ``windows`` the samples.
+  ``.txt`` and prepared directories are read as text, as for any run.
 * Every input is checked here before any rank starts; a mistake is one line, exit 2.
 """
 
@@ -102,7 +108,7 @@ def checkpoint_source(source: Path, tokenizer: str | None):
     except ValidationError as exc:
         raise LLMTrainError(f"{where}: recipe.{validation_line(exc)}", "the checkpoint's recipe is damaged",
                             path="SOURCE") from None
-    return path, cfg, recipe_tokenizer(data, tokenizer), train.seq_len, lora_source(path, meta)
+    return path, cfg, recipe_tokenizer(data, tokenizer), train.seq_len, lora_source(path, meta), data
 
 
 def lora_source(path: Path, meta: dict) -> dict | None:
@@ -122,6 +128,31 @@ def lora_source(path: Path, meta: dict) -> dict | None:
         base_dir = base_dir if isinstance(base_dir, str) else None
         check_base(base_dir, recorded, path)
     return {"lora": lora_cfg.model_dump(mode="json"), "lora_base": base_dir}
+
+
+def sft_file(data: Path) -> bool:
+    """Fine-tuning rows: a ``.jsonl`` file, or a directory that is not a prepared one (no meta.json)."""
+    return data.suffix.lower() == ".jsonl" if not data.is_dir() else not (data / "meta.json").exists()
+
+
+def sft_rows(run_data, data: Path, tokenizer: str | None, seq_len: int, vocab_size: int):
+    """``(inputs, labels)`` ``[W, seq_len]`` of ``data`` read as the run reads ``data.path`` (one
+    unpacked sample per row; :func:`llmtrain.engine.data.sft.build_sft_data`); problems name --data."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from llmtrain.engine.data.sft import build_sft_data
+
+    update = {"path": str(data), "packing": False} | ({"tokenizer": tokenizer} if tokenizer else {})
+    try:
+        built = build_sft_data(run_data.model_copy(update=update), seq_len, vocab_size)
+    except LLMTrainError as exc:
+        raise LLMTrainError([replace(p, path="--data", message=p.message.replace("data.path", "--data"),
+                                     hint=p.hint.replace("data.path", "--data")) if p.path == "data.path" else p
+                             for p in exc.problems]) from None
+    rows = [built.sample(i) for i in range(len(built))]
+    return (np.stack([r["inputs"] for r in rows]).astype(np.int64), np.stack([r["labels"] for r in rows]).astype(np.int64))
 
 
 def launch(spec: dict, world: int, tmp: Path) -> dict:
@@ -153,7 +184,8 @@ def launch(spec: dict, world: int, tmp: Path) -> dict:
 def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint directory (step-N/ or a root), or "
                                            "a Hugging Face model directory (config.json + *.safetensors)."),
              data: Path = typer.Option(..., "--data", help="Held-out text: .txt (one document), .jsonl (field text) "
-                                       "or a `llmtrain data prepare` directory."),
+                                       "or a `llmtrain data prepare` directory; a chat / instruction run's .jsonl is "
+                                       "read as its training data is (loss on the targets)."),
              seq_len: int | None = typer.Option(None, "--seq-len", help="Tokens per window (default: the run's "
                                                    "train.seq_len; HF: min(max_position_embeddings, 2048))."),
              batch: int = typer.Option(8, "--batch", help="Windows per forward pass (per data-parallel rank)."),
@@ -182,14 +214,19 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
     if not source.is_dir():
         raise LLMTrainError(f"{printable(source)}: no such directory", "pass a run, checkpoint or HF model directory",
                             path="SOURCE")
+    run_data = None
     if (source / "config.json").exists() and any(source.glob("*.safetensors")):
         kind, (cfg, tok, default_len), weights, lora = "hf", hf_source(source, tokenizer), source, None
     else:
         kind = "checkpoint"
-        weights, cfg, tok, default_len, lora = checkpoint_source(source, tokenizer)
+        weights, cfg, tok, default_len, lora, run_data = checkpoint_source(source, tokenizer)
     n = seq_len or default_len
-    tokens = read_token_stream(data, None if data.is_dir() else tok)
-    windows = make_windows(tokens, n, cfg.vocab_size, str(data))
+    labels = None
+    if run_data is not None and run_data.source in ("chat", "instruction") and sft_file(data):
+        windows, labels = sft_rows(run_data, data, tokenizer, n, cfg.vocab_size)
+    else:
+        tokens = read_token_stream(data, None if data.is_dir() else tok)
+        windows = make_windows(tokens, n, cfg.vocab_size, str(data))
     recipe = eval_recipe(cfg, n, batch, sets)
     check_layout(recipe)
     with tempfile.TemporaryDirectory(prefix="llmtrain-eval-") as tmp:
@@ -197,9 +234,14 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
         spec = {"recipe": {**recipe.model_dump(mode="json", by_alias=True), "model": model_dict(cfg)},
                 "kind": kind, "source": str(weights), "batch": batch, "lora": lora, "windows": str(Path(tmp) / "windows.npy"),
                 "out": str(Path(tmp) / "result.json")}
+        if labels is not None:
+            np.save(Path(tmp) / "labels.npy", labels)
+            spec["labels"] = str(Path(tmp) / "labels.npy")
         result = launch(spec, world_size(recipe), Path(tmp))
     if as_json:
         typer.echo(json.dumps({k: result[k] for k in ("loss", "perplexity", "tokens", "windows")}))
     else:
+        what = (f"{result['windows']} samples in rows of {n} tokens, {result['tokens']} target tokens" if labels is not None
+                else f"{result['windows']} windows of {n} tokens, {result['tokens']} tokens")
         typer.echo(f"{printable(source)} on {printable(data)}: loss {result['loss']:.6f}, perplexity "
-                   f"{result['perplexity']:.4f} ({result['windows']} windows of {n} tokens, {result['tokens']} tokens)")
+                   f"{result['perplexity']:.4f} ({what})")

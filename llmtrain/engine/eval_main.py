@@ -11,7 +11,8 @@ ranks see no user mistake but a layout error): ``recipe`` (the eval recipe: the 
 ``kind`` (``checkpoint`` | ``hf``), ``batch`` (windows per forward per data-parallel rank; with pp
 each window is one pipeline microbatch, :mod:`llmtrain.engine.eval_pipeline`), ``lora`` (a LoRA
 checkpoint: its ``train.lora``, and ``lora_base``, the checked HF base of an adapters-only one), ``source`` (a verified checkpoint directory or an HF model
-directory), ``windows`` (an ``.npy`` of [W, N] int64 token windows) and ``out`` (rank 0 writes
+directory), ``windows`` (an ``.npy`` of [W, N] int64 token windows; ``labels``, optional, the
+fine-tuning rows' labels, -100 ignored) and ``out`` (rank 0 writes
 the result JSON there). Decisions:
 
 * **Weights** come as full tensors on every rank and are placed on each parameter's mesh by
@@ -136,8 +137,9 @@ def run_job(spec: dict, device):
     parts = build_parts(recipe, meshes, device)
     load_weights(parts, spec["kind"], spec["source"], recipe.model, spec.get("lora"))
     windows = np.load(spec["windows"], allow_pickle=False)
+    labels = np.load(spec["labels"], allow_pickle=False) if spec.get("labels") else None  # fine-tuning rows
     batch = spec.get("batch", recipe.train.micro_batch_size)  # with pp: micro_batch_size is 1 (see eval_recipe)
-    result = evaluate(parts, windows, batch, device, meshes, recipe)
+    result = evaluate(parts, windows, batch, device, meshes, recipe, labels=labels)
     del parts
     gc.collect()
     return result
