@@ -137,22 +137,10 @@ def sft_file(data: Path) -> bool:
 
 def sft_rows(run_data, data: Path, tokenizer: str | None, seq_len: int, vocab_size: int):
     """``(inputs, labels)`` ``[W, seq_len]`` of ``data`` read as the run reads ``data.path`` (one
-    unpacked sample per row; :func:`llmtrain.engine.data.sft.build_sft_data`); problems name --data."""
-    from dataclasses import replace
+    unpacked sample per row: :func:`llmtrain.engine.data.sft.build_unpacked_at`); problems name --data."""
+    from llmtrain.engine.data.sft import build_unpacked_at
 
-    import numpy as np
-
-    from llmtrain.engine.data.sft import build_sft_data
-
-    update = {"path": str(data), "packing": False} | ({"tokenizer": tokenizer} if tokenizer else {})
-    try:
-        built = build_sft_data(run_data.model_copy(update=update), seq_len, vocab_size)
-    except LLMTrainError as exc:
-        raise LLMTrainError([replace(p, path="--data", message=p.message.replace("data.path", "--data"),
-                                     hint=p.hint.replace("data.path", "--data")) if p.path == "data.path" else p
-                             for p in exc.problems]) from None
-    rows = [built.sample(i) for i in range(len(built))]
-    return (np.stack([r["inputs"] for r in rows]).astype(np.int64), np.stack([r["labels"] for r in rows]).astype(np.int64))
+    return build_unpacked_at(run_data, str(data), seq_len, vocab_size, "--data", tokenizer).rows()
 
 
 def launch(spec: dict, world: int, tmp: Path) -> dict:

@@ -315,9 +315,7 @@ def finetune_rows(recipe, limit: int) -> tuple[np.ndarray, np.ndarray]:
     and labels): read as ``data.path`` is, one sample per row, unpacked (module docstring)."""
     from llmtrain.engine.data.sft import build_eval_sft_data
 
-    data = build_eval_sft_data(recipe)
-    rows = [data.sample(i) for i in range(min(limit, len(data)))]
-    return (np.stack([r["inputs"] for r in rows]).astype(np.int64), np.stack([r["labels"] for r in rows]).astype(np.int64))
+    return build_eval_sft_data(recipe).rows(limit)
 
 
 class PeriodicEval:

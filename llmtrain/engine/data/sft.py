@@ -157,6 +157,11 @@ class SFTDataset:
             return {"inputs": inputs, "labels": labels}
         return {"inputs": inputs, "labels": labels, "positions": positions, "segments": segments}
 
+    def rows(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``limit`` rows (all by default) as int64 ``[W, seq_len]`` inputs and labels."""
+        got = [self.sample(i) for i in range(self.length if limit is None else min(limit, self.length))]
+        return (np.stack([r["inputs"] for r in got]).astype(np.int64), np.stack([r["labels"] for r in got]).astype(np.int64))
+
     def __repr__(self) -> str:
         return f"SFTDataset({self.summary.source}, rows={self.length}, seq_len={self.seq_len}, packed={self.packed})"
 
@@ -231,15 +236,23 @@ def check_finetune_data(recipe) -> DataSummary | None:
 
 
 def build_eval_sft_data(recipe) -> SFTDataset:
-    """``data.eval_path`` read as ``data.path`` is (same source, tokenizer, template, fields,
-    ``data.overlong``), one sample per row (unpacked: a packed row would need the training step's
-    document isolation); a data problem names ``data.eval_path``."""
+    """``data.eval_path`` read as ``data.path`` is (:func:`build_unpacked_at`); problems name ``data.eval_path``."""
+    return build_unpacked_at(recipe.data, recipe.data.eval_path, recipe.train.seq_len, recipe.model.vocab_size,
+                             "data.eval_path")
+
+
+def build_unpacked_at(data_cfg, path: str, seq_len: int, vocab_size: int, key: str,
+                      tokenizer: str | None = None) -> SFTDataset:
+    """The held-out samples at ``path`` read as ``data_cfg`` reads ``data.path`` (same source,
+    tokenizer unless ``tokenizer``, template, fields, ``data.overlong``), one sample per row
+    (unpacked: a packed row would need the training step's document isolation); a data problem
+    names ``key`` (``data.eval_path``, ``--data``) instead of ``data.path``."""
     from dataclasses import replace
 
-    cfg = recipe.data.model_copy(update={"path": recipe.data.eval_path, "packing": False})
+    update = {"path": path, "packing": False} | ({"tokenizer": tokenizer} if tokenizer else {})
     try:
-        return build_sft_data(cfg, recipe.train.seq_len, recipe.model.vocab_size)
-    except LLMTrainError as exc:  # its problems name data.path: here they are about data.eval_path
-        raise LLMTrainError([replace(p, path="data.eval_path", message=p.message.replace("data.path", "data.eval_path"),
-                                     hint=p.hint.replace("data.path", "data.eval_path")) if p.path == "data.path" else p
+        return build_sft_data(data_cfg.model_copy(update=update), seq_len, vocab_size)
+    except LLMTrainError as exc:
+        raise LLMTrainError([replace(p, path=key, message=p.message.replace("data.path", key),
+                                     hint=p.hint.replace("data.path", key)) if p.path == "data.path" else p
                              for p in exc.problems]) from None
