@@ -153,7 +153,7 @@ def _grouped_under_autocast(ctx, x, counts, w1, w2, w3, rel, g) -> dict:
     gradient, within the bf16 tolerance above. CPU: the cast path's forward (no CPU backward)."""
     import torch
 
-    from llmtrain.engine.models import moe
+    from llmtrain.engine.models import grouped_experts as moe  # the kernels' own module: patch where they are looked up
 
     leaves = [t.detach().float().requires_grad_() for t in (x, w1, w2, w3)]
     calls = []

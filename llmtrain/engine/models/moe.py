@@ -63,7 +63,6 @@ Experts and capacity
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -71,6 +70,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmtrain.engine.models.grouped_experts import (  # noqa: F401  (re-exported: the experts' SwiGLU lives there)
+    GROUP_ALIGN,
+    GradScale,
+    GroupedExperts,
+    grouped_mm_dtype,
+    grouped_swiglu,
+    grouped_swiglu_autocast,
+    grouped_swiglu_gemm,
+    use_grouped_mm,
+)
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -170,129 +179,6 @@ def dispatch_order(
         order = order[rank_in_expert < capacity]
         counts = counts.clamp(max=capacity)
     return order // top_k, order % top_k, counts
-
-
-GROUP_ALIGN = 16  # rows per expert group are padded to this for the CUDA grouped GEMM
-
-
-def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype the grouped GEMM runs ``x``'s experts in, or None (the per-expert loop): bf16
-    inputs as they are (FSDP2's bf16 MixedPrecisionPolicy), and fp32 inputs under a bf16 autocast
-    of their device type (the trainer's one-rank / zero 0-1 bf16 path: the token stream stays fp32
-    and autocast leaves ``_grouped_mm`` uncast, seen on CPU with torch 2.13, so the loop ran).
-    bf16 here computes what the loop does under autocast: bf16 inputs, fp32 accumulation, bf16 out."""
-    if not hasattr(torch, "_grouped_mm") or os.environ.get("LLMTRAIN_GROUPED_MM", "1") != "1":
-        return None
-    if x.dtype == torch.bfloat16:
-        return torch.bfloat16
-    kind = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16:
-        return torch.bfloat16
-    return None
-
-
-def use_grouped_mm(x: torch.Tensor) -> bool:
-    """Grouped GEMM where torch offers it: CUDA, ``torch._grouped_mm`` present (Hopper+), bf16
-    inputs or fp32 ones under bf16 autocast (:func:`grouped_mm_dtype`). On CPU torch 2.13's
-    ``_grouped_mm`` runs forward but its backward fails, so CPU loops."""
-    return x.is_cuda and grouped_mm_dtype(x) is not None
-
-
-def grouped_swiglu_autocast(
-    x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """:func:`grouped_swiglu_gemm` in bf16 for fp32 inputs under bf16 autocast: inputs and weights
-    cast explicitly (differentiable: fp32 weights get fp32 gradients, as under autocast) inside an
-    autocast-disabled region, so a torch that one day lists ``_grouped_mm`` cannot cast it again."""
-    bf16 = torch.bfloat16
-    with torch.autocast(x_grouped.device.type, enabled=False):
-        return grouped_swiglu_gemm(x_grouped.to(bf16), counts, w1.to(bf16), w2.to(bf16), w3.to(bf16))
-
-
-def grouped_swiglu_gemm(
-    x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """All experts in three ``torch._grouped_mm`` calls. Each group is zero-padded to a multiple
-    of :data:`GROUP_ALIGN` rows (the kernel's alignment), and the padding is dropped after."""
-    padded = [-(-c // GROUP_ALIGN) * GROUP_ALIGN for c in counts]
-    starts = [sum(padded[:e]) for e in range(len(counts))]
-    rows = torch.cat([torch.arange(s, s + c, device=x_grouped.device) for s, c in zip(starts, counts)]) \
-        if sum(counts) else torch.zeros(0, dtype=torch.long, device=x_grouped.device)
-    xp = x_grouped.new_zeros(max(sum(padded), GROUP_ALIGN), x_grouped.shape[1]).index_copy(0, rows, x_grouped)
-    offs = torch.tensor([sum(padded[: e + 1]) for e in range(len(counts))], dtype=torch.int32, device=x_grouped.device)
-    gate = torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
-    return out.index_select(0, rows)
-
-
-def grouped_swiglu(
-    x_grouped: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """Run expert ``e``'s SwiGLU on the ``counts[e]`` consecutive rows of ``x_grouped`` [N, H]."""
-    if use_grouped_mm(x_grouped):
-        if any(t.dtype != torch.bfloat16 for t in (x_grouped, w1, w2, w3)):  # under bf16 autocast: fp32 weights
-            return grouped_swiglu_autocast(x_grouped, counts, w1, w2, w3)
-        return grouped_swiglu_gemm(x_grouped, counts, w1, w2, w3)
-    outputs = []
-    for e, chunk in enumerate(torch.split(x_grouped, counts)):
-        if chunk.shape[0] == 0:
-            outputs.append(chunk.new_zeros(0, w2.shape[1]))
-            continue
-        gate, up = chunk @ w1[e].t(), chunk @ w3[e].t()
-        outputs.append((F.silu(gate) * up) @ w2[e].t())
-    return torch.cat(outputs, dim=0)
-
-
-class GradScale(torch.autograd.Function):
-    """Identity in forward; multiplies the gradient by ``scale`` in backward.
-
-    With expert parallelism an expert's weight gradient sums the tokens of its whole EP group
-    (they were sent to it), while the data-parallel reduction afterwards averages only over the
-    ``edp`` ranks holding the same expert. Scaling by ``1 / ep`` here makes the result the mean
-    over all data ranks, like every other weight, on any backend (gloo has no pre-multiplied
-    reduce-scatter for FSDP's divide factor).
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
-
-
-class GroupedExperts(nn.Module):
-    """The routed experts' stacked SwiGLU weights ``w1``/``w3`` [E, ffn, hidden], ``w2`` [E, hidden, ffn].
-
-    A module of their own so that expert parallelism can shard exactly these (dim 0) and FSDP
-    can wrap them on the expert-data-parallel mesh, apart from the router and shared experts,
-    which are data-parallel over all ranks. ``dispatcher`` (None = all experts local) is set by
-    expert parallelism: it moves token rows to the ranks owning their experts and back, calling
-    :meth:`local_forward` in between.
-    """
-
-    def __init__(self, num_experts: int, hidden: int, ffn: int):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
-        self.w3 = nn.Parameter(torch.empty(num_experts, ffn, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, ffn))
-        self.dispatcher = None
-        self.grad_scale = 1.0  # set by expert parallelism, see GradScale
-
-    def local_forward(self, x_grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
-        if self.grad_scale != 1.0:
-            w1, w2, w3 = (GradScale.apply(w, self.grad_scale) for w in (w1, w2, w3))
-        return grouped_swiglu(x_grouped, counts, w1, w2, w3)
-
-    def forward(self, x_grouped: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows of ``x_grouped`` [N, H] grouped by global expert id, ``counts`` [E] rows each."""
-        if self.dispatcher is not None:
-            return self.dispatcher(self, x_grouped, counts)
-        return self.local_forward(x_grouped, counts.tolist())
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
