@@ -355,6 +355,7 @@ class PeriodicEval:
                         "eval_tokens": result.tokens, "eval_windows": result.windows,
                         "eval_s": time.perf_counter() - start})
             if verbose:
-                print(f"eval: step {step}: loss {result.loss:.6g}, perplexity {result.perplexity:.6g} "
-                      f"({result.windows} windows)", flush=True)
+                what = (f"{result.windows} samples, {result.tokens} target tokens" if self.labels is not None
+                        else f"{result.windows} windows")
+                print(f"eval: step {step}: loss {result.loss:.6g}, perplexity {result.perplexity:.6g} ({what})", flush=True)
         return result
