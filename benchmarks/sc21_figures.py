@@ -35,6 +35,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_vs_published import plan_json  # noqa: E402
@@ -56,8 +58,6 @@ def tflops(r: dict) -> float:
     """Predicted TFLOP/s per GPU as the paper counts them (eq. 3 over the predicted step time)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "run.yaml"
-        import yaml  # noqa: PLC0415
-
         path.write_text(yaml.safe_dump(r, sort_keys=False))
         data = plan_json(path)
     m, t = r["model"], r["train"]

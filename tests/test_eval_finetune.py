@@ -88,7 +88,7 @@ def test_chat_eval_is_the_token_weighted_loss_over_the_replies(tmp_path):
 
 
 def test_bad_eval_data_is_one_error_naming_data_eval_path(tmp_path):
-    from llmtrain.engine.evaluate import finetune_rows
+    from llmtrain.engine.data.sft import build_eval_sft_data
     from llmtrain.errors import LLMTrainError
     from llmtrain.recipe.load import load_recipe
 
@@ -96,7 +96,7 @@ def test_bad_eval_data_is_one_error_naming_data_eval_path(tmp_path):
     bad.write_text('{"text": "not a chat row"}\n')
     recipe = load_recipe(RECIPE, SETS[:-3] + [f"data.eval_path={bad}"])
     with pytest.raises(LLMTrainError) as exc:
-        finetune_rows(recipe, 8)
+        build_eval_sft_data(recipe)
     assert all(p.path in ("data.eval_path", f"{bad}:1") or str(bad) in p.line() for p in exc.value.problems), \
         [p.line() for p in exc.value.problems]
     assert not any(p.path == "data.path" for p in exc.value.problems)

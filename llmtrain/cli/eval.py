@@ -135,14 +135,6 @@ def sft_file(data: Path) -> bool:
     return data.suffix.lower() == ".jsonl" if not data.is_dir() else not (data / "meta.json").exists()
 
 
-def sft_rows(run_data, data: Path, tokenizer: str | None, seq_len: int, vocab_size: int):
-    """``(inputs, labels)`` ``[W, seq_len]`` of ``data`` read as the run reads ``data.path`` (one
-    unpacked sample per row: :func:`llmtrain.engine.data.sft.build_unpacked_at`); problems name --data."""
-    from llmtrain.engine.data.sft import build_unpacked_at
-
-    return build_unpacked_at(run_data, str(data), seq_len, vocab_size, "--data", tokenizer).rows()
-
-
 def launch(spec: dict, world: int, tmp: Path) -> dict:
     """Run the job: in this process for one rank, else a local torchrun of ``world`` ranks."""
     spec_path = tmp / "spec.json"
@@ -211,7 +203,9 @@ def eval_cmd(source: Path = typer.Argument(..., help="Run directory, checkpoint 
     n = seq_len or default_len
     labels = None
     if run_data is not None and run_data.source in ("chat", "instruction") and sft_file(data):
-        windows, labels = sft_rows(run_data, data, tokenizer, n, cfg.vocab_size)
+        from llmtrain.engine.data.sft import build_unpacked_at  # the run's own reader; problems name --data
+
+        windows, labels = build_unpacked_at(run_data, str(data), n, cfg.vocab_size, "--data", tokenizer).rows()
     else:
         tokens = read_token_stream(data, None if data.is_dir() else tok)
         windows = make_windows(tokens, n, cfg.vocab_size, str(data))

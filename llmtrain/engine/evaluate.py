@@ -281,16 +281,13 @@ def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshe
         with torch.no_grad():
             for r in range(rounds):
                 lo = (r * dp + dp_rank) * batch
-                chunk = windows[lo:lo + batch]
-                given = None if labels is None else labels[lo:lo + batch]
-                real = len(chunk)
-                if real == 0:
-                    chunk = windows[:1]  # a dummy forward: every rank takes part in the collectives
-                    given = None if labels is None else labels[:1]
-                sums = forward(torch.from_numpy(chunk).to(device),
-                               None if given is None else torch.from_numpy(given).to(device))
+                real = len(windows[lo:lo + batch])
+                rows = slice(lo, lo + batch) if real else slice(0, 1)  # none left: a dummy forward (weight 0), as
+                # every rank takes part in the collectives
+                sums = forward(torch.from_numpy(windows[rows]).to(device),
+                               None if labels is None else torch.from_numpy(labels[rows]).to(device))
                 if sums is not None:
-                    total += sums[:real].sum() / (seq_len - 1 if labels is None else 1)
+                    total += sums[:real].sum()
     finally:
         if forward is not None:
             forward.close()
@@ -300,23 +297,14 @@ def evaluate(parts, windows: np.ndarray, batch: int, device: torch.device, meshe
         dist.all_reduce(total, group=meshes.dp_cp.get_group())
     if dims.pp > 1:  # only the last stage's ranks hold the sum: give it to every rank (rank 0 prints)
         dist.all_reduce(total, group=meshes.pp.get_group())
-    if labels is None:
-        loss, tokens = float(total.item()) / n, n * seq_len
-    else:
-        tokens = int((labels != IGNORE).sum())
-        loss = float(total.item()) / tokens
-    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), tokens, n)
+    # every window predicts its N - 1 next tokens, so the mean of the windows' means is the mean over
+    # all predictions, which is what fine-tuning rows (their targets only) are averaged over too
+    targets = n * (seq_len - 1) if labels is None else int((labels != IGNORE).sum())
+    loss = float(total.item()) / targets
+    return EvalResult(loss, math.exp(loss) if loss < 700 else float("inf"), n * seq_len if labels is None else targets, n)
 
 
 # -- during training ----------------------------------------------------------------------------
-
-def finetune_rows(recipe, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``limit`` samples of ``data.eval_path`` as fine-tuning rows (``[W, seq_len]`` inputs
-    and labels): read as ``data.path`` is, one sample per row, unpacked (module docstring)."""
-    from llmtrain.engine.data.sft import build_eval_sft_data
-
-    return build_eval_sft_data(recipe).rows(limit)
-
 
 class PeriodicEval:
     """``train.eval_interval``: the first ``eval_batches x global batch`` windows of
@@ -328,8 +316,10 @@ class PeriodicEval:
             raise LLMTrainError(f"train.eval_interval is {t.eval_interval} but data.eval_path is not set",
                                 "set data.eval_path to held-out text, or train.eval_interval=0", path="data.eval_path")
         self.labels = None
-        if recipe.data.source in FINETUNE_SOURCES:
-            self.windows, self.labels = finetune_rows(recipe, t.eval_batches * gbs)
+        if recipe.data.source in FINETUNE_SOURCES:  # the fine-tuning rows (module docstring)
+            from llmtrain.engine.data.sft import build_eval_sft_data
+
+            self.windows, self.labels = build_eval_sft_data(recipe).rows(t.eval_batches * gbs)
         else:
             path = Path(recipe.data.eval_path)
             tokenizer = None if path.is_dir() else recipe_tokenizer(recipe.data)

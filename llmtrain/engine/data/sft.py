@@ -160,7 +160,7 @@ class SFTDataset:
     def rows(self, limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """The first ``limit`` rows (all by default) as int64 ``[W, seq_len]`` inputs and labels."""
         got = [self.sample(i) for i in range(self.length if limit is None else min(limit, self.length))]
-        return (np.stack([r["inputs"] for r in got]).astype(np.int64), np.stack([r["labels"] for r in got]).astype(np.int64))
+        return np.stack([r["inputs"] for r in got]), np.stack([r["labels"] for r in got])
 
     def __repr__(self) -> str:
         return f"SFTDataset({self.summary.source}, rows={self.length}, seq_len={self.seq_len}, packed={self.packed})"
