@@ -1,4 +1,4 @@
-"""The CLI in this process with the launch stubbed out, and its error lines (shared by tests)."""
+"""The CLI in this process (launch stubbed out, or as is) and its error lines (shared by tests)."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def errors_of(output: str) -> list[str]:
     if "Traceback" in output:
         raise AssertionError(output[-3000:])
     return [line for line in output.splitlines() if line.startswith("error:")]
+
+
+def cli_in_process(args: list[str]) -> tuple[int, str, str]:
+    """``llmtrain ARGS`` in this process, nothing stubbed (the eval tests, whose jobs need the torch
+    already imported here): (exit code, stdout, stderr); an unexpected exception is re-raised."""
+    from typer.testing import CliRunner
+
+    from llmtrain.cli import app as app_module
+    from llmtrain.cli import ckpt, data  # noqa: F401  (register their commands)
+    from llmtrain.cli import eval as _eval  # noqa: F401
+
+    result = CliRunner().invoke(app_module.app, args)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return result.exit_code, result.stdout, result.stderr

@@ -35,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
+
+from tests.helpers_cli import cli_in_process as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 REL = 1e-5
@@ -44,18 +45,6 @@ WORDS = ["alpha", "beta", "gamma", "delta", "the", "cat", "sat", "on", "mat", "m
 TRAIN_SETS = ["parallel.tp=1", "parallel.dp_shard=1", "parallel.zero=0", f"train.seq_len={SEQ}",
               "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=4", "model.layers=2",
               "train.log_interval=1", "checkpoint.async=false", "cluster.gpus_per_node=1"]
-
-
-def cli(args: list[str]):
-    """``llmtrain ARGS`` in this process (torch is already imported here): (exit code, stdout, stderr)."""
-    from llmtrain.cli import app as app_module
-    from llmtrain.cli import ckpt, data  # noqa: F401  (register their commands)
-    from llmtrain.cli import eval as _eval  # noqa: F401
-
-    result = CliRunner().invoke(app_module.app, args)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def ok_json(args: list[str]) -> dict:

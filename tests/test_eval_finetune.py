@@ -18,24 +18,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers_cli import cli_in_process as cli
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "examples/sft/tiny-chat.yaml"
 CHAT = ROOT / "examples/sft/chat.jsonl"
 SETS = ["train.steps=2", "train.eval_interval=2", "train.eval_batches=1", f"data.eval_path={CHAT}",
         "cluster.gpus_per_node=1", "checkpoint.async=false"]
-
-
-def cli(args: list[str]):
-    """``llmtrain ARGS`` in this process: (exit code, stdout, stderr)."""
-    from typer.testing import CliRunner
-
-    from llmtrain.cli import app as app_module
-    from llmtrain.cli import eval as _eval  # noqa: F401  (registers the command)
-
-    result = CliRunner().invoke(app_module.app, args)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def test_chat_eval_is_the_token_weighted_loss_over_the_replies(tmp_path):

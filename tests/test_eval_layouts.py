@@ -42,6 +42,7 @@ from pathlib import Path
 import pytest
 
 from tests.distrun import run_cases
+from tests.helpers_cli import cli_in_process as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 REL, EXPORT_REL = 1e-5, 1e-6
@@ -152,20 +153,6 @@ LORA = ["model.layers=2", *TINY[1:],
     "train.optimizer.lr=0.01", "train.optimizer.eps=1e-6", "train.schedule.warmup_steps=1",
     "train.schedule.decay=constant", "train.lora={rank: 4, alpha: 8}", "train.eval_interval=1", "train.eval_batches=3",
     "checkpoint.async=false", "parallel.tp=1", "parallel.dp_shard=1", "parallel.zero=0", "cluster.gpus_per_node=1"]
-
-
-def cli(args: list[str]):
-    """``llmtrain ARGS`` in this process: (exit code, stdout, stderr)."""
-    from typer.testing import CliRunner
-
-    from llmtrain.cli import app as app_module
-    from llmtrain.cli import ckpt, data  # noqa: F401  (register their commands)
-    from llmtrain.cli import eval as _eval  # noqa: F401
-
-    result = CliRunner().invoke(app_module.app, args)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code, result.stdout, result.stderr
 
 
 def eval_loss(args: list[str]) -> float:
