@@ -80,6 +80,9 @@ CASES = {
                                                                                 "parallel.zero=1"]),
     "pp2_dp2_zero-bubble_bucketed": (4, "dense", pp("zero-bubble") + ["parallel.dp_bucket_mb=0.1"]),
     "pp2_dp2_zbv_bucketed": (4, "dense", pp("zbv") + ["parallel.dp_bucket_mb=0.1"]),
+    # the first chunk holds only the embedding, the last only the norm and the output (Llama 3's
+    # pipeline balancing; plan/search.py max_stages proposes such splits)
+    "pp2_dp2_interleaved_empty_ends": (4, "dense", pp("interleaved-1f1b") + ["parallel.pp_layers_per_stage=[0,2,2,0]"]),
     # 8-rank compositions (with activation checkpointing on some)
     "pp2_tp2_dp2": (8, "dense", pp("1f1b") + ["parallel.tp=2", "parallel.zero=3", "train.activation_checkpointing=full",
                                              "train.micro_batch_size=1"]),

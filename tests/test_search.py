@@ -137,6 +137,20 @@ def test_keep_equal_stages_drops_the_uneven_pipelines_and_pruning_still_loses_no
     assert [round(c.cost.time.step_s, 9) for c in fast.top] == [round(c.cost.time.step_s, 9) for c in even[:3]]
 
 
+def test_search_offers_chunks_with_only_the_embedding_or_only_the_output():
+    """Up to layers + 2 stages (search.max_stages): 14 layers on pp 2 reach interleaved v 8 (16 chunks),
+    the first chunk holding only the embedding and the last only the output, as Llama 3 405B's 126
+    layers in 16 x 8 chunks; before, v 8 needed 16 layers. Every such layout validates and is priced
+    exactly (_check_valid_and_fitting)."""
+    assert balanced_split(126, 128) == [0] + [1] * 126 + [0]
+    assert balanced_split(126, 64) == [1] + [2] * 62 + [1]  # Megatron-Core's account_for_* split: (126 + 2) / 64
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", None, 2, 8, ["model.layers=14"])
+    keep = {"parallel.pp": 2, "parallel.zero": 1, "parallel.pp_virtual_stages": 8}
+    res = search(plan.recipe, plan.placement, top=3, keep=keep)
+    assert res.top and all(c.overrides["parallel.pp_layers_per_stage"] == [0] + [1] * 14 + [0] for c in res.top)
+    _check_valid_and_fitting(plan, res)
+
+
 def test_parse_keep_takes_the_recipes_value_and_rejects_what_the_search_does_not_choose():
     from llmtrain.errors import LLMTrainError
     from llmtrain.plan.search_keep import parse_keep

@@ -16,11 +16,15 @@ from math import ceil
 from llmtrain.recipe.gpus import GPUSpec
 
 # Measured best bf16 matmul / dense peak (S. Bekman, ml-engineering, compute/accelerator/README.md,
-# "Maximum Achievable Matmul FLOPS comparison table", BF16: A100 SXM 271.2/312, H100 SXM 794.5/989
-# ("H200 is the same"), B200 1745/2250, GB200 1822/2500, MI300X 781.9/1300 (ROCm 6.2); H100 PCIe
-# 600.3/756); cpu a nominal 0.5. Before the thirteenth session h200 took GH200's 828.6 (a 900 W part).
-MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.794, "h200": 0.803,
-        "b200": 0.776, "gb200": 0.729, "mi300x": 0.601, "cpu": 0.5}
+# "Maximum Achievable Matmul FLOPS comparison table", BF16, the mean of 100 iterations at the best
+# shape: A100 SXM 271.2/312, H100 SXM 794.5/989 ("H200 is the same"), B200 1745/2250, GB200
+# 1822/2500, MI300X 668.4/1300 (ROCm 6.3, TunableOp); cpu a nominal 0.5. H100 PCIe: not measured
+# there, H100 SXM's fraction assumed. Before the eighteenth session mi300x took 781.9 (a 2024-10
+# ROCm 6.2 reading of the finder before its cache-flush fix of 2025-01-03, since replaced in that
+# table) and h100-pcie 0.794 (600.3/756, a figure the table's history does not contain). Before the
+# thirteenth session h200 took GH200's 828.6 (a 900 W part).
+MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.803, "h200": 0.803,
+        "b200": 0.776, "gb200": 0.729, "mi300x": 0.514, "cpu": 0.5}
 # The same table's FP8 (float8_e4m3fn) rows, for GEMMs at the FP8 peak: H100 SXM 1402.6/1979, H200 SXM
 # 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
 MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}

@@ -10,7 +10,8 @@ Pruning (so that Llama 3 405B on 16,384 GPUs takes about a second; docs/planner.
 
 - tp divides every node's GPUs and the model's head/kv-head/ffn/vocab sizes (validate's rule),
   cp keeps at least 2,048 tokens per rank, pp is a divisor of the world and at most the layer
-  count; layer splits that do not divide evenly get a balanced ``pp_layers_per_stage``;
+  count; layer splits that do not divide evenly get a balanced ``pp_layers_per_stage``, and the
+  stages (pp x virtual stages) may number up to the layers + 2 (:func:`max_stages`);
 - a layout whose parameters and optimizer states alone do not fit even fully sharded is skipped
   with all its variants;
 - branch and bound: each (tp, cp, pp, schedule, ep) split gets a lower bound on its step time
@@ -104,9 +105,22 @@ class SearchResult:
                 "top": [c.summary() for c in self.top]}
 
 
+def max_stages(layers: int) -> int:
+    """The most pipeline stages (pp x virtual stages) the search splits ``layers`` into: the layers
+    and the embedding and the output layer, each counted as one layer. With more stages than layers
+    :func:`balanced_split` leaves the first stage only the embedding and the last only the output:
+    the Llama 3 paper's pipeline balancing (arXiv:2407.21783 section 3.3.2: 126 layers in 128 chunks
+    on pp 16, v 8), Megatron-Core's ``account_for_embedding_in_pipeline_split`` /
+    ``account_for_loss_in_pipeline_split`` (a layer less in the first and the last chunk). Before
+    the eighteenth session the search stopped at ``layers`` stages, so Llama 3 405B on pp 16 never
+    saw v 8."""
+    return layers + 2
+
+
 def balanced_split(layers: int, stages: int) -> list[int] | None:
     """None when the layers divide evenly; else counts differing by at most one, the extra layers
-    on the middle stages (the first and last also hold the embedding and the output layer)."""
+    on the middle stages (the first and last also hold the embedding and the output layer; with
+    more stages than layers, up to :func:`max_stages`, they hold only those)."""
     if layers % stages == 0:
         return None
     base, extra = divmod(layers, stages)
@@ -118,19 +132,21 @@ def balanced_split(layers: int, stages: int) -> list[int] | None:
 
 
 def _schedules(recipe: Recipe, pp: int, layers: int, keep: dict | None = None) -> list[tuple[str, int]]:
-    """1F1B and interleaved 1F1B (v 2, 4, 8) always; the recipe's own schedule (or a kept one) too."""
+    """1F1B and interleaved 1F1B (v 2, 4, 8) always; the recipe's own schedule (or a kept one) too;
+    at most :func:`max_stages` stages."""
     if pp == 1:
         return [("1f1b", 1)]
-    out = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp * v <= layers]
+    most = max_stages(layers)
+    out = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp * v <= most]
     own = (keep or {}).get("parallel.pp_schedule", recipe.parallel.pp_schedule)
-    if own in ("zbv", "dualpipev") and 2 * pp <= layers:
+    if own in ("zbv", "dualpipev") and 2 * pp <= most:
         out.append((own, 2))
     elif own == "zero-bubble":
-        out += [(own, v) for v in (2, 4) if pp * v <= layers]
+        out += [(own, v) for v in (2, 4) if pp * v <= most]
     elif own == "gpipe":
         out.append((own, 1))
     v = (keep or {}).get("parallel.pp_virtual_stages", 1)
-    if v > 1 and ("interleaved-1f1b", v) not in out and pp * v <= layers:  # a kept v beside 2, 4, 8
+    if v > 1 and ("interleaved-1f1b", v) not in out and pp * v <= most:  # a kept v beside 2, 4, 8
         out.append(("interleaved-1f1b", v))
     return out
 
