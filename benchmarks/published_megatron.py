@@ -31,6 +31,11 @@ SC21_SCRIPT = "NVIDIA/Megatron-LM examples/sc21/run_table_1.sh (de7dc40)"
 # checkpointed layer (``outputs = ctx.run_function(*detached_inputs)``), its last GEMM included, where the
 # engine's torch checkpoint stops before it (planner.full_recompute; the paper's eq. 3 counts the whole pass)
 WHOLE = "whole_block"
+# megatron/p2p_communication.py at de7dc40: _communicate posts batch_isend_irecv, waits on every request and
+# calls torch.cuda.synchronize() before the next compute; each TP rank sends 1/tp of the tensor
+# (--scatter-gather-tensors-in-pipeline, on unless --no-scatter-gather-tensors-in-pipeline) and the receiver
+# all-gathers it over TP (planner.pp_p2p blocking)
+P2P = "blocking"
 TORCH_DDP_BUCKET_MB = 25  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default (Megatron passed none)
 
 # what Megatron-LM could run at the paper's commit (aed2f75), beyond its zero and SP (benchmarks/search_rank.py
@@ -72,12 +77,15 @@ def megatron_rows() -> list[dict]:
             metric="hw TFLOP/s/GPU", published=tflops, flops_per_step=megatron_flops(batch, layers, h),
             recipe=recipe(gpt(h, heads, layers, tp), par,
                           dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing="full"),
-                          gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE),
+                          gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE,
+                          pp_p2p=P2P),
             stack=MEGATRON_2021_STACK,
             note=(f"micro batch {mbs}, {schedule}, full recomputation, zero 0, {ddp_note}; attention with the scores in "
                   "HBM (2021, before FlashAttention: planner.attention_kernel materialized); micro batch, DDP and virtual "
                   f"stages from {SC21_SCRIPT}; Megatron-LM's CheckpointFunction re-runs whole layers (planner.full_recompute "
-                  "whole_block); predicted = the paper's FLOPs per step (its eq. 3) / predicted step time"
+                  "whole_block); pipeline sends that wait, 1/tp per TP rank gathered after the receive (Megatron-LM "
+                  "p2p_communication: planner.pp_p2p blocking, also what the search prices for this stack); predicted = the paper's FLOPs per step "
+                  "(its eq. 3) / predicted step time"
                   if first else f"micro batch {mbs}, {schedule}, {ddp} DDP; the rest as the 1.7B row")))
     return out
 

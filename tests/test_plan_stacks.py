@@ -214,3 +214,26 @@ def test_memory_against_torchtitans_readings():
     assert len(trainy) == 2
     for r in trainy:
         assert abs(float(r[3]) / float(r[2]) - 1) <= 0.05, r[:4]
+
+
+def test_blocking_pipeline_sends_are_all_exposed_and_scattered_over_tp():
+    """planner.pp_p2p blocking (Megatron-LM's p2p_communication: batch_isend_irecv, wait, synchronize;
+    scatter/gather of the tensor over TP): each TP rank sends 1/tp of the b s h activation and every
+    send is on the critical path; without SP each received share is all-gathered over TP (one per
+    send, the full activation). 8B, tp 8 x pp 2 on 2 nodes, micro batch 1 of 8,192 tokens, bf16.
+    Without PP the setting changes nothing and plan does not name it."""
+    over = dict(parallel__tp=8, parallel__pp=2, parallel__zero=1, parallel__sequence_parallel=False,
+                train__precision="bf16", train__micro_batch_size=1, cluster__nodes=2)
+    engine, blocking = _plan(_recipe(**over)), _plan(_recipe(**over, planner__pp_p2p="blocking"))
+    act = 2 * 8192 * 4096
+    (pe,), (pb,) = ([c for c in x.comms if c.dim == "pp"] for x in (engine, blocking))
+    assert pe.message_bytes == act and pb.message_bytes == act / 8 and pb.count == pe.count
+    assert pb.exposed_s == pytest.approx(pb.seconds) and pe.exposed_s < pe.seconds
+    gathers = [c for c in blocking.comms if c.dim == "tp" and c.op == "all-gather"]
+    assert len(gathers) == 1 and gathers[0].message_bytes == act and gathers[0].count == pb.count
+    assert not [c for c in engine.comms if c.dim == "tp" and c.op == "all-gather"]
+    assert blocking.time.step_s > engine.time.step_s
+    assert "planner.pp_p2p blocking" in blocking.assumptions and "planner.pp_p2p" not in " ".join(engine.assumptions)
+    flat = dict(over, parallel__pp=1, cluster__nodes=1)
+    e1, b1 = _plan(_recipe(**flat)), _plan(_recipe(**flat, planner__pp_p2p="blocking"))
+    assert b1.time.step_s == e1.time.step_s and "planner.pp_p2p blocking" not in b1.assumptions

@@ -25,6 +25,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.full_recompute {pl.full_recompute}")
     if pl.loss != "engine":
         out.append(f"planner.loss {pl.loss}")
+    if pl.pp_p2p != "engine" and recipe.parallel.pp > 1:
+        out.append(f"planner.pp_p2p {pl.pp_p2p}")
     if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):
         out.append(f"planner.cp_kv {pl.cp_kv}")
     return out

@@ -52,7 +52,9 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   MLP's traffic; the router's weight-gradient all-reduce over TP (``E x h`` per MoE layer and micro
   batch, backward) is not counted: ``E`` is small next to the tokens.
 - PP: per micro batch and stage boundary, the activation ``bshe`` forward and its gradient
-  backward (``/t`` with sequence parallelism: each TP rank sends its shard). Counted as the sends
+  backward (``/t`` with sequence parallelism: each TP rank sends its shard; under
+  ``planner.pp_p2p blocking`` always ``/t``, Megatron's scatter/gather, plus without SP an
+  all-gather of ``bshe`` over TP per receive, phase ``pipeline-blocking``: every send exposed). Counted as the sends
   of the busiest rank: a middle rank sends each of its ``v`` chunks' activations on and their
   gradients back (``2 v`` per micro batch); with pp 2 no rank is in the middle, and each sends
   ``2 v - 1`` (the chunk at the pipeline's end sends no activation, the one at its start no
@@ -163,6 +165,7 @@ class CommSpec:
     fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
     kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
+    pp_blocking: bool = False  # planner.pp_p2p blocking: Megatron's waiting sends, 1/tp of the activation per TP rank
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -319,9 +322,19 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     # -- pipeline --------------------------------------------------------------------------------------
     if d.pp > 1:
         g = lk("pp")
-        act = c.e * c.tokens * c.hidden / (d.tp if c.sp else 1)
+        full = c.e * c.tokens * c.hidden
         sends = 2 * c.chunks - (1 if d.pp == 2 else 0)  # per micro batch, the busiest rank (module docstring)
-        out.append(make("pp", "p2p", 2, act, m * sends, g, "pipeline", "activations forward, gradients backward"))
+        if c.pp_blocking:  # Megatron: each TP rank sends its 1/tp share and waits for it (planner.pp_p2p)
+            out.append(make("pp", "p2p", 2, full / d.tp, m * sends, g, "pipeline-blocking",
+                            "activations forward, gradients backward; every send waits (planner.pp_p2p blocking)"
+                            + (", 1/tp of each per TP rank" if d.tp > 1 else "")))
+            if d.tp > 1 and not c.sp:  # scatter/gather: the received shares gathered again over TP
+                out.append(make("tp", "all-gather", d.tp, full, m * sends, lk("tp"), "microbatch",
+                                "pipeline scatter/gather: each received activation or gradient gathered over TP "
+                                "(planner.pp_p2p blocking)"))
+        else:
+            out.append(make("pp", "p2p", 2, full / (d.tp if c.sp else 1), m * sends, g, "pipeline",
+                            "activations forward, gradients backward"))
 
     # -- context parallel ------------------------------------------------------------------------------
     if d.cp > 1:

@@ -271,7 +271,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
                         overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
-                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv)
+                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking")
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)

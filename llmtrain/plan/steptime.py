@@ -25,7 +25,8 @@ it in its note) also overlaps the PP case and ZeRO-1's broadcast (with the next 
 block's all-gather and reduce-scatters the previous block's gradients while computing, so only
 the first block's all-gather, the last block's reduce-scatter and whatever exceeds the compute
 of that pass are exposed. PP point-to-point sends overlap with compute in the steady state;
-the ``2 (p v - 1)`` sends along the fill and drain path are exposed. The optimizer step is
+the ``2 (p v - 1)`` sends along the fill and drain path are exposed (``planner.pp_p2p
+blocking``, Megatron's waiting sends: all of them). The optimizer step is
 memory-bound: ~32 bytes of HBM traffic per stepped parameter (fp32 param, grad, m, v read;
 param, m, v written; temporaries).
 
@@ -221,6 +222,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                                                                     t_f if c.count <= m else (t_f + t_b) / 2)
             elif c.phase == "fsdp-reduce":
                 c.exposed_s = shared[1] if shared and c.op == "reduce-scatter" else fsdp_exposed(c, w.block_fraction, t_b)
+            elif c.dim == "pp" and c.phase == "pipeline-blocking":  # planner.pp_p2p blocking: every send waits
+                c.exposed_s = c.seconds
             elif c.dim == "pp":  # the sends along the fill and drain path
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}

@@ -68,6 +68,14 @@ class PlannerConfig(Strict):
                               "re-run), whole_block (the whole forward of each block, its last GEMM included, as "
                               "Megatron-LM's and Megatron-Core's CheckpointFunction and torch's use_reentrant=True "
                               "do). Time and hardware FLOPs; memory is the same. plan/flops.py.")
+    pp_p2p: Literal["engine", "blocking"] = Field(
+        "engine", description="Planner only; how the pipeline's sends and receives meet the compute. engine "
+                              "(torch.distributed.pipelining: steady-state sends overlapped, those along the fill and "
+                              "drain path exposed), blocking (every send and receive waits before the next compute, "
+                              "as Megatron-LM's p2p_communication (batch_isend_irecv, wait, torch.cuda.synchronize) and "
+                              "Megatron-Core without overlap_p2p_comm do; each TP rank sends 1/tp of the activation, "
+                              "without sequence parallelism gathered again over TP after the receive: Megatron-LM's "
+                              "scatter_gather_tensors_in_pipeline, on by default). plan/comm.py, plan/steptime.py.")
     cp_kv: Literal["engine", "repeated"] = Field(
         "engine", description="Planner only; what context parallelism moves. engine (the bundled engine: K/V with "
                               "their kv_heads only, repeated for GQA after the exchange, as Megatron-Core and Llama 3 "
