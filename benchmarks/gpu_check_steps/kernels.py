@@ -77,6 +77,119 @@ def cp_attention_blocks(ctx) -> dict:
     return out
 
 
+# (m, n, k) of y = x W^T, x (m, k), W (n, k): the speed rows' 1.2B model at micro 4 x 2048 tokens (wq, wk/wv, w1/w3,
+# w2, the head), Llama 3 8B at 8,192 tokens (wq/wo, wk/wv, w1/w3, w2, the head) and its TP 8 shares (kv, w1/w3, w2,
+# the head): what time model v2 prices per shape (plan/gemmtime.py) at the shapes the published rows run
+GEMM_SHAPES = [(8192, 2048, 2048), (8192, 1024, 2048), (8192, 8192, 2048), (8192, 2048, 8192), (8192, 32000, 2048),
+               (8192, 4096, 4096), (8192, 1024, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (8192, 128256, 4096),
+               (8192, 128, 4096), (8192, 1792, 4096), (8192, 4096, 1792), (8192, 16032, 4096)]
+TINY_GEMM_SHAPES = [(64, 32, 32), (64, 128, 32), (64, 32, 128)]
+SUSTAIN_S = 3.0  # back-to-back 8192^3 GEMMs while nvidia-smi samples the SM clock and the board power
+SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu")
+
+
+def _timed(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls after 3 warm-up calls (CUDA events on a GPU)."""
+    import statistics
+    import time
+
+    import torch
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sustained(ctx) -> dict:
+    """``SUSTAIN_S`` of back-to-back bf16 8192^3 GEMMs: their mean TFLOP/s, and nvidia-smi's samples
+    (every 100 ms) of the SM clock, its maximum, the board power, its limit and the temperature (medians):
+    whether the matmul rate MAMF measures in short bursts holds under sustained load."""
+    import statistics
+    import subprocess
+    import time
+
+    import torch
+
+    n = 8192
+    a, b = (torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits",
+                            "-lms", "100", "-i", str(ctx.device.index or 0)],
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        torch.cuda.synchronize()
+        t0, count = time.perf_counter(), 0
+        while time.perf_counter() - t0 < SUSTAIN_S:
+            for _ in range(20):
+                torch.mm(a, b)
+            count += 20
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    finally:
+        smi.terminate()
+        text = smi.communicate(timeout=10)[0]
+    samples = [[float(x) for x in line.split(",")] for line in text.splitlines()
+               if line.count(",") == len(SMI_FIELDS) - 1 and "N/A" not in line]
+    out = {"gemm": [n, n, n], "seconds": wall, "tflops": 2 * n**3 * count / wall / 1e12, "samples": len(samples)}
+    for i, name in enumerate(SMI_FIELDS):
+        if samples:
+            out[name.replace(".", "_") + "_median"] = statistics.median(s[i] for s in samples)
+    return out
+
+
+@step("gemm_rates", est_s=12, group="options")
+def gemm_rates(ctx) -> dict:
+    """Issue 18 item 6: bf16 GEMMs of the published rows' per-rank shapes (``GEMM_SHAPES``), timed as
+    the engine runs them (``F.linear`` forward; the input gradient ``dy W`` and the weight gradient
+    ``dy^T x`` backward), beside time model v2's price of the same shape on this GPU
+    (``plan.gemmtime.gemm_fwd_bwd``: the measured-best matmul fraction x tile/wave efficiency), and
+    on CUDA the rate held over ``SUSTAIN_S`` of back-to-back GEMMs with nvidia-smi's SM clock and
+    power. A record for calibration, not a target: the check is only that no rate exceeds the
+    datasheet peak (a timing that does is broken)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.plan.gemmtime import gemm_fwd_bwd
+    from llmtrain.recipe.gpus import GPUS
+
+    gpu = GPUS[ctx.gpu_key]
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    reps = 20 if ctx.cuda else 2
+    rows = []
+    for m, n, k in (TINY_GEMM_SHAPES if ctx.tiny else GEMM_SHAPES):
+        x, w = torch.randn(m, k, device=ctx.device, dtype=dtype), torch.randn(n, k, device=ctx.device, dtype=dtype)
+        dy = torch.randn(m, n, device=ctx.device, dtype=dtype)
+        fwd = _timed(lambda: F.linear(x, w), reps, ctx.cuda)
+        bwd = _timed(lambda: (dy @ w, dy.t() @ x), reps, ctx.cuda)
+        p_fwd, p_bwd = gemm_fwd_bwd(m, n, k, gpu)
+        flops = 2.0 * m * n * k
+        rows.append({"m": m, "n": n, "k": k, "fwd_tflops": flops / fwd / 1e12, "bwd_tflops": 2 * flops / bwd / 1e12,
+                     "v2_fwd_tflops": flops / p_fwd / 1e12, "v2_bwd_tflops": 2 * flops / p_bwd / 1e12,
+                     "fwd_vs_v2": p_fwd / fwd, "bwd_vs_v2": p_bwd / bwd})
+        del x, w, dy
+    out = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shapes": rows}
+    if ctx.cuda:
+        torch.cuda.empty_cache()
+        out["sustained"] = _sustained(ctx)
+        fastest = max([r[f] for r in rows for f in ("fwd_tflops", "bwd_tflops")] + [out["sustained"]["tflops"]])
+        if fastest > 1.02 * ctx.peak_flops / 1e12:
+            raise CheckFailed(f"a GEMM ran at {fastest:.0f} TFLOP/s, above the {ctx.peak_flops / 1e12:.0f} peak: "
+                              "the timing is broken")
+    return out
+
+
 # Every matrix of this model is [128, 128] (MHA, ffn = hidden = vocab): torchao compiles its AdamW
 # kernel once per parameter shape on CUDA (seconds each), so two shapes (matrices, norms) keep
 # the step short; 128 x 128 = 16384 elements, a multiple of 256: the 8-bit path quantizes them.
