@@ -84,6 +84,10 @@ GEMM_SHAPES = [(8192, 2048, 2048), (8192, 1024, 2048), (8192, 8192, 2048), (8192
                (8192, 4096, 4096), (8192, 1024, 4096), (8192, 14336, 4096), (8192, 4096, 14336), (8192, 128256, 4096),
                (8192, 128, 4096), (8192, 1792, 4096), (8192, 4096, 1792), (8192, 16032, 4096)]
 TINY_GEMM_SHAPES = [(64, 32, 32), (64, 128, 32), (64, 32, 128)]
+# (batch, heads, sequence) of causal SDPA at head dim 128: Llama 3 8B's 32 heads at 2k / 8k (the rows' lengths;
+# 4 local heads = TP 8) and 32k (torchtitan's CP rows' per-call keys at CP 1); v2 prices FA2's published curve
+ATTENTION_SHAPES = [(4, 32, 2048), (1, 32, 8192), (1, 4, 8192), (1, 8, 32768)]
+TINY_ATTENTION_SHAPES = [(1, 2, 64)]
 SUSTAIN_S = 3.0  # back-to-back 8192^3 GEMMs while nvidia-smi samples the SM clock and the board power
 SMI_FIELDS = ("clocks.sm", "clocks.max.sm", "power.draw", "power.limit", "temperature.gpu")
 
@@ -149,15 +153,45 @@ def _sustained(ctx) -> dict:
     return out
 
 
-@step("gemm_rates", est_s=12, group="options")
-def gemm_rates(ctx) -> dict:
+def _attention_rows(ctx, dtype, reps: int) -> list[dict]:
+    """Causal SDPA forward and forward + backward per ``ATTENTION_SHAPES``, beside v2's price
+    (``plan.attentiontime.attention_seconds``, the engine's kernel: FA2's published curve)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.plan.attentiontime import attention_seconds
+    from llmtrain.recipe.gpus import GPUS
+
+    rows, d = [], (128 if not ctx.tiny else 16)
+    for b, h, s in (TINY_ATTENTION_SHAPES if ctx.tiny else ATTENTION_SHAPES):
+        q, k, v = (torch.randn(b, h, s, d, device=ctx.device, dtype=dtype, requires_grad=True) for _ in range(3))
+        dout = torch.randn(b, h, s, d, device=ctx.device, dtype=dtype)
+        fwd = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), reps, ctx.cuda)
+
+        def both():
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), dout)
+        total = _timed(both, reps, ctx.cuda)
+        p_fwd, p_bwd = attention_seconds(b, s, s, h, d, 0.5, GPUS[ctx.gpu_key])
+        flops = 4.0 * b * s * s * h * d * 0.5  # causal: half the scores (v2's convention)
+        rows.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "fwd_tflops": flops / fwd / 1e12,
+                     "fwd_bwd_tflops": 3.5 * flops / total / 1e12, "v2_fwd_tflops": flops / p_fwd / 1e12,
+                     "v2_fwd_bwd_tflops": 3.5 * flops / (p_fwd + p_bwd) / 1e12, "fwd_vs_v2": p_fwd / fwd,
+                     "fwd_bwd_vs_v2": (p_fwd + p_bwd) / total})
+        del q, k, v, dout
+    return rows
+
+
+@step("kernel_rates", est_s=15, group="options")
+def kernel_rates(ctx) -> dict:
     """Issue 18 item 6: bf16 GEMMs of the published rows' per-rank shapes (``GEMM_SHAPES``), timed as
     the engine runs them (``F.linear`` forward; the input gradient ``dy W`` and the weight gradient
     ``dy^T x`` backward), beside time model v2's price of the same shape on this GPU
-    (``plan.gemmtime.gemm_fwd_bwd``: the measured-best matmul fraction x tile/wave efficiency), and
-    on CUDA the rate held over ``SUSTAIN_S`` of back-to-back GEMMs with nvidia-smi's SM clock and
-    power. A record for calibration, not a target: the check is only that no rate exceeds the
-    datasheet peak (a timing that does is broken)."""
+    (``plan.gemmtime.gemm_fwd_bwd``: the measured-best matmul fraction x tile/wave efficiency); the
+    same for causal SDPA (``ATTENTION_SHAPES``, v2: FA2's published curve); and on CUDA the rate held
+    over ``SUSTAIN_S`` of back-to-back GEMMs with nvidia-smi's SM clock and power. A record for
+    calibration, not a target: the check is only that no rate exceeds the datasheet peak (a timing
+    that does is broken)."""
     import torch
     import torch.nn.functional as F
 
@@ -179,11 +213,12 @@ def gemm_rates(ctx) -> dict:
                      "v2_fwd_tflops": flops / p_fwd / 1e12, "v2_bwd_tflops": 2 * flops / p_bwd / 1e12,
                      "fwd_vs_v2": p_fwd / fwd, "bwd_vs_v2": p_bwd / bwd})
         del x, w, dy
-    out = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shapes": rows}
+    out = {"gpu": ctx.gpu_key, "dtype": str(dtype), "gemms": rows, "attention": _attention_rows(ctx, dtype, reps)}
     if ctx.cuda:
         torch.cuda.empty_cache()
         out["sustained"] = _sustained(ctx)
-        fastest = max([r[f] for r in rows for f in ("fwd_tflops", "bwd_tflops")] + [out["sustained"]["tflops"]])
+        fastest = max([r[f] for r in rows for f in ("fwd_tflops", "bwd_tflops")] + [out["sustained"]["tflops"]]
+                      + [r[f] for r in out["attention"] for f in ("fwd_tflops", "fwd_bwd_tflops")])
         if fastest > 1.02 * ctx.peak_flops / 1e12:
             raise CheckFailed(f"a GEMM ran at {fastest:.0f} TFLOP/s, above the {ctx.peak_flops / 1e12:.0f} peak: "
                               "the timing is broken")
