@@ -132,17 +132,19 @@ def balanced_split(layers: int, stages: int) -> list[int] | None:
 
 
 def _schedules(recipe: Recipe, pp: int, layers: int, keep: dict | None = None) -> list[tuple[str, int]]:
-    """1F1B and interleaved 1F1B (v 2, 4, 8) always; the recipe's own schedule (or a kept one) too;
-    at most :func:`max_stages` stages."""
+    """1F1B and interleaved 1F1B (v 2, 4, 8) always; the recipe's own schedule (or a kept one) too.
+    Interleaved 1F1B up to :func:`max_stages` stages (tests/test_engine_5d.py runs its empty end
+    chunks); the zero-bubble family and the V-shaped schedules up to ``layers`` (a V puts the first
+    and the last stage on rank 0, which would then hold no layer)."""
     if pp == 1:
         return [("1f1b", 1)]
     most = max_stages(layers)
     out = [("1f1b", 1)] + [("interleaved-1f1b", v) for v in (2, 4, 8) if pp * v <= most]
     own = (keep or {}).get("parallel.pp_schedule", recipe.parallel.pp_schedule)
-    if own in ("zbv", "dualpipev") and 2 * pp <= most:
+    if own in ("zbv", "dualpipev") and 2 * pp <= layers:
         out.append((own, 2))
     elif own == "zero-bubble":
-        out += [(own, v) for v in (2, 4) if pp * v <= most]
+        out += [(own, v) for v in (2, 4) if pp * v <= layers]
     elif own == "gpipe":
         out.append((own, 1))
     v = (keep or {}).get("parallel.pp_virtual_stages", 1)
