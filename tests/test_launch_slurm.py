@@ -104,6 +104,26 @@ def test_pure_parts_quote_references_read_exit_codes_and_one_line_messages():
         "--slurm-arg: '-x' is not one sbatch option; pass one long option per --slurm-arg, e.g. --slurm-arg=--qos=high"]
 
 
+def test_end_code_maps_a_failure_seen_after_the_job_ended():
+    """The batch job's final code (slurm_watch.end_code): the env-file failure is 2 even when every
+    node failed at once and srun's kill-on-bad-exit ended the job 143 before the watcher stopped it
+    (the race CI met); a torchrun failure hidden by 143 is 1; clean and unknown ends as before."""
+    from llmtrain.launch.backends.slurm_watch import end_code
+
+    env = "llmtrain: launch.env_file: env file not found: /x/e on node n0; put the env file on storage ..."
+    worker = "[default0]: failed (exitcode: 3) local_rank: 0 (pid: 7) of binary: python"
+    assert end_code(143, "FAILED", env, stopped=False, step_loop=False) == 2
+    assert end_code(2, "FAILED", env, stopped=False, step_loop=False) == 2
+    assert end_code(143, "CANCELLED", env, stopped=True, step_loop=False) == 2
+    assert end_code(143, "FAILED", worker, stopped=False, step_loop=False) == 1
+    assert end_code(3, "FAILED", worker, stopped=True, step_loop=False) == 3
+    assert end_code(0, "COMPLETED", None, stopped=False, step_loop=False) == 0
+    assert end_code(0, "NODE_FAIL", None, stopped=False, step_loop=False) == 1
+    assert end_code(143, "FAILED", None, stopped=False, step_loop=False) == 143  # nothing seen: Slurm's code
+    assert end_code(143, "FAILED", None, stopped=False, step_loop=True) == 1
+    assert end_code(None, "UNKNOWN", None, stopped=False, step_loop=False) == 1
+
+
 def test_dry_run_prints_job_script_and_every_node_command_and_creates_nothing(tmp_path):
     """PATH holds no Slurm client: any sbatch/scontrol call would fail the command (exit 2), so
     exit 0 proves the dry run ran none; no runs/ proves it created nothing."""

@@ -43,6 +43,23 @@ def failure_code(code: int) -> int:
     return code if 0 < code < 128 else 1
 
 
+def end_code(code: int | None, job_state: str, failure: str | None, stopped: bool, step_loop: bool) -> int:
+    """The run's exit code once the batch job has ended: Slurm's ``ExitCode`` (``code``; None: Slurm
+    no longer knows the job, 1), mapped when a failure was seen (``failure``: the first failure
+    line, also one read only after the job ended) or the launcher stopped the job for one: 2 when
+    a node could not read ``launch.env_file`` (bad input), else :func:`failure_code`. The job's
+    code alone races: when every node fails at once, srun's ``--kill-on-bad-exit`` may SIGTERM a
+    sibling before it exits by itself, and the job ends 143 instead of the nodes' 2 (seen in CI on
+    the env-file test). A clean 0 of a job that did not complete (NODE_FAIL, TIMEOUT) is 1."""
+    if code is None:
+        return 1
+    if stopped or (code and failure is not None) or (step_loop and code >= 128):
+        return 2 if failure is not None and ENV_FILE_RE.search(failure) else failure_code(code)
+    if code == 0 and job_state != "COMPLETED":
+        return 1
+    return code
+
+
 class SlurmRun:
     """One submitted job: its streamed logs, its end, its cancellation."""
 
@@ -115,11 +132,8 @@ class SlurmRun:
         job_state = fields.get("JobState", "UNKNOWN")
         if code is None:
             self.display.line(f"[launcher] Slurm no longer knows job {self.job_id}: its exit code is lost")
-            code = 1
-        elif self.stopped_for_failure or (self.step_loop and code >= 128):
-            code = self._failure_code(code)
-        elif code == 0 and job_state != "COMPLETED":
-            code = 1  # e.g. NODE_FAIL, TIMEOUT with a clean step
+        code = end_code(code, job_state, self.failed[1] if self.failed else None, self.stopped_for_failure,
+                        self.step_loop)
         self._summary(code, job_state)
         return code
 
