@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from llmtrain.engine.torchao_import import import_torchao
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.memory import Q8_BLOCK as BLOCK  # the planner counts the same rule
 from llmtrain.plan.memory import moment_bytes, q8_quantized  # noqa: F401  (re-exported for the tests)
@@ -31,6 +32,7 @@ from llmtrain.plan.memory import moment_bytes, q8_quantized  # noqa: F401  (re-e
 
 def _torchao():
     try:
+        import_torchao("torchao.optim")
         from torchao.optim import AdamW8bit, adam
     except ImportError as e:  # pragma: no cover - torchao is a dependency
         raise LLMTrainError(f"train.optimizer.states needs torchao (pip install torchao): {e}") from None
@@ -107,6 +109,7 @@ def moment_mode(opt) -> str:
 
 
 def _qmap(signed: bool, device) -> torch.Tensor:
+    import_torchao("torchao.optim.subclass_8bit")
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
     return torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned(), dtype=torch.float32, device=device)

@@ -66,6 +66,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from llmtrain.engine.torchao_import import import_torchao
 from llmtrain.errors import LLMTrainError
 
 
@@ -78,7 +79,7 @@ def _convertible(module: nn.Module, fqn: str, skip: frozenset[str]) -> bool:
 
 def _torchao_float8():
     try:
-        import torchao.float8 as float8
+        float8 = import_torchao("torchao.float8")
     except ImportError as e:
         raise LLMTrainError(f"train.precision fp8 needs torchao (pip install torchao): {e}") from None
     return float8
