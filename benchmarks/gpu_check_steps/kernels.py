@@ -132,8 +132,8 @@ def _sustained(ctx) -> dict:
     a, b = (torch.randn(n, n, device=ctx.device, dtype=torch.bfloat16) for _ in range(2))
     cmd = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits", "-lms", "100",
            "-i", str(ctx.device.index or 0)]
-    smi = subprocess.Popen(cmd if shutil.which("nvidia-smi") else ["true"], stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)  # no nvidia-smi: the rate alone, no samples
+    smi = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) \
+        if shutil.which("nvidia-smi") else None  # no nvidia-smi: the rate alone, no samples
     try:
         torch.cuda.synchronize()
         t0, count = time.perf_counter(), 0
@@ -144,8 +144,10 @@ def _sustained(ctx) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     finally:
-        smi.terminate()
-        text = smi.communicate(timeout=10)[0]
+        text = ""
+        if smi is not None:
+            smi.terminate()
+            text = smi.communicate(timeout=10)[0]
     samples = [[float(x) for x in line.split(",")] for line in text.splitlines()
                if line.count(",") == len(SMI_FIELDS) - 1 and "N/A" not in line]
     out = {"gemm": [n, n, n], "seconds": wall, "tflops": 2 * n**3 * count / wall / 1e12, "samples": len(samples)}

@@ -32,11 +32,10 @@ from llmtrain.plan.memory import moment_bytes, q8_quantized  # noqa: F401  (re-e
 
 def _torchao():
     try:
-        import_torchao("torchao.optim")
-        from torchao.optim import AdamW8bit, adam
+        optim = import_torchao("torchao.optim")
     except ImportError as e:  # pragma: no cover - torchao is a dependency
         raise LLMTrainError(f"train.optimizer.states needs torchao (pip install torchao): {e}") from None
-    return AdamW8bit, adam
+    return optim.AdamW8bit, optim.adam
 
 
 def _eager_step(opt) -> None:
@@ -109,10 +108,8 @@ def moment_mode(opt) -> str:
 
 
 def _qmap(signed: bool, device) -> torch.Tensor:
-    import_torchao("torchao.optim.subclass_8bit")
-    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
-
-    return torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned(), dtype=torch.float32, device=device)
+    q8 = import_torchao("torchao.optim.subclass_8bit")
+    return torch.tensor(q8.get_qmap_signed() if signed else q8.get_qmap_unsigned(), dtype=torch.float32, device=device)
 
 
 def _like(p, local: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,12 @@ def failure_code(code: int) -> int:
     return code if 0 < code < 128 else 1
 
 
+def code_after_failure(code: int, failure: str | None) -> int:
+    """The code after a failure (``failure``: its line): 2 (bad input) when a node could not read
+    the env file, else :func:`failure_code`."""
+    return 2 if failure is not None and ENV_FILE_RE.search(failure) else failure_code(code)
+
+
 def end_code(code: int | None, job_state: str, failure: str | None, stopped: bool, step_loop: bool) -> int:
     """The run's exit code once the batch job has ended: Slurm's ``ExitCode`` (``code``; None: Slurm
     no longer knows the job, 1), mapped when a failure was seen (``failure``: the first failure
@@ -54,7 +60,7 @@ def end_code(code: int | None, job_state: str, failure: str | None, stopped: boo
     if code is None:
         return 1
     if stopped or (code and failure is not None) or (step_loop and code >= 128):
-        return 2 if failure is not None and ENV_FILE_RE.search(failure) else failure_code(code)
+        return code_after_failure(code, failure)
     if code == 0 and job_state != "COMPLETED":
         return 1
     return code
@@ -203,8 +209,8 @@ class SlurmRun:
             ENV_FILE_RE.search(line) is not None
 
     def _failure_code(self, code: int) -> int:
-        """The code after a failure: 2 (bad input) when a node could not read the env file, else :func:`failure_code`."""
-        return 2 if self.failed and ENV_FILE_RE.search(self.failed[1]) else failure_code(code)
+        """:func:`code_after_failure` of the first failure seen."""
+        return code_after_failure(code, self.failed[1] if self.failed else None)
 
     def _stop_for_failure(self) -> None:
         """The first failure ends the run now, not when Slurm's ``--kill-on-bad-exit`` gets to it."""
