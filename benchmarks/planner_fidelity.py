@@ -85,7 +85,6 @@ def predictions(overrides: list[str], world: int):
     from llmtrain.plan import activations as act
     from llmtrain.plan.api import plan_recipe
     from llmtrain.plan.costmodel import act_shape, estimate, rank_memory
-    from llmtrain.plan.memory import dp_mode
     from llmtrain.recipe.gpus import GPUS
     from llmtrain.recipe.load import load_recipe
 
@@ -94,7 +93,7 @@ def predictions(overrides: list[str], world: int):
     assert plan.valid, plan.validation.errors
     v = plan.validation
     cm = estimate(recipe, v.dims, v.batch, plan.placement, hints=False)
-    x = act_shape(recipe, v.dims, dp_mode(recipe.parallel.zero, v.dims), GPUS["cpu"])
+    x = act_shape(recipe, v.dims, GPUS["cpu"])
 
     def memory(rank: dict):
         mem = rank_memory(recipe, v.dims, v.batch, rank["coords"]["pp"], rank["dp_cp_index"])

@@ -40,7 +40,7 @@ from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.pipeline import build_schedule
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import build_parts, uses_fsdp
-from llmtrain.engine.step import StepLoss, cross_entropy, pipelined_step
+from llmtrain.engine.step import StepLoss, compute_context, cross_entropy, pipelined_step
 from llmtrain.engine.trainer import resolve_dims
 from llmtrain.recipe.load import load_recipe
 
@@ -177,19 +177,21 @@ def run_case(recipe, device) -> dict:
             part.positions = positions
         batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
     tp_loss = dims.tp > 1
+    amp = compute_context(t.precision, fsdp, device)  # as the trainer: bf16 autocast for zero 0/1 in bf16
     held = hooked = comm_idle = None
     if dims.pp > 1:  # model state only: one pipelined step
         schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule,
                                           grad_accum, cross_entropy, device, meshes.pp.get_group())
-        pipelined_step(parts, schedule, batches, device, tp_loss, contextlib.nullcontext())
+        pipelined_step(parts, schedule, batches, device, tp_loss, amp)
         del schedule, stages
     else:
         model = parts.parts[0]
         inputs, labels = batches[0]
 
         def forward():  # the trainer's chunked loss over the head; like accumulation_step, h is not kept
-            hidden = model(inputs, return_hidden=True)
-            return None, StepLoss(head=model.output)(hidden, labels)
+            with amp:
+                hidden = model(inputs, return_hidden=True)
+                return None, StepLoss(head=model.output)(hidden, labels)
 
         def backward(loss):
             with loss_parallel() if tp_loss else contextlib.nullcontext():

@@ -42,6 +42,16 @@ from torch.distributed.tensor.parallel import loss_parallel
 from llmtrain.engine.parallel.loss import IGNORE, chunked_cross_entropy
 from llmtrain.engine.parallel.pipeline import pipeline_step
 from llmtrain.engine.parallelize import ModelParts
+from llmtrain.recipe.schema import bf16_compute
+
+
+def compute_context(precision: str, fsdp: bool, device: torch.device):
+    """What the forward runs under: bf16 autocast for zero 0/1 in bf16 (fp32 parameters, which the
+    optimizer updates; the model then keeps its residual stream in bf16, ``models/llama.py``), and
+    nothing else (FSDP2 casts its parameters itself: ``MixedPrecisionPolicy``; fp32 computes in fp32)."""
+    if bf16_compute(precision) and not fsdp:
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 

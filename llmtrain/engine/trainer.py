@@ -31,7 +31,7 @@ from llmtrain.engine.parallel.context import cp_positions, shard_sequence
 from llmtrain.engine.parallel.pipeline import build_schedule, stage_io_shapes
 from llmtrain.engine.parallel.tied import TiedEmbedding
 from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
-from llmtrain.engine.step import StepLoss, accumulation_step, pipelined_step
+from llmtrain.engine.step import StepLoss, accumulation_step, compute_context, pipelined_step
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token
@@ -107,7 +107,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     if dims.pp > 1:
         p, m = recipe.parallel, recipe.model
         sp_shards = dims.tp if dims.tp > 1 and p.sequence_parallel else 1
-        act_dtype = torch.bfloat16 if bf16_compute(t.precision) and fsdp else torch.float32
+        act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32  # the residual stream (models/llama.py)
         shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=t.micro_batch_size, seq=t.seq_len // dims.cp,
                          hidden=m.hidden, vocab=m.vocab_size, sp_shards=sp_shards, head_in_loss=True)
         schedule, _ = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
@@ -127,8 +127,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
     peak = peak_flops(device, t.precision)
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     evaluator = PeriodicEval(recipe, dims, gbs) if t.eval_interval else None  # held-out loss (docs/eval.md)
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if bf16_compute(t.precision) and not fsdp
-                else contextlib.nullcontext())
+    autocast = compute_context(t.precision, fsdp, device)
     tp = dims.tp > 1
     result = TrainResult(parts=parts, meshes=meshes, schedule=schedule)
     bias_reduce = (lambda x: dist.all_reduce(x, group=dp_group)) if dp_size > 1 else None

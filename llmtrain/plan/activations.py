@@ -11,17 +11,19 @@ only the layer input, ``2sbh``. :func:`korthikanti_layer_bytes` is that formula.
 The engine's block differs (``engine/models/llama.py``), so :func:`layer_terms` counts what it
 really saves, term by term (each verified with ``saved_tensors_hooks`` on CPU, see
 tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4 fp32),
-``r`` = bytes of the residual stream (4 under autocast, whose residual stays fp32), ``n`` =
+``r`` = bytes of the residual stream (``e``: under autocast too, the engine casts the embedding's
+output, ``engine/models/llama.py``), ``n`` =
 ``t`` with sequence parallelism else 1, ``s`` = the sequence per context-parallel rank
 (``seq_len / cp``: every per-token tensor is divided by CP):
 
 - no dropout (no masks), no biases;
 - RMSNorm instead of LayerNorm: its input ``bsh r / n`` and the fp32 ``rstd`` ``4bs/n``. On CUDA
-  the fused kernel saves nothing else; on CPU the composite op also saves the normalized input
-  (``bsh r / n``);
+  the fused kernel saves nothing else; on CPU the composite op computes in fp32 and saves the fp32
+  upcast of its input and the normalized input (``4bsh / n`` each, whatever ``r``);
 - the input of the q/k/v (and w1/w3) projections, ``bsh e``, gathered to the full sequence
   even with SP (DTensor saves the all-gathered input; Megatron re-gathers in backward instead).
-  Under autocast each projection saves its own bf16 cast of it: 3 copies for q/k/v, 2 for w1/w3;
+  one copy for all three (two): the norm's output is already bf16 under autocast, so no
+  projection casts its own (before the residual stream was bf16 there, 3 and 2 copies);
 - SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
   never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
   and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
@@ -44,8 +46,7 @@ tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4
 - LoRA (:func:`lora_layer_terms`): autograd saves a tensor only for a gradient it computes. A
   frozen projection saves nothing (its input gradient needs only the weight); a frozen norm weight
   drops the normalized input (kept only for the weight gradient); each adapter saves its input
-  (``lora_a``, the same tensor as the base's: counted once per input, under autocast once per
-  adapter, which casts it) and ``A x`` (``[b, s, rank]``, for ``lora_b``). The frozen embedding
+  (``lora_a``, the same tensor as the base's: counted once per input) and ``A x`` (``[b, s, rank]``, for ``lora_b``). The frozen embedding
   makes block 0's input gradient-free: its attention norm saves nothing, and a branch with no
   target saves nothing there. The frozen output layer does not save its input, nor the
   embedding its token ids. Selective recomputation also keeps the adapters' matmul outputs.
@@ -106,7 +107,6 @@ class ActShape:
     sp: bool = False
     e: int = 2  # compute dtype bytes
     r: int = 2  # residual-stream bytes
-    autocast: bool = False
     fused_norm: bool = True
     experts: int = 1
     top_k: int = 1
@@ -140,11 +140,17 @@ class ActShape:
         return loss_chunk_tokens(self.b * self.s, self.vocab // self.tp)
 
 
+def _norm_bytes(x: ActShape) -> int:
+    """Bytes per element of what an RMSNorm saves: its input in the residual stream's dtype (CUDA's
+    fused kernel), or on CPU the composite op's fp32 upcast of it (4 bytes whatever the input's dtype)."""
+    return x.r if x.fused_norm else 4
+
+
 def _norm(x: ActShape) -> dict[str, int]:
     rows = x.b * x.s // x.n
-    out = {"norm_input": rows * x.h * x.r, "norm_rstd": rows * LSE}
+    out = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}
     if not x.fused_norm:
-        out["norm_normalized"] = rows * x.h * x.r
+        out["norm_normalized"] = rows * x.h * 4
     return out
 
 
@@ -173,7 +179,7 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
             out["attn_out"] = 2 * (e * q + lse)  # (before it, diagonal); rank 0's first chunk has no prefix: 1.5x
         return out
     out = _norm(x)
-    out["attn_input"] = (3 if x.autocast else 1) * bs * x.h * e
+    out["attn_input"] = bs * x.h * e
     out.update(core_attention_terms(x))
     return out
 
@@ -204,7 +210,7 @@ def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
     if recompute in ("selective", "selective_mm"):  # outputs of w1, w3 (w2's output, the block's last op,
         return {"mlp_proj_out": e * (2 if recompute == "selective" else 1) * f}  # is discarded; selective_mm: w3's too
     out = _norm(x)
-    out["mlp_input"] = (2 if x.autocast else 1) * bs * x.h * e
+    out["mlp_input"] = bs * x.h * e
     out["swiglu"] = 4 * e * f
     return out
 
@@ -221,8 +227,8 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
         return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * f + h)
                                      + t_tok * (2 * sf + h) * (1 if sf else 0))}
     out = _norm(x)
-    out["moe_input"] = (3 if x.autocast else 1) * t_tok * h * e  # router (+ shared experts') input
-    out["moe_dispatch"] = (2 if x.autocast else 1) * slots * h * e  # tokens gathered per expert
+    out["moe_input"] = t_tok * h * e  # router (+ shared experts') input
+    out["moe_dispatch"] = slots * h * e  # tokens gathered per expert
     out["moe_experts"] = 4 * slots * f * e
     out["moe_combine"] = 2 * slots * h * e  # expert outputs, weighted outputs
     out["moe_routing"] = t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8
@@ -253,13 +259,13 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]
         return base
     out: dict[str, int] = {}
     rows = x.b * x.s // x.n
-    norm = {"norm_input": rows * x.h * x.r, "norm_rstd": rows * LSE}  # the normalized input: weight gradient only
+    norm = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}  # the normalized input: weight gradient only
     x_grad = not first
     attn_t = [name for name in targets if name in ("wq", "wk", "wv")]
     if x_grad:
         _add(out, norm)
     if attn_t and not dropout:
-        out["attn_input"] = (len(attn_t) if x.autocast else 1) * bs * x.h * e
+        out["attn_input"] = bs * x.h * e
     if x_grad or attn_t:
         _add(out, core_attention_terms(x))
     elif "wo" in targets and not dropout:  # only wo's lora_a needs the (gradient-free) attention output
@@ -269,7 +275,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]
         _add(out, norm)
     mlp_t = [name for name in targets if name in ("w1", "w3")]
     if mlp_t and not dropout:
-        out["mlp_input"] = (len(mlp_t) if x.autocast else 1) * bs * x.h * e
+        out["mlp_input"] = bs * x.h * e
     gate, up = r_grad or "w1" in targets, r_grad or "w3" in targets
     # silu saves the w1 output, the product saves silu(w1 x) and w3 x, w2's lora_a the product
     out["swiglu"] = e * f * (gate + up + gate + ("w2" in targets and not dropout))

@@ -46,7 +46,7 @@ from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replica
 from llmtrain.plan.assumptions import planner_assumptions
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
-from llmtrain.recipe.schema import Recipe, bf16_compute
+from llmtrain.recipe.schema import Recipe
 
 GIB = float(1 << 30)
 RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
@@ -93,14 +93,13 @@ class CostModel:
         return self.worst.peak <= self.gpu.memory_bytes
 
 
-def act_shape(recipe: Recipe, dims: ParallelDims, mode: DPMode, gpu: GPUSpec) -> act.ActShape:
+def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
-    autocast = bf16_compute(t.precision) and mode.kind != "fsdp"
     return act.ActShape(
         b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
-        e=e, r=4 if autocast else e, autocast=autocast, fused_norm=gpu.name != "cpu",
+        e=e, r=e, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
@@ -119,7 +118,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
     index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
     state = model_state_bytes(inv.params, mode, index, t.optimizer.states)
-    x = act_shape(recipe, dims, mode, gpu)
+    x = act_shape(recipe, dims, gpu)
     recompute = t.activation_checkpointing
     counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
     detail: dict[str, int] = {}
@@ -144,8 +143,12 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         detail["recompute_working_set"] = working
     activations = sum(detail.values())
 
+    # the chunked loss (planner.loss engine) runs the head's matmul and its gradients in forward: its
+    # autocast cast of output.weight is not kept for backward (tied on one stage: not in matmul_numel)
+    head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
+                 and not (m.tie_embeddings and inv.first) else 0)
     other = {
-        "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel, mode, t.precision,
+        "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
                                              inv.largest_block, inv.root, recompute,
                                              fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0)),
         "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,

@@ -90,6 +90,20 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` that casts its weight to the input's dtype when they differ: under autocast
+    (zero 0/1 in bf16) the weight is the fp32 master and the activations bf16, and torch's fused
+    kernel refuses mismatched dtypes (it falls back to the composite op, which also saves the
+    normalized input). The output keeps the input's dtype either way, so the residual stream stays
+    bf16 (:meth:`Transformer.forward`) as it does under FSDP's bf16 parameters."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w is not None and w.dtype != x.dtype:
+            w = w.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, w, self.eps)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
 
@@ -102,8 +116,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
         if cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
@@ -136,9 +150,9 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
-        self.ffn_norm = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg)
         else:
@@ -163,7 +177,7 @@ class Transformer(nn.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.layers)})
-        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.norm: nn.RMSNorm | None = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         # Positions used when forward() gets none: set by the trainer for pipeline stages that
         # receive (possibly sequence-sharded) hidden states and for context parallelism.
@@ -209,6 +223,13 @@ class Transformer(nn.Module):
         if positions is None:  # from the input ids (with sequence parallelism h is a sequence shard)
             positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
+        if torch.is_autocast_enabled(h.device.type) and h.dtype != torch.get_autocast_dtype(h.device.type):
+            # zero 0/1 in bf16 run under autocast with fp32 parameters: the embedding returns fp32,
+            # and every residual add would then stay fp32. Cast once here so the residual stream,
+            # the norms' outputs and the pipeline's sends are bf16, as under FSDP's bf16 parameters
+            # (and in Megatron-LM and torchtitan): half the bytes of every block input, one bf16
+            # input saved for q/k/v (w1/w3) instead of autocast's cast per projection.
+            h = h.to(torch.get_autocast_dtype(h.device.type))
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         mask = None if segments is None else packed_mask(segments)
         for layer in self.layers.values():
