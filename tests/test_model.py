@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,34 @@ def test_pipeline_stage_pieces_compose():
     del last.layers["0"], last.layers["1"]
     # Same modules, same ops in the same order: bitwise equal.
     assert torch.equal(last(first(tokens)), full)
+
+
+@pytest.mark.parametrize("cfg", [tiny_cfg(), tiny_cfg(qk_norm=True, head_dim=16), moe_cfg()], ids=["dense", "qk_norm", "moe"])
+def test_autocast_keeps_the_residual_stream_in_bf16(cfg):
+    """zero 0/1 in bf16 run the model under autocast with fp32 parameters: every block's input and
+    output, every norm's output and the hidden states a pipeline stage sends are bf16 (as under
+    FSDP's bf16 parameters), and no norm falls back from torch's fused kernel over mixed dtypes. Without
+    autocast (precision fp32) everything stays fp32. Before the change the embedding's fp32 output
+    kept the whole stream fp32 (docs/planner.md 1.2)."""
+    model = build(cfg, dtype=torch.float32)
+    seen = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm) or module in model.layers.values():
+            module.register_forward_hook(lambda mod, args, out: seen.append((type(mod).__name__, args[0].dtype, out.dtype)))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Mismatch dtype between input and weight" would raise
+        hidden = model(tokens, return_hidden=True)
+        logits = model(tokens)
+    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.bfloat16
+    assert seen and {(i, o) for _, i, o in seen} == {(torch.bfloat16, torch.bfloat16)}, seen
+    assert {name for name, _, _ in seen} >= {"RMSNorm", "TransformerBlock"}
+    seen.clear()
+    model(tokens)
+    assert {(i, o) for _, i, o in seen} == {(torch.float32, torch.float32)}
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
 
 
 # ------------------------------------------------------------------------ params and init

@@ -224,8 +224,8 @@ def moe_compiled_fsdp1(ctx) -> dict:
 
 
 def moe_eager(ctx) -> dict:
-    """The same MoE through the trainer on one GPU (bf16 autocast, eager): the fp32 token stream
-    under autocast takes the grouped GEMM too (engine/models/moe.py ``grouped_mm_dtype``, issue 19;
+    """The same MoE through the trainer on one GPU (bf16 autocast, eager): the token stream under
+    autocast (bf16 since the nineteenth session, fp32 before) takes the grouped GEMM too (engine/models/moe.py ``grouped_mm_dtype``, issue 19;
     the first wave's per-expert loop), checked by correctness.py's moe_grouped_gemm."""
     return speed_row(ctx, "moe_eager", TINY_MOE if ctx.tiny else MOE, compile_=False)
 

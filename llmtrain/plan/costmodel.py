@@ -143,10 +143,8 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         detail["recompute_working_set"] = working
     activations = sum(detail.values())
 
-    # the chunked loss (planner.loss engine) runs the head's matmul and its gradients in forward: its
-    # autocast cast of output.weight is not kept for backward (tied on one stage: not in matmul_numel)
-    head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
-                 and not (m.tie_embeddings and inv.first) else 0)
+    # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
+    head_cast = m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine" and not (m.tie_embeddings and inv.first) else 0
     other = {
         "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
                                              inv.largest_block, inv.root, recompute,

@@ -17,9 +17,10 @@ GROUP_ALIGN = 16  # rows per expert group are padded to this for the CUDA groupe
 
 def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype the grouped GEMM runs ``x``'s experts in, or None (the per-expert loop): bf16
-    inputs as they are (FSDP2's bf16 MixedPrecisionPolicy), and fp32 inputs under a bf16 autocast
-    of their device type (the trainer's one-rank / zero 0-1 bf16 path: the token stream stays fp32
-    and autocast leaves ``_grouped_mm`` uncast, seen on CPU with torch 2.13, so the loop ran).
+    inputs as they are (FSDP2's bf16 MixedPrecisionPolicy, and the trainer's zero 0/1 autocast path,
+    whose residual stream is bf16: models/llama.py), and fp32 inputs under a bf16 autocast of their
+    device type (an fp32 stream, as that path had before: autocast leaves ``_grouped_mm`` uncast,
+    seen on CPU with torch 2.13, so the loop ran).
     bf16 here computes what the loop does under autocast: bf16 inputs, fp32 accumulation, bf16 out."""
     if not hasattr(torch, "_grouped_mm") or os.environ.get("LLMTRAIN_GROUPED_MM", "1") != "1":
         return None

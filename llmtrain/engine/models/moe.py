@@ -252,8 +252,8 @@ class MoE(nn.Module):
         token_ids, slot_ids, counts = dispatch_order(routing.expert_idx, self.num_experts, capacity)
         y = self.experts(x_flat.index_select(0, token_ids), counts)
         y = y * routing.weights[token_ids, slot_ids].unsqueeze(-1).to(y.dtype)
-        # y.to: under autocast (bf16 with one rank or zero 0/1: no FSDP MixedPrecisionPolicy) the experts'
-        # matmuls return bf16 while the token stream stays fp32; index_add needs one dtype
+        # y.to: the experts' output in the token stream's dtype (bf16 under autocast too, models/llama.py;
+        # an fp32 stream, e.g. precision fp32, gets fp32); index_add needs one dtype
         out = torch.zeros_like(x_flat).index_add(0, token_ids, y.to(x_flat.dtype))
         if self.shared is not None:
             out = out + (self.shared(x_flat) if self.tp_region is None else self.shared.local_forward(x_flat))
