@@ -337,7 +337,9 @@ class PeriodicEval:
         start = time.perf_counter()
         from llmtrain.engine.parallelize import uses_fsdp
 
-        bf16 = bf16_compute(self.recipe.train.precision) and uses_fsdp(self.recipe, meshes)  # the trainer's boundary dtype
+        # the eval forward's boundary dtype: bf16 under FSDP's bf16 parameters; eval runs without autocast,
+        # so zero 0/1 compute (and send) fp32 here, unlike their training steps (models/llama.py)
+        bf16 = bf16_compute(self.recipe.train.precision) and uses_fsdp(self.recipe, meshes)
         result = evaluate(parts, self.windows, self.batch, device, meshes, self.recipe, self.micro,
                           torch.bfloat16 if bf16 else torch.float32, labels=self.labels)
         if dist.get_rank() == 0:
