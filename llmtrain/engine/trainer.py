@@ -7,7 +7,6 @@ layouts in one job); :mod:`llmtrain.engine.main` wraps it for torchrun.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from functools import partial
 import time

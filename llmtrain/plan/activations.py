@@ -21,9 +21,9 @@ output, ``engine/models/llama.py``), ``n`` =
   the fused kernel saves nothing else; on CPU the composite op computes in fp32 and saves the fp32
   upcast of its input and the normalized input (``4bsh / n`` each, whatever ``r``);
 - the input of the q/k/v (and w1/w3) projections, ``bsh e``, gathered to the full sequence
-  even with SP (DTensor saves the all-gathered input; Megatron re-gathers in backward instead).
-  one copy for all three (two): the norm's output is already bf16 under autocast, so no
-  projection casts its own (before the residual stream was bf16 there, 3 and 2 copies);
+  even with SP (DTensor saves the all-gathered input; Megatron re-gathers in backward instead),
+  one tensor for q/k/v (and one for w1/w3): under autocast the norm's output is already bf16, so
+  no projection saves a cast of its own (3 and 2 copies while the autocast stream was fp32);
 - SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
   never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
   and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
