@@ -45,6 +45,7 @@ class StepRun(SlurmRun):
             time.sleep(0.1)
         time.sleep(0.2)  # the nodes' last writes (shared storage) before the final read
         self._pump(final=True)
+        self._failure_after_end()
         rc = self.proc.returncode
         code = 128 - rc if rc < 0 else rc
         if code and (self.failed or self.stopped_for_failure or (self.step_loop and code >= 128)):

@@ -134,6 +134,7 @@ class SlurmRun:
             self._learn_hosts(fields)
         time.sleep(0.2)  # the nodes' last writes (shared storage) before the final read
         self._pump(final=True)
+        self._failure_after_end()
         code = slurmctl.exit_code(fields)
         job_state = fields.get("JobState", "UNKNOWN")
         if code is None:
@@ -212,9 +213,8 @@ class SlurmRun:
         """:func:`code_after_failure` of the first failure seen."""
         return code_after_failure(code, self.failed[1] if self.failed else None)
 
-    def _stop_for_failure(self) -> None:
-        """The first failure ends the run now, not when Slurm's ``--kill-on-bad-exit`` gets to it."""
-        self.stopped_for_failure = True
+    def _failure_line(self, action: str) -> str:
+        """``[launcher]`` line naming the first failure's host and cause, then ``action``."""
         node, line = self.failed
         host = self.hosts[node] if self.hosts else f"node {node}"
         match = WORKER_FAILED_RE.search(line)
@@ -222,11 +222,22 @@ class SlurmRun:
             line if line.startswith("no heartbeat") else \
             "it cannot read launch.env_file" if ENV_FILE_RE.search(line) else "torchrun gave up"
         lost = line.startswith("no heartbeat")
-        self.display.line(f"[launcher] {'node' if lost else 'a rank failed on'} {host} "
-                          f"{'is lost ' if lost else ''}({what}): {self._stop_words()} now")
+        return f"[launcher] {'node' if lost else 'a rank failed on'} {host} {'is lost ' if lost else ''}({what}): {action}"
+
+    def _stop_for_failure(self) -> None:
+        """The first failure ends the run now, not when Slurm's ``--kill-on-bad-exit`` gets to it."""
+        self.stopped_for_failure = True
+        self.display.line(self._failure_line(f"{self._stop_words()} now"))
         problem = self._stop_step() if self.step_loop else self._stop_now()
         if problem:
             self.display.line(f"[launcher] {problem}")
+
+    def _failure_after_end(self) -> None:
+        """A failure read only in the final read, after the job or step had ended (srun's
+        ``--kill-on-bad-exit`` can end it before the watcher's next poll): the same cause line, so
+        the run always names which node failed and why, whoever stopped it."""
+        if self.failed and not self.stopped_for_failure:
+            self.display.line(self._failure_line(f"{self._what()} had already ended"))
 
     def _stop_words(self) -> str:
         if self.step_loop and self.failed and not self.signals:
