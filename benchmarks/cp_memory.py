@@ -38,7 +38,7 @@ def planner_bytes(seq: int, heads: int, dim: int, e: int) -> int:
     from llmtrain.plan.activations import ActShape, cp_transient_bytes
 
     x = ActShape(b=1, s=seq // CP, h=heads * dim, heads=heads, kv_heads=heads, ffn=4 * heads * dim, vocab=256, tp=1,
-                 sp=False, e=e, r=e, cp=CP, cp_method="ring")
+                 sp=False, e=e, cp=CP, cp_method="ring")
     return cp_transient_bytes(x)
 
 

@@ -97,7 +97,7 @@ def predicted(vocab: int, seq: int, micro: int, chunked: bool) -> int:
 
     m = load_recipe(common.ROOT / "recipes/debug.yaml", [f"model.vocab_size={vocab}", f"model.max_seq_len={seq}"]).model
     x = act.ActShape(b=micro, s=seq, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads, ffn=m.ffn_hidden, vocab=vocab,
-                     e=4, r=4, fused_norm=False, chunked_loss=chunked)
+                     e=4, fused_norm=False, chunked_loss=chunked)
     saved = m.layers * act.layer_bytes(x, False, "none") + sum(act.stage_terms(x).values()) \
         + sum(act.first_stage_terms(x).values()) + sum(act.last_stage_terms(x).values())
     return saved + act.logits_bytes(x) + act.loss_backward_bytes(x)

@@ -153,7 +153,7 @@ def test_planner_chunk_rule_and_loss_terms():
     assert act.loss_chunk_tokens(8192, 128256) == 256
     assert act.loss_chunk_tokens(8192, 151936) == 128  # floor
     assert act.loss_chunk_tokens(100, 512) == 100  # never more than the tokens
-    x = act.ActShape(b=4, s=2048, h=128, heads=8, kv_heads=4, ffn=352, vocab=32768, e=4, r=4)
+    x = act.ActShape(b=4, s=2048, h=128, heads=8, kv_heads=4, ffn=352, vocab=32768, e=4)
     old = act.ActShape(**{**{k: getattr(x, k) for k in x.__dataclass_fields__}, "chunked_loss": False})
     terms, old_terms = act.last_stage_terms(x), act.last_stage_terms(old)
     assert terms["loss_grad_hidden"] == 4 * 4 * 2048 * 128 and terms["loss_grad_weight"] == 4 * 32768 * 128

@@ -56,7 +56,7 @@ def test_ring_working_memory_counts_the_transfers_in_flight():
     """Without GQA at one head, fp32: cp 2 peaks at step 0's block (3 acc + 7 e = 40 bytes per q
     element), cp 4 at a middle q_half block (5 acc + 6.5 e = 46); bf16 cp 4: 20 + 13 = 33."""
     def q_bytes(cp: int, e: int) -> float:
-        x = ActShape(b=1, s=1024, h=64, heads=1, kv_heads=1, ffn=256, vocab=256, tp=1, sp=False, e=e, r=e, cp=cp,
+        x = ActShape(b=1, s=1024, h=64, heads=1, kv_heads=1, ffn=256, vocab=256, tp=1, sp=False, e=e, cp=cp,
                      cp_method="ring")
         return cp_transient_bytes(x) / (1024 * 64)
     assert (q_bytes(2, 4), q_bytes(4, 4), q_bytes(4, 2)) == (40.0, 46.0, 33.0)

@@ -11,15 +11,15 @@ only the layer input, ``2sbh``. :func:`korthikanti_layer_bytes` is that formula.
 The engine's block differs (``engine/models/llama.py``), so :func:`layer_terms` counts what it
 really saves, term by term (each verified with ``saved_tensors_hooks`` on CPU, see
 tests/test_costmodel.py). Notation: ``e`` = bytes of a compute tensor (2 bf16, 4 fp32),
-``r`` = bytes of the residual stream (``e``: under autocast too, the engine casts the embedding's
+the residual stream has ``e`` bytes too (under autocast as well: the engine casts the embedding's
 output, ``engine/models/llama.py``), ``n`` =
 ``t`` with sequence parallelism else 1, ``s`` = the sequence per context-parallel rank
 (``seq_len / cp``: every per-token tensor is divided by CP):
 
 - no dropout (no masks), no biases;
-- RMSNorm instead of LayerNorm: its input ``bsh r / n`` and the fp32 ``rstd`` ``4bs/n``. On CUDA
+- RMSNorm instead of LayerNorm: its input ``bsh e / n`` and the fp32 ``rstd`` ``4bs/n``. On CUDA
   the fused kernel saves nothing else; on CPU the composite op computes in fp32 and saves the fp32
-  upcast of its input and the normalized input (``4bsh / n`` each, whatever ``r``);
+  upcast of its input and the normalized input (``4bsh / n`` each, whatever ``e``);
 - the input of the q/k/v (and w1/w3) projections, ``bsh e``, gathered to the full sequence
   even with SP (DTensor saves the all-gathered input; Megatron re-gathers in backward instead),
   one tensor for q/k/v (and one for w1/w3): under autocast the norm's output is already bf16, so
@@ -106,7 +106,6 @@ class ActShape:
     tp: int = 1
     sp: bool = False
     e: int = 2  # compute dtype bytes
-    r: int = 2  # residual-stream bytes
     fused_norm: bool = True
     experts: int = 1
     top_k: int = 1
@@ -143,7 +142,7 @@ class ActShape:
 def _norm_bytes(x: ActShape) -> int:
     """Bytes per element of what an RMSNorm saves: its input in the residual stream's dtype (CUDA's
     fused kernel), or on CPU the composite op's fp32 upcast of it (4 bytes whatever the input's dtype)."""
-    return x.r if x.fused_norm else 4
+    return x.e if x.fused_norm else 4
 
 
 def _norm(x: ActShape) -> dict[str, int]:
@@ -300,12 +299,12 @@ def _without_lora(x: ActShape) -> ActShape:
 @lru_cache(maxsize=8192)
 def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
-        return (("block_input", x.b * x.s * x.h * x.r // x.n),)
+        return (("block_input", x.b * x.s * x.h * x.e // x.n),)
     if x.lora is not None and not moe:
         return tuple(lora_layer_terms(x, recompute, first).items())
     out: dict[str, int] = {}
     if recompute in ("selective", "selective_mm"):
-        out["block_input"] = x.b * x.s * x.h * x.r // x.n
+        out["block_input"] = x.b * x.s * x.h * x.e // x.n
     _add(out, attention_terms(x, recompute))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
     return tuple(out.items())

@@ -1,7 +1,7 @@
 """The cost model's glue: memory per rank, FLOPs, communication, bubble and step time of a layout.
 
 :func:`estimate` takes a validated recipe (its :class:`ParallelDims` and :class:`BatchMath`) and
-the node placement and returns a :class:`CostModel`; :func:`cost_to_dict` is its ``plan --json``
+the node placement and returns a :class:`CostModel`; :func:`llmtrain.plan.cost_json.cost_to_dict` is its ``plan --json``
 form. Each concept lives in its own module (sources in their docstrings, the whole model in
 docs/planner.md):
 
@@ -99,7 +99,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
     return act.ActShape(
         b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
-        e=e, r=e, fused_norm=gpu.name != "cpu",
+        e=e, fused_norm=gpu.name != "cpu",
         experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
@@ -352,44 +352,6 @@ def _global_rank(dims: ParallelDims, mem: RankMemory) -> int:
     rep, inner = divmod(mem.dp_index, dims.dp_shard * dims.cp)
     shard, cp = divmod(inner, dims.cp)
     return dims.rank_of((mem.pp_rank, rep, shard, cp, 0))
-
-
-def _gib(n: float) -> float:
-    return round(n / GIB, 6)
-
-
-def memory_dict(mem: RankMemory) -> dict:
-    return {"params": _gib(mem.params), "grads": _gib(mem.grads), "optimizer": _gib(mem.optimizer),
-            "activations": _gib(mem.activations), "other": _gib(mem.other)}
-
-
-def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
-    w = cm.worst
-    per_rank = []
-    for worst, best, held, layers in cm.per_pp:
-        per_rank.append({"pp": worst.pp_rank, "ranks": dims.world_size // dims.pp, "stages": held, "layers": layers,
-                         "peak_gib": _gib(worst.peak), "peak_gib_min": _gib(best.peak),
-                         "worst_dp_index": worst.dp_index, "trainable_params": worst.trainable_params,
-                         **{f"{k}_gib": v for k, v in memory_dict(worst).items()}})
-    return {
-        "memory": {
-            "gpu": cm.gpu.name, "capacity_gib": _gib(cm.gpu.memory_bytes), "peak_gib": _gib(w.peak), "fits": cm.fits,
-            "headroom_gib": _gib(cm.gpu.memory_bytes - w.peak), "phase": w.phase, "dp_state": cm.mode.label,
-            "worst_rank": {"rank": cm.worst_rank, "pp": w.pp_rank, "dp_index": w.dp_index},
-            "breakdown_gib": memory_dict(w),
-            "other_gib": {k: _gib(v) for k, v in w.other_detail.items()},
-            "activations_gib": {k: _gib(v) for k, v in sorted(w.activation_detail.items(), key=lambda kv: -kv[1])},
-            "per_rank": per_rank, "hints": cm.hints,
-            "trainable_params_per_rank": max(worst.trainable_params for worst, *_ in cm.per_pp),
-        },
-        "flops": cm.flops,
-        "comm": [c.to_dict() for c in cm.comms],
-        "bubble_fraction": cm.bubble,
-        "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "time_model": cm.time_model,
-                 "planner_assumptions": cm.assumptions,
-                 "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12,
-                 "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12},  # differs under cluster.gpu_power_w (recipe/gpus.py)
-    }
 
 
 def replicated_grad_extra(inv) -> int:

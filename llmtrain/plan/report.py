@@ -26,7 +26,8 @@ from typing import Any
 
 from llmtrain.plan.api import Plan
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.costmodel import cost_to_dict, estimate
+from llmtrain.plan.cost_json import cost_to_dict
+from llmtrain.plan.costmodel import estimate
 from llmtrain.plan.dims import MESH_DIMS, ParallelDims
 from llmtrain.plan.params import count_params, trainable_params
 from llmtrain.cluster.placement import Placement
