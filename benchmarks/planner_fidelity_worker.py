@@ -17,7 +17,9 @@ For every layout of the spec, in ONE process group:
 Each collective is attributed to a dimension by the code that issued it (the innermost matching
 Python frame: llmtrain's context.py → cp, expert.py → ep, data_parallel.py / zero1.py / FSDP →
 dp, DTensor → tp, torch.distributed.pipelining → pp, clipping / MoE bias update / loss logging
-→ other; an all-to-all issued from autograd's C++ backward → ep, or cp without EP), because on
+→ other; expert.py's collectives other than all-to-all → tp, the MoE block's expert-TP region;
+an all-to-all issued from autograd's C++ backward → ep, or cp without EP; a reduce-scatter from
+there → cp with CP, the all-gather CP's dK/dV), because on
 small meshes torch reuses one process group for several dimensions. Its message bytes follow
 the planner's convention (llmtrain/plan/comm.py): the full, unsharded message — all-reduce and
 broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all:
@@ -95,9 +97,9 @@ def _sum(x) -> int:
 class CommCounter(TorchDispatchMode):
     """Counts collectives and their message bytes per (dimension, kind) while active."""
 
-    def __init__(self, ep: bool):
+    def __init__(self, ep: bool, cp: bool = False):
         super().__init__()
-        self.ep = ep
+        self.ep, self.cp = ep, cp
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.count: dict[tuple[str, str], int] = defaultdict(int)
 
@@ -116,8 +118,14 @@ class CommCounter(TorchDispatchMode):
                 if frag in path and (func is None or func == fn):
                     if dim == "other" and kind == "all-to-all":  # autograd's C++ backward of an all-to-all
                         return "ep" if self.ep else "cp"
+                    if dim == "other" and kind == "reduce-scatter" and self.cp:  # ... of the CP K/V all-gather
+                        return "cp"
+                    if dim == "ep" and kind != "all-to-all":  # the MoE block's expert-TP region (SP gather, reduction)
+                        return "tp"
                     return dim
-        return "ep" if kind == "all-to-all" and self.ep else ("cp" if kind == "all-to-all" else "other")
+        if kind == "all-to-all":
+            return "ep" if self.ep else "cp"
+        return "cp" if kind == "reduce-scatter" and self.cp else "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
@@ -141,7 +149,7 @@ def measure_step(recipe, device) -> dict:
 
     h = pow_.Harness(recipe, device)
     h.step()  # warm-up: lazy state (AdamW, FSDP, the pipeline's buffers) outside the counted step
-    comm = CommCounter(h.dims.ep > 1)
+    comm = CommCounter(h.dims.ep > 1, h.dims.cp > 1)
     flops = FlopCounterMode(display=False)
     dist.barrier()
     # the CP blocks call the CPU flash kernel directly, which FlopCounterMode has no formula for:

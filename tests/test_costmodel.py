@@ -59,6 +59,54 @@ def test_lora_adapters_replicated_over_tp_are_all_reduced_once_per_step():
     assert len(step) == 1 and step[0].op == "all-reduce" and step[0].message_bytes * step[0].count == 57344
 
 
+@pytest.mark.parametrize("sp", [True, False])
+def test_recomputation_re_runs_only_the_tp_collectives_the_engine_re_runs(sp):
+    """Per layer and micro batch, forward + backward send 4 all-gathers and 4 reduce-scatters (SP)
+    or 4 all-reduces; recomputation adds (recompute_comm.recomputed_tp_sites): selective and selective_mm the
+    2 SP gathers (nothing without SP), full also wo's reduction, Megatron-LM's whole-block
+    checkpoint (planner.full_recompute whole_block) all 4. The engine's counts are measured by
+    benchmarks/planner_fidelity.py (and its tiny run in tests/test_benchmarks.py)."""
+    def tp_counts(mode: str, whole: bool = False) -> dict[str, float]:
+        extra = [f"parallel.sequence_parallel={str(sp).lower()}", f"train.activation_checkpointing={mode}"]
+        p = _plan("recipes/llama3-8b.yaml", ["parallel.tp=8", "parallel.zero=1"] + extra
+                  + (["planner.full_recompute=whole_block"] if whole else []))
+        cost = estimate(p.recipe, p.validation.dims, p.validation.batch, p.placement, hints=False)
+        out: dict[str, float] = {}
+        for c in cost.comms:
+            if c.dim == "tp":
+                out[c.op] = out.get(c.op, 0) + c.count
+        return out, p.validation.batch.grad_accum * p.recipe.model.layers
+
+    base, lm = tp_counts("none")
+    added = [{op: n - base[op] for op, n in tp_counts(mode, whole)[0].items()}
+             for mode, whole in (("selective", False), ("selective_mm", False), ("full", False), ("full", True))]
+    if sp:
+        assert base["all-gather"] == base["reduce-scatter"]
+        assert [(a["all-gather"] / lm, a["reduce-scatter"] / lm) for a in added] == [(2, 0), (2, 0), (2, 1), (2, 2)]
+    else:
+        assert set(base) == {"all-reduce"}
+        assert [a["all-reduce"] / lm for a in added] == [0, 0, 1, 2]
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_selective_cp_blocks_are_planned_per_rank(method):
+    """The selective policy keeps every CP kernel block's output + lse; with the zigzag split rank
+    ``i`` of the ring keeps ``(cp + 1 + i) / 2`` blocks' worth, all-gather 2 (rank 0: 1.5, its first
+    chunk has no prefix). The plan's worst rank keeps the most loaded rank's (measured at cp 2:
+    benchmarks/planner_fidelity.py)."""
+    overrides = COMMON + ["parallel.cp=4", f"parallel.cp_method={method}", "train.activation_checkpointing=selective"]
+    recipe = load_recipe(REPO / "recipes/debug.yaml", overrides)
+    plan = plan_recipe(recipe, None, 1, 4)
+    v = plan.validation
+    blocks = [rank_memory(recipe, v.dims, v.batch, 0, i).saved_detail for i in range(4)]
+    key = "ring_saved_blocks" if method == "ring" else "attn_out"
+    per_rank = [d[key] for d in blocks]
+    unit = per_rank[-1] / (4 if method == "ring" else 2)
+    expect = [2.5, 3, 3.5, 4] if method == "ring" else [1.5, 2, 2, 2]
+    assert [b / unit for b in per_rank] == expect
+    assert rank_memory(recipe, v.dims, v.batch, 0).saved_detail[key] == per_rank[-1]
+
+
 @pytest.mark.parametrize("method, tp", [("ring", 8), ("allgather", 8), ("ulysses", 4)])  # ulysses: kv_heads % (tp cp)
 def test_cp_kv_bytes_scale_with_kv_heads_unless_priced_repeated(method, tp):
     """Ring and all-gather CP move K/V (and dK/dV) with the rank's kv_heads (the engine repeats them
@@ -234,7 +282,7 @@ def _predicted(case: str, rank: dict):
     v = plan.validation
     mem = rank_memory(recipe, v.dims, v.batch, rank["coords"]["pp"], rank["dp_cp_index"])
     x = act_shape(recipe, v.dims, GPUS["cpu"])
-    saved = sum(val for k, val in mem.activation_detail.items() if k != "recompute_working_set")
+    saved = sum(val for k, val in mem.saved_detail.items() if k != "recompute_working_set")
     # under autocast (zero 0/1 in bf16) the matmuls' bf16 weight casts are saved too: the planner's
     # weight buffers (the engine's count excludes only the parameters' own storages)
     casts = mem.other_detail["weight_buffers"] if recipe.train.precision == "bf16" and recipe.train.activation_checkpointing == "none" else 0

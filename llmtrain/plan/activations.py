@@ -159,7 +159,9 @@ def _add(total: dict[str, int], part: dict[str, int]) -> dict[str, int]:
     return total
 
 
-def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
+def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) -> dict[str, int]:
+    """What attention keeps; ``cp_index``: the rank's CP coordinate (None: the most loaded rank),
+    which decides how many context-parallel kernel blocks the selective policy keeps."""
     bs, t, e = x.b * x.s, x.tp, x.e
     q = bs * x.heads * x.head_dim // t
     kv = bs * x.kv_heads * x.head_dim // t
@@ -171,11 +173,16 @@ def attention_terms(x: ActShape, recompute: str) -> dict[str, int]:
             out["qkv_proj_out"] -= e * kv
             if t == 1:
                 del out["wo_out"]
-        if x.cp > 1 and x.cp_method == "ring":  # the policy keeps every kernel block's output + lse: rank
-            del out["attn_out"]  # cp-1 runs cp blocks of all its queries (priced), rank 0 (cp+1)/2 of them
-            out["ring_saved_blocks"] = x.cp * (e * q + lse)  # (engine/parallel/context_ring.py; unverified on CPU)
+        if x.cp > 1 and x.cp_method == "ring":  # the policy keeps every kernel block's output + lse: rank i
+            # runs its diagonal block, i blocks of all its queries (K/V from ranks before it) and cp - 1 - i
+            # of half of them (after it): (cp + 1 + i) / 2 blocks' worth, cp on rank cp - 1, the most
+            # loaded (engine/parallel/context_ring.py; measured rank 0 at cp 2: benchmarks/planner_fidelity.py)
+            del out["attn_out"]
+            i = x.cp - 1 if cp_index is None else cp_index
+            out["ring_saved_blocks"] = (x.cp + 1 + i) * (e * q + lse) // 2
         elif x.cp > 1 and x.cp_method == "allgather":  # each zigzag chunk (half the queries): two kernel blocks
-            out["attn_out"] = 2 * (e * q + lse)  # (before it, diagonal); rank 0's first chunk has no prefix: 1.5x
+            # (before it, diagonal); rank 0's first chunk has no prefix: 3 of the 4 halves
+            out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2
         return out
     out = _norm(x)
     out["attn_input"] = bs * x.h * e
@@ -236,13 +243,15 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
     return out
 
 
-def layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) -> dict[str, int]:
+def layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
+                cp_index: int | None = None) -> dict[str, int]:
     """Bytes one transformer block keeps for backward for one micro batch, by term (``first``:
-    block 0, whose input needs no gradient under LoRA)."""
-    return dict(_layer_terms(x, moe, recompute, first and x.lora is not None))
+    block 0, whose input needs no gradient under LoRA; ``cp_index``: the rank's CP coordinate,
+    None for the most loaded)."""
+    return dict(_layer_terms(x, moe, recompute, first and x.lora is not None, cp_index))
 
 
-def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]:
+def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | None = None) -> dict[str, int]:
     """A dense block's saved tensors under LoRA (module docstring), following ``requires_grad``."""
     rank, targets, dropout = x.lora
     bs, e, t = x.b * x.s, x.e, x.tp
@@ -250,7 +259,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool) -> dict[str, int]
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
     if recompute in ("selective", "selective_mm"):  # + the adapters' own matmul outputs (A x and B A x;
         # selective_mm recomputes only the frozen bases' mm of wk, w3, wo: the adapters' outputs stay)
-        base = dict(_layer_terms(_without_lora(x), False, recompute, False))
+        base = dict(_layer_terms(_without_lora(x), False, recompute, False, cp_index))
         # lora_b's output on a row-parallel projection is a partial sum, discarded like the base's
         # (wo without TP: kept, it is part of the attention output); on w2 always discarded
         out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": 0 if t > 1 else bs * x.h, "w1": f, "w3": f, "w2": 0}
@@ -297,15 +306,16 @@ def _without_lora(x: ActShape) -> ActShape:
 
 
 @lru_cache(maxsize=8192)
-def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False) -> tuple[tuple[str, int], ...]:
+def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
+                 cp_index: int | None = None) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
         return (("block_input", x.b * x.s * x.h * x.e // x.n),)
     if x.lora is not None and not moe:
-        return tuple(lora_layer_terms(x, recompute, first).items())
+        return tuple(lora_layer_terms(x, recompute, first, cp_index).items())
     out: dict[str, int] = {}
     if recompute in ("selective", "selective_mm"):
         out["block_input"] = x.b * x.s * x.h * x.e // x.n
-    _add(out, attention_terms(x, recompute))
+    _add(out, attention_terms(x, recompute, cp_index))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
     return tuple(out.items())
 

@@ -9,7 +9,7 @@ qualifies (before wq/wk/wv and w1/w3 in the forward and the recomputed forward; 
 gathers of the wo / w2 output gradients, consumed by their input-gradient matmuls), and so do the
 forward's reduce-scatters after wo and w2. The backward's reduce-scatters of the attention and MLP
 input gradients do not: each reduces the sum of the wq + wk + wv (w1 + w3) input gradients, an add,
-not a matmul. So 2 of a layer's ``per_layer`` reduce-scatters stay plain (read from the pass, not
+not a matmul. So 2 of a layer's reduce-scatters stay plain (read from the pass, not
 fitted; torchtitan's 70B / 256 H100 async TP gains, 1.09x bf16 and 1.16x Float8, are checked
 against it in benchmarks/planner_vs_published.py rows 54-57).
 """
@@ -19,11 +19,12 @@ from __future__ import annotations
 UNFUSED_REDUCE_SCATTERS = 2  # per layer and micro batch: the attention and MLP input gradients
 
 
-def async_tp_fused_counts(micro_batches: int, per_layer: int, layers: int) -> dict[str, int]:
+def async_tp_fused_counts(micro_batches: int, gathers: int, reduces: int, layers: int) -> dict[str, int]:
     """How many all-gathers and reduce-scatters of one pipeline rank's step the pass fuses
-    (``per_layer``: all-reduce equivalents per layer and micro batch, comm.py's TP section)."""
-    return {"all-gather": micro_batches * per_layer * layers,
-            "reduce-scatter": micro_batches * (per_layer - UNFUSED_REDUCE_SCATTERS) * layers}
+    (``gathers`` / ``reduces``: SP all-gathers / reduce-scatters per layer and micro batch,
+    recomputed ones included: comm.py's TP section)."""
+    return {"all-gather": micro_batches * gathers * layers,
+            "reduce-scatter": micro_batches * (reduces - UNFUSED_REDUCE_SCATTERS) * layers}
 
 
 def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -> float:

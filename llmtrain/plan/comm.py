@@ -42,9 +42,13 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   equivalent less per micro batch on the first stage.
 - TP, per layer and micro batch: 2 all-reduces forward and 2 backward of ``bshe``; with
   sequence parallelism 2 all-gathers + 2 reduce-scatters each way (same volume). Activation
-  recomputation re-runs the forward ones (the engine's selective policy saves matmul and
-  SDPA outputs, not collective outputs). ``selective_mm`` re-runs the same ones: its extra
-  recomputed GEMMs (wk, w3; wo only without TP, so never wo's reduction) read the gathered
+  recomputation re-runs some of the forward ones (:func:`recomputed_tp_sites`, measured with
+  benchmarks/planner_fidelity.py): ``selective`` and ``selective_mm`` the two gathers (SP: the
+  attention and MLP inputs' all-gathers; without SP nothing), since the policy caches wo's
+  reduced output and nothing after w2 is re-run; ``full`` also wo's reduction (the
+  checkpoint stops after the last saved tensor, w2's input, so w2's reduction is not re-run);
+  ``planner.full_recompute: whole_block`` (Megatron-LM's checkpoint) all four. ``selective_mm``'s
+  extra recomputed GEMMs (wk, w3; wo only without TP, so never wo's reduction) read the gathered
   norm outputs that ``selective`` re-gathers anyway. Plus one all-reduce for the embedding (forward) and
   one for the output layer's input (backward). MoE layers count like dense ones: with expert-TP
   (``engine/parallel/expert.py``) the block is one TP region whose input is copied (SP: gathered)
@@ -81,6 +85,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
 from llmtrain.plan.asynctp import async_tp_fused_counts
+from llmtrain.plan.recompute_comm import recomputed_tp_sites
 from llmtrain.plan.ringtime import forward_passes, ring_grad_units, ring_units
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
     POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
@@ -166,6 +171,7 @@ class CommSpec:
     kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
     pp_blocking: bool = False  # planner.pp_p2p blocking: Megatron's waiting sends, 1/tp of the activation per TP rank
+    recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs w2 and its reduction too
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -289,32 +295,39 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     if d.tp > 1:
         g = lk("tp")
         act = c.e * c.tokens * c.hidden
-        # all-reduce equivalents per micro batch: 2 forward + 2 backward per layer (+ 2 re-run forward
-        # with recomputation), one for the vocabulary-parallel embedding (forward only) and one for
-        # the output layer's input (backward only). With SP each all-reduce becomes an all-gather
-        # plus a reduce-scatter (same bytes).
-        per_layer = 2 * forward_passes(c.recompute) + 2
+        # per layer and micro batch: 2 gather sites (the attention and MLP inputs: SP all-gathers,
+        # without SP nothing in the forward) and 2 reduce sites (wo and w2 outputs: SP
+        # reduce-scatters, without SP all-reduces) forward, the transposes backward, and the sites
+        # recomputation re-runs; one all-reduce equivalent for the vocabulary-parallel embedding
+        # (forward only) and one for the output layer's input (backward only). With SP each
+        # all-reduce equivalent is an all-gather plus a reduce-scatter (same bytes).
+        gathers, reduces = recomputed_tp_sites(c.recompute, c.recompute_whole)
+        ends = int(c.embedding) + int(c.output)
         # LoRA: block 0's input needs no gradient (frozen embedding): one all-reduce equivalent less
         # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
         # embedding output gradient's all-gather)
-        count = m * (per_layer * c.layers + int(c.embedding) + int(c.output) - int(c.lora_first and c.layers > 0))
+        lora = int(c.lora_first and c.layers > 0)
+        ag_layer, rs_layer = 4 + gathers, 4 + reduces
+        counts = {"all-gather": m * (ag_layer * c.layers + ends - lora),
+                  "reduce-scatter": m * (rs_layer * c.layers + ends - lora)}
         if c.sp and c.async_tp:  # fused with their matmuls (asynctp.py), but not all of them
-            fused = async_tp_fused_counts(m, per_layer, c.layers)
+            fused = async_tp_fused_counts(m, ag_layer, rs_layer, c.layers)
             for op in ("all-gather", "reduce-scatter"):
                 out.append(make("tp", op, d.tp, act, fused[op], g, "tp-overlap",
                                 "sequence parallel, " + ("overlapped as Megatron-Core's TP overlap (planner.tp_overlap; "
                                                          "priced as the engine's async TP)" if c.overlap_by_planner else
                                                          "async TP: chunked under the column/row-parallel matmuls")))
-                if count > fused[op]:
+                if counts[op] > fused[op]:
                     why = ("block input gradients (sums of matmuls), embedding / output: not fused"
                            if op == "reduce-scatter" else "embedding / output: not fused")
-                    out.append(make("tp", op, d.tp, act, count - fused[op], g, "microbatch",
+                    out.append(make("tp", op, d.tp, act, counts[op] - fused[op], g, "microbatch",
                                     f"sequence parallel ({why})"))
         elif c.sp:
-            out.append(make("tp", "all-gather", d.tp, act, count, g, "microbatch", "sequence parallel"))
-            out.append(make("tp", "reduce-scatter", d.tp, act, count, g, "microbatch", "sequence parallel"))
-        else:
-            out.append(make("tp", "all-reduce", d.tp, act, count, g, "microbatch"))
+            out.append(make("tp", "all-gather", d.tp, act, counts["all-gather"], g, "microbatch", "sequence parallel"))
+            out.append(make("tp", "reduce-scatter", d.tp, act, counts["reduce-scatter"], g, "microbatch",
+                            "sequence parallel"))
+        else:  # the gather sites are identities: only the reduce sites (and the ends) communicate
+            out.append(make("tp", "all-reduce", d.tp, act, counts["reduce-scatter"], g, "microbatch"))
         if c.lora_replicated:
             out.append(make("tp", "all-reduce", d.tp, c.reduce_bytes * c.lora_replicated, 1, g, "step",
                             "LoRA: the gradients of the adapters replicated over TP (Partial), once per step"))

@@ -30,7 +30,7 @@ from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
-    attention_executed,
+    attention_counted, attention_executed,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
@@ -67,6 +67,7 @@ class RankMemory:
     other_detail: dict[str, int] = field(default_factory=dict)
     activation_detail: dict[str, int] = field(default_factory=dict)
     trainable_params: int = 0  # parameters with gradients on this rank (TP/PP-local, before DP sharding)
+    saved_detail: dict[str, int] = field(default_factory=dict)  # what backward holds, whichever phase peaks
 
     @property
     def peak(self) -> int:
@@ -123,12 +124,14 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
     detail: dict[str, int] = {}
     last = len(stages) - 1
-    kinds = {False: act.layer_terms(x, False, recompute), True: act.layer_terms(x, True, recompute)}
+    # the rank's CP coordinate (the dp_cp mesh is (dp_replicate, dp_shard, cp), cp fastest); None: the most loaded
+    cp_index = None if dp_index is None else dp_index % dims.cp
+    kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
         parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x), 1)]
         if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
             parts[0] = (kinds[False], n_layers - n_moe - 1)
-            parts.append((act.layer_terms(x, False, recompute, first=True), 1))
+            parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))
         if chunk == 0:
             parts.append((act.first_stage_terms(x), 1))
         if chunk == last:
@@ -141,7 +144,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                   act.recompute_working_bytes(x, False, recompute) if len(inv.layers) > inv.moe_layers else 0)
     if working:
         detail["recompute_working_set"] = working
-    activations = sum(detail.values())
+    activations, saved = sum(detail.values()), dict(detail)
 
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
     head_cast = m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine" and not (m.tie_embeddings and inv.first) else 0
@@ -173,7 +176,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         other["framework_reserve"] = reserve
         other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
-                      other, detail, state.trainable)
+                      other, detail, state.trainable, saved)
 
 
 def grad_shapes(inv) -> tuple[tuple, tuple]:
@@ -272,7 +275,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
                         overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
-                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking")
+                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking",
+                        recompute_whole=whole)
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
@@ -302,8 +306,11 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             cpu_f, cpu_b = ops.launch_seconds(shape, len(inv.layers), t.compile, mode.kind == "fsdp")
             works[-1].fwd_s, works[-1].bwd_s = max(f_s, cpu_f), max(b_s, cpu_b)
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last)
+    # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
+    # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
+    uncounted = (1.0 - attention_counted(dims.cp, p.cp_method)) * score_flops_per_token(m.heads * m.head_dim, seq)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp, whole):
-        hw_tok += n * (split + rs + (rep + rr) * dims.tp)
+        hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + (recompute == "full")))
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
@@ -315,7 +322,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         "hardware_flops_per_step": hw_tok * tokens_step, "hardware_flops_per_gpu_per_step": hw_tok * tokens_step / world,
         "recompute_overhead": hw_tok / model_tok - 1.0,
         "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
-                      "hardware FLOPs add recomputation and MoE routers replicated over TP"
+                      "hardware FLOPs add recomputation and MoE routers replicated over TP; with ring or all-gather CP they count "
+                      "the kernel blocks run, not the whole causal square"
                       + ("; LoRA: 4 x frozen + 6 x adapter params (executed: no weight gradients of the frozen base)"
                          if lk is not None else ""),
     }

@@ -201,6 +201,27 @@ def score_flops_per_token(width: int, seq_len: int) -> float:
     return 4.0 * width * seq_len
 
 
+def attention_counted(cp: int, method: str) -> float:
+    """Share of the full attention-score FLOPs in the hardware FLOP count (the convention of
+    ``FlopCounterMode``: a causal kernel call counts its whole square) that the engine's
+    context-parallel attention runs, per sequence: its kernel blocks, not the full ``S x S``.
+    With ``2 cp`` zigzag chunks of ``c`` tokens, the ring (engine/parallel/context_ring.py) runs
+    on each rank its causal diagonal (``(2c)^2``) and ``cp - 1`` blocks of ``2c^2`` (all its
+    queries against half the keys, or half against all): ``(cp + 1) / (2 cp)`` of ``(2 cp c)^2``
+    over the ranks; all-gather (context_blocks.PrefixCausalAttention) runs per chunk ``j`` its
+    diagonal and its prefix, ``(j + 1) c^2``: ``(2 cp + 1) / (4 cp)``. Ulysses and no CP: whole
+    causal calls, 1. Measured at cp 2 (benchmarks/planner_fidelity.py, the blocks on the math path):
+    the remaining gap is that path's backward recomputing each block's scores, which the
+    counter's SDPA formula (the CUDA kernels') does not count."""
+    if cp == 1 or method == "ulysses":
+        return 1.0
+    if method == "ring":
+        return (cp + 1) / (2 * cp)
+    if method == "allgather":
+        return (2 * cp + 1) / (4 * cp)
+    raise ValueError(f"attention_counted: unknown cp_method {method!r}")
+
+
 def attention_executed(cp: int, method: str) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
