@@ -119,7 +119,8 @@ class Harness:
         if self.grad_sync is not None and self.overlap:  # as the trainer: arm the bucket hooks
             self.grad_sync.expect_backwards(len(self.batches), self.schedule)
         if self.schedule is None:
-            return accumulation_step(self.parts, self.batches, self.device, self.fsdp, self.tp, contextlib.nullcontext())
+            delay_sync = self.fsdp and not self.recipe.parallel.fsdp_reduce_each_microbatch  # as the trainer
+            return accumulation_step(self.parts, self.batches, self.device, delay_sync, self.tp, contextlib.nullcontext())
         loss = pipelined_step(self.parts, self.schedule, self.batches, self.device, self.tp, contextlib.nullcontext())
         loss = loss if loss is not None else torch.zeros((), device=self.device)
         with torch.profiler.record_function(DRAIN):  # the last stage waits here for the first one to finish

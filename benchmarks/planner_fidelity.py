@@ -66,6 +66,10 @@ CASES = {
     "MoE tp 2 +SP x dp 2, full": MOE + ["parallel.tp=2", "parallel.sequence_parallel=true",
                                         "train.activation_checkpointing=full"],
     "MoE ep 2 x dp_shard 4 (zero 1)": MOE + ["parallel.zero=1", "parallel.ep=2"],
+    # expert-DP of one: the expert gradients and ZeRO-1 owners stay on their rank (no collective)
+    "MoE ep 2 x tp 2 (zero 1)": MOE + ["parallel.zero=1", "parallel.ep=2", "parallel.tp=2"],
+    "zero 3 dp 4, reduce each micro batch": ["parallel.zero=3", "parallel.fsdp_reduce_each_microbatch=true",
+                                             "train.global_batch_size=32"],
     # LoRA rank 4 on every projection: frozen base, adapters trained (train.lora)
     "LoRA dp 4 (zero 1)": ["train.lora.rank=4", "parallel.zero=1"],
     "LoRA zero 3 dp 4": ["train.lora.rank=4", "parallel.zero=3"],
@@ -192,7 +196,10 @@ without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6
   recomputation re-runs only some of a block's forward TP collectives (selective: the SP
   gathers; full: also wo's reduction; measured -8 to -31 % against the planner's all four), the
   selective policy's CP kernel blocks differ by rank (rank 0 -3.7 %), and ring / all-gather CP
-  run kernel blocks, not the whole causal square (all-gather FLOPs -2.2 %).
+  run kernel blocks, not the whole causal square (all-gather FLOPs -2.2 %); with an expert-DP
+  group of one the planner listed an expert-gradient all-reduce and broadcast the experts' ZeRO-1
+  owners over the dense DP group (the engine does neither); collectives on a group of one are
+  not counted (they move nothing).
 - **Fixed in the engine** (llmtrain/engine/parallel/tensor.py): TP without SP issued 7
   activation all-reduces per layer instead of 4 (each column-parallel layer's input gradient
   reduced on its own); attention and MLP inputs now pass through one `PrepareModuleInput`.

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
@@ -88,6 +89,17 @@ FRAMES = [  # (path fragment, function or None, dimension), checked innermost fr
 ]
 
 
+def _group_size(func, args) -> int:
+    """Ranks of the collective's process group: one on a group of one moves nothing (the engine
+    issues some, e.g. ZeRO-1's expert broadcast over an expert-DP group of 1), so it is not counted."""
+    for arg, spec in zip(args, func._schema.arguments):
+        if spec.name == "process_group":  # the boxed ScriptObject the op receives
+            return (arg if isinstance(arg, dist.ProcessGroup) else dist.ProcessGroup.unbox(arg)).size()
+        if spec.name == "group_name":
+            return dist.distributed_c10d._resolve_process_group(arg).size()
+    return 2  # P2P and anything else: between two ranks
+
+
 def _sum(x) -> int:
     if isinstance(x, torch.Tensor):
         return x.numel() * x.element_size()
@@ -128,11 +140,13 @@ class CommCounter(TorchDispatchMode):
         return "cp" if kind == "reduce-scatter" and self.cp else "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, FakeTensor) for t in types):  # DTensor's sharding propagation on a cache
+            return func(*args, **(kwargs or {}))  # miss (e.g. the first clipping step): no real op
         if any(t is not torch.Tensor and issubclass(t, torch.Tensor) for t in types):
             return NotImplemented  # let DTensor & co. desugar into plain collectives we then see
         ns = func.namespace
         name = func._schema.name.split("::")[-1]
-        if ns in ("c10d", "_c10d_functional") and name in OPS:
+        if ns in ("c10d", "_c10d_functional") and name in OPS and _group_size(func, args) > 1:
             kind, size = OPS[name]
             key = (self.classify(kind), kind)
             self.bytes[key] += int(size(args))

@@ -88,6 +88,21 @@ def test_recomputation_re_runs_only_the_tp_collectives_the_engine_re_runs(sp):
         assert [a["all-reduce"] / lm for a in added] == [0, 0, 1, 2]
 
 
+@pytest.mark.parametrize("tp, edp", [(2, 1), (1, 2)])
+def test_expert_gradients_and_zero1_owners_stay_in_expert_dp(tp, edp):
+    """Expert gradients are all-reduced, and under ZeRO-1 their owners broadcast, over the
+    expert-DP group (engine/dp_optimizer.py: a second ZeRO1Optimizer on the edp group); with an
+    expert-DP group of one neither happens (measured: benchmarks/planner_fidelity.py, MoE ep 2 x
+    tp 2). Before, the planner listed a 1-rank all-reduce and broadcast the experts over dense DP."""
+    recipe = load_recipe(REPO / "recipes/debug.yaml", COMMON + MOE + ["parallel.zero=1", "parallel.ep=2", f"parallel.tp={tp}"])
+    plan = plan_recipe(recipe, None, 1, 4)
+    cost = estimate(recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False)
+    dp = [c for c in cost.comms if c.dim == "dp"]
+    assert plan.validation.dims.edp == edp and all(c.group > 1 for c in dp)
+    expert = [c for c in dp if "expert" in c.note]
+    assert [(c.op, c.group) for c in expert] == ([] if edp == 1 else [("all-reduce", 2), ("broadcast", 2)])
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather"])
 def test_selective_cp_blocks_are_planned_per_rank(method):
     """The selective policy keeps every CP kernel block's output + lse; with the zigzag split rank

@@ -285,11 +285,14 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                     out += compressed_grad_comms(c, shapes, group, g, what)
         else:
             out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))
-            if expert:
+            if expert and d.dp_replicate * d.edp > 1:
                 out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
-        if c.dp_kind == "zero1":
-            out.append(make("dp", "broadcast", dpcp, 4 * (dense + expert), 1, g, "step",
+        if c.dp_kind == "zero1":  # the experts' owners among their expert-DP group (engine/dp_optimizer.py)
+            out.append(make("dp", "broadcast", dpcp, 4 * dense, 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))
+            if expert and d.dp_replicate * d.edp > 1:
+                out.append(make("dp", "broadcast", d.dp_replicate * d.edp, 4 * expert, 1, g, "step",
+                                "ZeRO-1: expert owners broadcast over expert-DP"))
 
     # -- tensor parallel -------------------------------------------------------------------------------
     if d.tp > 1:
