@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import weakref
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -37,12 +38,13 @@ from llmtrain.engine.dp_optimizer import CombinedOptimizer, build_optimizer
 from llmtrain.engine.main import init_distributed, shutdown
 from llmtrain.engine.mesh import build_meshes
 from llmtrain.engine.parallel.context import cp_positions, shard_sequence
-from llmtrain.engine.parallel.pipeline import build_schedule
+from llmtrain.engine.parallel.pipeline import build_schedule, stage_io_shapes
 from llmtrain.engine.parallel.zero1 import ZeRO1Optimizer
 from llmtrain.engine.parallelize import build_parts, uses_fsdp
-from llmtrain.engine.step import StepLoss, compute_context, cross_entropy, pipelined_step
+from llmtrain.engine.step import StepLoss, compute_context, pipelined_step
 from llmtrain.engine.trainer import resolve_dims
 from llmtrain.recipe.load import load_recipe
+from llmtrain.recipe.schema import bf16_compute
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -136,6 +138,62 @@ def wait_for_idle_comm_threads(timeout_s: float = 10.0) -> bool:
     return True
 
 
+class _Held:
+    """A tensor autograd saved, as :class:`SavedPeak` packs it: released with the graph node."""
+
+    __slots__ = ("x", "ptrs", "owner")
+
+    def __init__(self, x, ptrs, owner):
+        self.x, self.ptrs, self.owner = x, ptrs, owner
+
+    def __del__(self):
+        self.owner.release(self.ptrs)
+
+
+class SavedPeak:
+    """The most bytes autograd holds for backward at any moment of a pipelined step, by unique
+    storage, parameters (FSDP's gathered weights included) excluded: every tensor a forward packs
+    (``saved_tensors_hooks``) is held until its graph node is freed after its backward. This is
+    what the planner's in-flight micro batches per chunk (plan/inflight.py) times a micro batch's
+    saved bytes predict for a pipeline rank."""
+
+    def __init__(self, parts):
+        self.parts, self.refs, self.total, self.peak = parts, {}, 0, 0
+
+    def pack(self, x):
+        if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
+            return x
+        weights = param_storages(self.parts)
+        ptrs = []
+        for st in storages_of(x):
+            ptr = st.data_ptr()
+            if ptr in weights:
+                continue
+            n, k = self.refs.get(ptr, (st.nbytes(), 0))
+            if k == 0:
+                self.total += n
+            self.refs[ptr] = (n, k + 1)
+            ptrs.append(ptr)
+        self.peak = max(self.peak, self.total)
+        # detached: holding ``x`` itself (an op's output, with its grad_fn) would close a cycle through
+        # the graph node that saves it, which autograd only breaks when backward frees the node (never
+        # under the zero-bubble schedules' input-gradient pass, retain_graph=True): a leak of the tracker
+        return _Held(x.detach(), ptrs, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.x if isinstance(h, _Held) else h
+
+    def release(self, ptrs):
+        for ptr in ptrs:
+            n, k = self.refs[ptr]
+            if k == 1:
+                del self.refs[ptr]
+                self.total -= n
+            else:
+                self.refs[ptr] = (n, k - 1)
+
+
 def param_storages(parts) -> set[int]:
     return {st.data_ptr() for part in parts.parts for p in part.parameters() for st in storages_of(p)}
 
@@ -178,11 +236,22 @@ def run_case(recipe, device) -> dict:
         batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
     tp_loss = dims.tp > 1
     amp = compute_context(t.precision, fsdp, device)  # as the trainer: bf16 autocast for zero 0/1 in bf16
-    held = hooked = comm_idle = None
-    if dims.pp > 1:  # model state only: one pipelined step
-        schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, recipe.parallel.pp_schedule,
-                                          grad_accum, cross_entropy, device, meshes.pp.get_group())
-        pipelined_step(parts, schedule, batches, device, tp_loss, amp)
+    held = hooked = comm_idle = pp_peak_saved = None
+    if dims.pp > 1:  # model state, and the peak of what the pipelined step's micro batches keep
+        # as the trainer builds it: the chunked loss over the head and the stages' shapes given (without
+        # them torch's shape inference runs a real forward whose saved tensors outlive the step)
+        p, m = recipe.parallel, recipe.model
+        shapes = partial(stage_io_shapes, n_stages=parts.n_stages, micro=t.micro_batch_size, seq=t.seq_len // dims.cp,
+                         hidden=m.hidden, vocab=m.vocab_size, sp_shards=dims.tp if dims.tp > 1 and p.sequence_parallel else 1,
+                         head_in_loss=True)
+        act_dtype = torch.bfloat16 if bf16_compute(t.precision) else torch.float32
+        schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
+                                          StepLoss.for_parts(parts), device, meshes.pp.get_group(), shapes=shapes,
+                                          dtype=act_dtype)
+        tracker = SavedPeak(parts)
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            pipelined_step(parts, schedule, batches, device, tp_loss, amp)
+        pp_peak_saved = tracker.peak
         del schedule, stages
     else:
         model = parts.parts[0]
@@ -233,7 +302,7 @@ def run_case(recipe, device) -> dict:
     out = {"rank": dist.get_rank(), "coords": dims.coord_dict(dist.get_rank()), "dp_cp_index": meshes.dp_cp.get_local_rank(),
            # every parameter the rank stores (LoRA: the frozen base too; ``params`` are the trainable ones)
            "params": sum(nbytes(p) for part in parts.parts for p in part.parameters()), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
-           "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle}
+           "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle, "pp_peak_saved": pp_peak_saved}
     del parts, optimizer, params
     gc.collect()
     return out
