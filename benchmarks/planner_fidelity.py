@@ -191,7 +191,8 @@ without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6
   final norm, output) is not resharded after forward, so it is gathered once per micro batch;
   TP embedding and output — one all-reduce equivalent each per micro batch (embedding forward
   only, output backward only), not one each way; DP all-reduce with TP — it carries the
-  gradients, and the TP embedding's gradient comes back replicated; CP ring — the last hop of
+  gradients, and the TP embedding's gradient came back replicated (the engine keeps it in the
+  weight's rows since the twentieth session); CP ring — the last hop of
   dK/dV back to their owner. Twentieth session, with the recomputation and all-gather CP cases:
   recomputation re-runs only some of a block's forward TP collectives (selective: the SP
   gathers; full: also wo's reduction; measured -8 to -31 % against the planner's all four), the

@@ -49,7 +49,7 @@ CASES = {
     # issue 16: zero 0/1 reduce bucket by bucket during the last backward. Small buckets cut the
     # gradients into several per block. tp 2 (the recipe's) x dp 2 with micro batch 1: 4
     # accumulated backward passes per step, only the last starts reductions, DTensor grads
-    # (the TP embedding's comes back Replicate); dp 4 without TP: plain tensors, 1 micro batch.
+    # (the TP embedding's in its weight's rows: engine/parallel/tensor.py); dp 4 without TP: plain tensors, 1 micro batch.
     "ddp_bucketed_small": ["parallel.zero=0", "parallel.dp_bucket_mb=0.1", "train.micro_batch_size=1"],
     "zero1_bucketed": ["parallel.zero=1", "parallel.dp_bucket_mb=0.1"],
     "dp4_bucketed": ["parallel.tp=1", "parallel.zero=0", "parallel.dp_bucket_mb=0.25"],

@@ -232,7 +232,8 @@ def test_state_dict_resumes_bitwise_and_a_fresh_state_does_not(group, kind):
 
 def test_saved_sizes_are_taken_within_bounds_and_checked_at_the_next_call(group):
     """Issue 17 (compression under TP): a residual has the shape of the local *gradient* (TP's
-    embedding gradient comes back replicated: larger than the parameter's shard), so the load
+    embedding gradient came back replicated until the twentieth session, larger than the
+    parameter's shard, and checkpoints of those runs hold that size), so the load
     template takes the checkpoint's sizes (compression_state.fit_to_saved), but only up to the
     parameters' full element count (an untrusted checkpoint); a size that fits the bound but not
     the gradient is a one-line error at the next call, not a traceback."""

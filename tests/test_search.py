@@ -47,8 +47,10 @@ def test_llama3_405b_on_16384_gpus_is_fast_valid_and_fits():
     assert result.cpu_seconds < 10, result.cpu_seconds  # ~0.8 s (docs/planner.md)
     assert len(result.top) == 5 and result.rejected_memory > 0
     _check_valid_and_fitting(plan, result)
-    # the recipe itself (selective recompute, 16 micro batches in flight) does not fit; the search finds layouts that do
-    assert not estimate(plan.recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False).fits
+    # the recipe itself (ZeRO-1, selective recompute) fits since the TP embedding's gradient is kept in its
+    # rows (engine/parallel/tensor.py): pp rank 0 planned 75.5 -> 68.3 GiB, below the middle ranks' 73.7
+    cost = estimate(plan.recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False)
+    assert cost.fits and cost.worst.pp_rank != 0
 
 
 @pytest.mark.parametrize("recipe, nodes, gpus", [("recipes/llama3-8b.yaml", 2, 8), ("recipes/debug-moe.yaml", 1, 8)])

@@ -7,7 +7,7 @@ a 1-process reference and ONE 4-rank job holding every layout:
 * ``pp2_1f1b_zero1``: pp 2 x dp 2, 1F1B, ZeRO-1 (plain tensors; the copy's AdamW state on
   another DP owner than the embedding's), checkpointing every 2 steps;
 * ``pp2_zbv_zero1``: ZBV (V-shaped: stage 0 and the last stage on pp rank 0, local sum);
-* ``pp2_tp2``: pp 2 x tp 2 (TP DTensors: the embedding's gradient comes back Replicate, the
+* ``pp2_tp2``: pp 2 x tp 2 (TP DTensors: the embedding's gradient in its weight's rows, the
   output's Shard(0));
 * ``pp2_fsdp``: pp 2 x dp_shard 2, zero 3 (FSDP2 shards summed shard by shard);
 * ``pp2_dualpipev_fsdp``: V-shaped and FSDP2 (zero 2) together;

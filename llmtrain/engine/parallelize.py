@@ -36,7 +36,7 @@ from llmtrain.engine.parallel.context import apply_context_parallel
 from llmtrain.engine.parallel.data_parallel import apply_fsdp
 from llmtrain.engine.parallel.expert import apply_expert_parallel
 from llmtrain.engine.parallel.pipeline import layer_ranges, local_stage_ids, prune_to_stage
-from llmtrain.engine.parallel.tensor import apply_tensor_parallel
+from llmtrain.engine.parallel.tensor import apply_tensor_parallel, keep_embedding_grad_sharded
 from llmtrain.recipe.schema import Recipe
 
 
@@ -113,4 +113,6 @@ def build_parts(recipe: Recipe, meshes: Meshes, device: torch.device) -> ModelPa
             prune_to_stage(model, sid, n_stages, ranges[sid])
         parallelize(model, meshes, recipe)
         parts.append(materialize(model, device, recipe.train.seed))
+        if dims.tp > 1 and not uses_fsdp(recipe, meshes):  # after to_empty, which drops tensor hooks;
+            keep_embedding_grad_sharded(model)  # FSDP reduce-scatters the embedding's gradient itself
     return ModelParts(parts, stage_ids, n_stages)

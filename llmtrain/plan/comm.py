@@ -18,7 +18,7 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
 ``h`` hidden, ``e`` compute bytes, ``P`` the rank's parameters, ``m`` micro batches):
 
 - DP, zero 0: all-reduce of the gradients (``rP`` with ``r`` = 4 bytes, 2 with
-  ``parallel.reduce_dtype: bf16``, plus the replicated part of a TP embedding's gradient) over
+  ``parallel.reduce_dtype: bf16``) over
   dp x cp, once per step, in buckets of ``parallel.dp_bucket_mb`` that start during the last
   micro batch's backward (``engine/parallel/grad_buckets.py``; phase ``step-overlap``: the
   step-time model exposes only the last bucket and what exceeds that backward), under every
@@ -151,7 +151,6 @@ class CommSpec:
     cp_method: str
     chunks: int  # pipeline chunks on this rank (virtual stages)
     root: int = 0  # parameters of the FSDP root unit (embedding, final norm, output) on this rank
-    grad_extra: int = 0  # gradient numel beyond ``params`` (TP: the embedding's gradient comes back replicated)
     trainable: int = -1  # parameters with gradients (LoRA: the adapters only); -1 = all
     lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
     lora_replicated: int = 0  # LoRA under TP: adapter elements replicated over TP (shards.lora_replicated_numel)
@@ -284,7 +283,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                 if shapes and group > 1:
                     out += compressed_grad_comms(c, shapes, group, g, what)
         else:
-            out.append(grads_comm(dpcp, r * (dense + c.grad_extra), "gradients"))
+            out.append(grads_comm(dpcp, r * dense, "gradients"))
             if expert and d.dp_replicate * d.edp > 1:
                 out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
         if c.dp_kind == "zero1":  # the experts' owners among their expert-DP group (engine/dp_optimizer.py)

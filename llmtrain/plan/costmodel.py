@@ -181,11 +181,11 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
 
 def grad_shapes(inv) -> tuple[tuple, tuple]:
     """(dense, expert) local gradient shapes of the rank's trainable parameters, for the compressed
-    DP averaging (plan/comm.py): the TP embedding's gradient is replicated (``grad_factor`` rows)."""
+    DP averaging (plan/comm.py)."""
     shapes: tuple[list, list] = ([], [])
     for q in inv.params:
         if q.trainable:
-            shapes[q.kind == "expert"].append((q.shape[0] * q.grad_factor, *q.shape[1:]))
+            shapes[q.kind == "expert"].append(q.shape)
     return tuple(shapes[0]), tuple(shapes[1])
 
 
@@ -263,7 +263,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         spec = CommSpec(dims, mode.kind, p.zero, compute_bytes(t.precision), inv.dense_numel, inv.expert_numel,
                         inv.largest_block, batch.microbatches, tokens_mb, m.hidden, m.heads, m.head_dim, m.moe.top_k,
                         len(inv.layers), inv.moe_layers, inv.first, inv.last, p.sequence_parallel and dims.tp > 1,
-                        recompute, p.cp_method, len(held), inv.root, replicated_grad_extra(inv), inv.trainable,
+                        recompute, p.cp_method, len(held), inv.root, inv.trainable,
                         lk is not None and inv.first and 0 in inv.layers,
                         lora_replicated=lora_replicated_numel(m, inv.layers, dims.tp, lk),
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
@@ -360,12 +360,3 @@ def _global_rank(dims: ParallelDims, mem: RankMemory) -> int:
     rep, inner = divmod(mem.dp_index, dims.dp_shard * dims.cp)
     shard, cp = divmod(inner, dims.cp)
     return dims.rank_of((mem.pp_rank, rep, shard, cp, 0))
-
-
-def replicated_grad_extra(inv) -> int:
-    """Gradient numel beyond the rank's parameters: the TP embedding's gradient comes back
-    replicated (``grad_factor`` = tp); the embedding is the first parameter of the first stage."""
-    if not inv.first or not inv.params:
-        return 0
-    head = inv.params[0]
-    return head.numel * (head.grad_factor - 1) if head.trainable else 0

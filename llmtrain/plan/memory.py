@@ -183,7 +183,7 @@ def _split(params: tuple[ParamShape, ...]) -> _Split:
     if len(trainable) != len(params):
         t_dense = tuple(p for p in dense if p.trainable)
         t_experts = tuple(p for p in experts if p.trainable)
-    return _Split(sum(p.numel for p in params), sum(p.numel * p.grad_factor for p in trainable), dense, experts,
+    return _Split(sum(p.numel for p in params), sum(p.numel for p in trainable), dense, experts,
                   sum(p.numel for p in trainable), len(trainable), t_dense, t_experts)
 
 

@@ -16,8 +16,9 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
   first and last (pp = 1) holds the one shared Parameter.
 - **Tensor parallelism** (Megatron layout): ``wq/wk/wv`` and ``w1/w3`` split their output rows
   over ``tp``, ``wo`` and ``w2`` their input columns; the embedding and the output layer split
-  the vocabulary (its gradient, though, comes back replicated: full ``[vocab, hidden]`` unless
-  FSDP reduce-scatters it); norms are replicated. MoE blocks are expert-TP
+  the vocabulary (its gradient too: DTensor's embedding backward returns it replicated, and the
+  engine brings it back to the weight's rows, engine/parallel/tensor.py
+  ``keep_embedding_grad_sharded``); norms are replicated. MoE blocks are expert-TP
   (``engine/parallel/expert.py``): routed experts split F (``w1/w3`` [E, F/tp, H], ``w2``
   [E, H, F/tp]) and shared experts like the dense MLP; only the router is replicated.
 - **Expert parallelism** (``engine/parallel/expert.py``): the stacked expert weights
@@ -58,7 +59,6 @@ class ParamShape:
     name: str
     shape: tuple[int, ...]  # local shape after TP and EP
     kind: str  # "matmul" (2-D weight used by a matmul), "norm", "embedding", "expert" (EP-sharded)
-    grad_factor: int = 1  # gradient numel / numel without FSDP (the TP embedding's gradient is replicated)
     trainable: bool = True  # False: a frozen LoRA base weight (no gradient, no optimizer state)
     numel: int = field(init=False, repr=False)
     rows_rest: tuple[int, int] = field(init=False, repr=False)
@@ -156,7 +156,7 @@ def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:
-    return [ParamShape(p.name, p.shape, p.kind, p.grad_factor, False) for p in params]
+    return [ParamShape(p.name, p.shape, p.kind, False) for p in params]
 
 
 def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = None) -> list[ParamShape]:
@@ -219,9 +219,9 @@ def stage_params(m: ModelConfig, layers: list[int], first: bool, last: bool, tp:
             [q for q in outer if q.name != "tok_embeddings.weight"]
     out: list[ParamShape] = []
     if first:
-        # DTensor's embedding backward returns a Replicate gradient for the vocabulary-sharded
-        # weight: without FSDP (which reduce-scatters it) the rank holds the full [vocab, hidden].
-        out.append(ParamShape("tok_embeddings.weight", (m.vocab_size // tp, m.hidden), "embedding", tp))
+        # the engine keeps the gradient in the weight's layout (engine/parallel/tensor.py
+        # keep_embedding_grad_sharded: DTensor's embedding backward returns it Replicate)
+        out.append(ParamShape("tok_embeddings.weight", (m.vocab_size // tp, m.hidden), "embedding"))
     for layer in layers:
         out += block_params(m, layer, tp, ep)
     if last:

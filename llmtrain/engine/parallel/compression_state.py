@@ -69,9 +69,9 @@ def fit_to_saved(template: dict[str, dict[str, torch.Tensor]], optimizer, saved_
     """Reshape ``template`` (from :func:`state`) to the sizes the checkpoint saved, in place.
 
     Why: a fresh reducer sizes its zeros from the parameters' local shards, but a residual has
-    the shape of the rank's local *gradient*, which is larger where TP hands a gradient back
-    replicated (the vocabulary-parallel embedding's: its full table on every TP rank; plan/comm.py
-    ``grad_extra`` counts the same). Only called when :func:`reset_reason` found the same layout
+    the shape of the rank's local *gradient*, which was larger where TP handed a gradient back
+    replicated (the vocabulary-parallel embedding's, before the twentieth session kept it in the
+    weight's rows: engine/parallel/tensor.py); a checkpoint of such a run still holds that size. Only called when :func:`reset_reason` found the same layout
     and setting, so the saved sizes are this rank's. The checkpoint is untrusted: a size is taken
     only if its element count is at most the reducers' parameters' full (global) element count,
     else the template keeps its own and DCP refuses the mismatch in one line; the reducers check

@@ -186,9 +186,10 @@ class BucketedGradReducer:
     @torch.no_grad()
     def _start(self, index: int, in_backward: bool) -> None:
         bucket = self.buckets[index]
-        # A gradient's local tensor need not have its parameter's local shape: with TP the
-        # embedding's gradient comes back Replicate for a Shard(0) weight. The pieces are laid out
-        # by the gradients' sizes, which every DP rank shares (same layout, same placements).
+        # A gradient's local tensor need not have its parameter's local shape (DTensor returns the
+        # TP embedding's Replicate for a Shard(0) weight; the engine keeps it in the weight's rows,
+        # engine/parallel/tensor.py, but nothing here relies on that). The pieces are laid out by
+        # the gradients' sizes, which every DP rank shares (same layout, same placements).
         pieces, bucket.sizes = [], []
         for p in bucket.params:
             g = local_grad(p)

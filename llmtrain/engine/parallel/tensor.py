@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -64,6 +64,31 @@ def _col(linear: nn.Module, **kw) -> ColwiseParallel:
 
 def _row(linear: nn.Module, **kw) -> RowwiseParallel:
     return _styles(linear)[1](**kw)
+
+
+def keep_embedding_grad_sharded(model: nn.Module) -> None:
+    """Keep the vocabulary-parallel embedding's gradient in the weight's own layout (Shard(0)).
+
+    DTensor's embedding backward (torch 2.13) returns the gradient of the row-sharded weight
+    Replicate: the full ``[vocab, hidden]`` on every TP rank, accumulated over the micro batches,
+    all-reduced over DP at that size and held through the optimizer step (405B at TP 8: 8.4 GB of
+    fp32 per rank where 1/8 of it is the rank's). A hook on the weight brings each gradient to the
+    weight's placements (Replicate -> Shard(0): a local copy of the rank's rows, no
+    communication), so only the full tensor of one backward exists, briefly. Without FSDP only:
+    FSDP2 replaces the parameter and reduce-scatters its gradient itself. Tied without PP, the hook
+    sees the sum of both uses (one Parameter); with PP the last stage's copy is synchronised
+    after backward (:mod:`llmtrain.engine.parallel.tied`), by then already in this layout."""
+    emb = getattr(model, "tok_embeddings", None)
+    weight = getattr(emb, "weight", None)
+    if not isinstance(weight, DTensor) or not weight.requires_grad:
+        return
+
+    def to_weight_layout(grad):
+        if isinstance(grad, DTensor) and grad.placements != weight.placements:
+            return grad.redistribute(weight.device_mesh, weight.placements)
+        return grad
+
+    weight.register_hook(to_weight_layout)
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

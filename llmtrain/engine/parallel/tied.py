@@ -15,8 +15,9 @@ different model chunks, so, as in Megatron-LM's "embedding group", the last stag
   :meth:`TiedEmbedding.sync_grads` adds the two copies' gradients, over the pair of ranks
   holding the first and the last stage (one group per (dp, cp, tp) coordinate), so both copies
   get the gradient of the tied weight (the sum of its use as embedding and as output layer).
-  DTensor gradients are brought to their parameter's placements first (TP: the embedding's
-  gradient comes back Replicate, the output's Shard(0); Replicate -> Shard is a local slice),
+  DTensor gradients are brought to their parameter's placements first (TP: DTensor returns the
+  embedding's gradient Replicate, the output's Shard(0); without FSDP the engine already keeps the
+  embedding's in its rows, engine/parallel/tensor.py; Replicate -> Shard is a local slice),
   then local shards are summed: both copies have the same placements on meshes of the same
   shape (TP: vocabulary rows; FSDP2: ``dim 0`` chunks), so shard ``i`` meets shard ``i``.
   A sum of two floats is commutative, so the copies' gradients are bitwise equal.
