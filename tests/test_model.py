@@ -284,3 +284,31 @@ def test_tiny_model_learns_a_repeated_batch():
     # Starts near ln(64) = 4.16; memorizing 32 targets should at least halve it in 20 steps.
     assert losses[0] == pytest.approx(math.log(64), abs=0.3)
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+@pytest.mark.parametrize("needs", [(True, True), (True, False), (False, True)])
+def test_swiglu_product_keeps_its_inputs_only_and_matches_eager_bitwise(needs):
+    """engine/models/swiglu.py: the same values and gradients as ``F.silu(gate) * up`` bit for bit,
+    keeping ``gate`` (and ``up`` when ``gate`` needs a gradient) instead of eager's ``gate``,
+    ``silu(gate)`` and ``up``: one saved tensor fewer when both need gradients, never more."""
+    import torch.nn.functional as F
+
+    from llmtrain.engine.models.swiglu import swiglu
+
+    torch.manual_seed(0)
+    base = [torch.randn(4, 8, 16), torch.randn(4, 8, 16)]
+    grad = torch.randn(4, 8, 16)
+    results = []
+    for fn in (lambda g, u: F.silu(g) * u, swiglu):
+        inputs = [t.clone().requires_grad_(n) for t, n in zip(base, needs)]
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            out = fn(*inputs)
+        out.backward(grad)
+        results.append((out.detach(), [t.grad for t in inputs], len(saved)))
+    (out_e, grads_e, n_e), (out_f, grads_f, n_f) = results
+    assert torch.equal(out_e, out_f)
+    for a, b in zip(grads_e, grads_f):
+        assert (a is None and b is None) or torch.equal(a, b)
+    # only gate: both keep gate and up; only up: eager silu(gate), this gate; both: 3 against 2
+    assert (n_e, n_f) == {(True, True): (3, 2), (True, False): (2, 2), (False, True): (1, 1)}[needs]

@@ -217,7 +217,7 @@ def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
         return {"mlp_proj_out": e * (2 if recompute == "selective" else 1) * f}  # is discarded; selective_mm: w3's too
     out = _norm(x)
     out["mlp_input"] = bs * x.h * e
-    out["swiglu"] = 4 * e * f
+    out["swiglu"] = 3 * e * f  # w1's and w3's outputs (engine/models/swiglu.py) and w2's input
     return out
 
 
@@ -235,11 +235,11 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
     out = _norm(x)
     out["moe_input"] = t_tok * h * e  # router (+ shared experts') input
     out["moe_dispatch"] = slots * h * e  # tokens gathered per expert
-    out["moe_experts"] = 4 * slots * f * e
+    out["moe_experts"] = 3 * slots * f * e  # gate, up (engine/models/swiglu.py) and w2's input, per slot
     out["moe_combine"] = 2 * slots * h * e  # expert outputs, weighted outputs
     out["moe_routing"] = t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8
     if sf:
-        out["moe_shared"] = 4 * t_tok * sf * e
+        out["moe_shared"] = 3 * t_tok * sf * e
     return out
 
 
@@ -285,8 +285,9 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     if mlp_t and not dropout:
         out["mlp_input"] = bs * x.h * e
     gate, up = r_grad or "w1" in targets, r_grad or "w3" in targets
-    # silu saves the w1 output, the product saves silu(w1 x) and w3 x, w2's lora_a the product
-    out["swiglu"] = e * f * (gate + up + gate + ("w2" in targets and not dropout))
+    # engine/models/swiglu.py keeps the w1 output when either needs a gradient and the w3 output
+    # when the w1 output does; w2's lora_a keeps the product
+    out["swiglu"] = e * f * ((gate or up) + gate + ("w2" in targets and not dropout))
     if dropout:
         # Each adapter has its own dropout: lora_a saves the dropped input (e bytes), and where
         # that input needs a gradient the dropout keeps its mask: CUDA's fused kernel a bool

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from llmtrain.engine.models.swiglu import swiglu
 
 GROUP_ALIGN = 16  # rows per expert group are padded to this for the CUDA grouped GEMM
 
@@ -63,7 +64,7 @@ def grouped_swiglu_gemm(
     offs = torch.tensor([sum(padded[: e + 1]) for e in range(len(counts))], dtype=torch.int32, device=x_grouped.device)
     gate = torch._grouped_mm(xp, w1.transpose(-2, -1), offs=offs)
     up = torch._grouped_mm(xp, w3.transpose(-2, -1), offs=offs)
-    out = torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
+    out = torch._grouped_mm(swiglu(gate, up), w2.transpose(-2, -1), offs=offs)
     return out.index_select(0, rows)
 
 
@@ -81,7 +82,7 @@ def grouped_swiglu(
             outputs.append(chunk.new_zeros(0, w2.shape[1]))
             continue
         gate, up = chunk @ w1[e].t(), chunk @ w3[e].t()
-        outputs.append((F.silu(gate) * up) @ w2[e].t())
+        outputs.append(swiglu(gate, up) @ w2[e].t())
     return torch.cat(outputs, dim=0)
 
 

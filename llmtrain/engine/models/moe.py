@@ -80,6 +80,7 @@ from llmtrain.engine.models.grouped_experts import (  # noqa: F401  (re-exported
     grouped_swiglu_gemm,
     use_grouped_mm,
 )
+from llmtrain.engine.models.swiglu import swiglu
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -93,13 +94,13 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
     def local_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same on this rank's weight shards as plain tensors (the shared experts inside an
         expert-TP region, :mod:`llmtrain.engine.parallel.expert`: a partial sum over TP)."""
         w1, w2, w3 = (_local(lin.weight) for lin in (self.w1, self.w2, self.w3))
-        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+        return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3)), w2)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
