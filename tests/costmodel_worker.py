@@ -151,18 +151,20 @@ class _Held:
 
 
 class SavedPeak:
-    """The most bytes autograd holds for backward at any moment of a pipelined step, by unique
-    storage, parameters (FSDP's gathered weights included) excluded: every tensor a forward packs
-    (``saved_tensors_hooks``) is held until its graph node is freed after its backward. This is
-    what the planner's in-flight micro batches per chunk (plan/inflight.py) times a micro batch's
-    saved bytes predict for a pipeline rank."""
+    """Bytes autograd holds for backward (``total`` now, ``peak`` the most), by unique storage,
+    parameters (FSDP's gathered weights included) excluded: every tensor a forward packs
+    (``saved_tensors_hooks``) is held until its graph node is freed after its backward. After one
+    forward: what the planner's saved activations predict; over a pipelined step: the planner's
+    in-flight micro batches per chunk (plan/inflight.py) times a micro batch's saved bytes."""
 
     def __init__(self, parts):
         self.parts, self.refs, self.total, self.peak = parts, {}, 0, 0
 
     def pack(self, x):
         if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
-            return x
+            return x  # a weight (FSDP's all-gathered ones included), not an activation
+        # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
+        # unsharded storages exist only during forward, so they are looked up now
         weights = param_storages(self.parts)
         ptrs = []
         for st in storages_of(x):
@@ -266,24 +268,11 @@ def run_case(recipe, device) -> dict:
             with loss_parallel() if tp_loss else contextlib.nullcontext():
                 loss.backward()
 
-        if t.activation_checkpointing == "none":  # what autograd packs for backward
-            seen: dict[int, int] = {}
-
-            def pack(x):
-                if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
-                    return x  # a weight (FSDP's all-gathered ones included), not an activation
-                # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
-                # unsharded storages exist only during forward, so they are looked up now
-                weights = param_storages(parts)
-                for st in storages_of(x):
-                    if st.data_ptr() not in weights:
-                        seen[st.data_ptr()] = st.nbytes()
-                return x
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        if t.activation_checkpointing == "none":  # what autograd packs for backward, held after forward
+            tracker = SavedPeak(parts)
+            with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
                 logits, loss = forward()
-            exclude = param_storages(parts)
-            hooked = sum(n for ptr, n in seen.items() if ptr not in exclude)
+            hooked = tracker.total
             backward(loss)
             del logits, loss
             optimizer.zero_grad(set_to_none=True)

@@ -144,10 +144,11 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                   act.recompute_working_bytes(x, False, recompute) if len(inv.layers) > inv.moe_layers else 0)
     if working:
         detail["recompute_working_set"] = working
-    activations, saved = sum(detail.values()), dict(detail)
+    activations, saved = sum(detail.values()), detail  # saved: kept whichever phase peaks (detail is rebound below)
 
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
-    head_cast = m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine" and not (m.tie_embeddings and inv.first) else 0
+    head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
+                 and not (m.tie_embeddings and inv.first) else 0)
     other = {
         "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
                                              inv.largest_block, inv.root, recompute,

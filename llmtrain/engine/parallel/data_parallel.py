@@ -87,6 +87,14 @@ def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     return None if param.grad is None else local_tensor(param.grad)
 
 
+def in_param_layout(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``param``'s DTensor placements (DTensor's embedding backward returns the
+    vocabulary-sharded weight's gradient Replicate; Replicate -> Shard is a local copy)."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
 class GradientAllReduce:
     """Average gradients over the data/context-parallel group (zero 0 and 1).
 

@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llmtrain.engine.parallel.data_parallel import in_param_layout
 from llmtrain.engine.parallel.expert import apply_expert_tensor_parallel
 from llmtrain.engine.parallel.float8 import float8_tp_styles, is_float8_linear
 
@@ -83,12 +84,7 @@ def keep_embedding_grad_sharded(model: nn.Module) -> None:
     if not isinstance(weight, DTensor) or not weight.requires_grad:
         return
 
-    def to_weight_layout(grad):
-        if isinstance(grad, DTensor) and grad.placements != weight.placements:
-            return grad.redistribute(weight.device_mesh, weight.placements)
-        return grad
-
-    weight.register_hook(to_weight_layout)
+    weight.register_hook(lambda grad: in_param_layout(grad, weight))
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

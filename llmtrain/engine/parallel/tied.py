@@ -48,9 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from llmtrain.engine.parallel.data_parallel import local_tensor
+from llmtrain.engine.parallel.data_parallel import in_param_layout, local_tensor
 from llmtrain.engine.parallel.pipeline import local_stage_ids
 
 SOURCE, COPY = "tok_embeddings.weight", "output.weight"
@@ -137,7 +136,5 @@ def _aligned_grad(p: nn.Parameter) -> torch.Tensor:
     g = p.grad
     if g is None:
         g = p.grad = torch.zeros_like(p)
-    if isinstance(g, DTensor):
-        if g.placements != p.placements:
-            g = p.grad = g.redistribute(p.device_mesh, p.placements)
+    g = p.grad = in_param_layout(g, p)
     return local_tensor(g)
