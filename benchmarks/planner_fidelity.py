@@ -68,6 +68,8 @@ CASES = {
     "MoE ep 2 x dp_shard 4 (zero 1)": MOE + ["parallel.zero=1", "parallel.ep=2"],
     # expert-DP of one: the expert gradients and ZeRO-1 owners stay on their rank (no collective)
     "MoE ep 2 x tp 2 (zero 1)": MOE + ["parallel.zero=1", "parallel.ep=2", "parallel.tp=2"],
+    # fewer local experts than FSDP ranks: the stacked experts are sharded on H (data_parallel.expert_placement)
+    "MoE 2 experts, ep 2 x edp 2 (zero 3)": MOE + ["model.moe.num_experts=2", "parallel.zero=3", "parallel.ep=2"],
     "zero 3 dp 4, reduce each micro batch": ["parallel.zero=3", "parallel.fsdp_reduce_each_microbatch=true",
                                              "train.global_batch_size=32"],
     # LoRA rank 4 on every projection: frozen base, adapters trained (train.lora)

@@ -206,32 +206,34 @@ def test_resume_resharded(reference, tmp_path, name, sets, truncate):
 
 MOE_STEPS = 4
 MOE_SETS = ["train.steps=4", "checkpoint.interval=2", "train.seq_len=64", "train.micro_batch_size=2",
-            "train.global_batch_size=8", "train.log_interval=1", "cluster.gpus_per_node=2", "parallel.ep=2"]
+            "train.global_batch_size=8", "train.log_interval=1", "cluster.gpus_per_node=2", "parallel.ep=2",
+            "model.moe.num_experts=2"]
 
 
 def test_resume_moe_ep2_as_ep1(tmp_path):
-    """MoE (debug-moe, 2 ranks, dp_shard 2 with experts sharded ep 2) saved at step 2, resumed
-    with ep 1 (every rank holds all experts, FSDP-sharded): the experts' weights and AdamW moments
-    are re-cut by DCP; same tolerances as above (the routing is a top-k of the same logits up to
-    rounding, so no token changes expert unless a near-tie flips, which these tolerances would
-    show as a >= 1e-3 jump)."""
+    """MoE (debug-moe with 2 experts, 2 ranks, dp_shard 2 with experts sharded ep 2) saved at step
+    2, resumed on 4 ranks with ep 1: every rank holds both experts, FSDP-sharded over 4 ranks on
+    their hidden dimension (2 experts do not split evenly over 4: data_parallel.expert_placement),
+    so the experts' weights and AdamW moments are re-cut by DCP from dim 0 (ep) to dim 1 / 2, and
+    the resumed run's step-4 checkpoint is written in that layout; same tolerances as above (with
+    2 experts and top-2 routing every token goes to both, so no routing decision can flip)."""
     ref_samples, samples = tmp_path / "ref.jsonl", tmp_path / "samples.jsonl"
     proc, ref_run = launch(tmp_path / "ref", ref_samples, recipe="recipes/debug-moe.yaml", sets=MOE_SETS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "runs" / "debug-moe" / ref_run.name
     shutil.copytree(ref_run, run)
     shutil.rmtree(run / "checkpoints" / "step-4")
-    proc = cli(["resume", "--run", str(run), "--ckpt", "step-2", "--set", "parallel.ep=1"],
-               {"LLMTRAIN_TEST_SAMPLE_LOG": str(samples)})
+    proc = cli(["resume", "--run", str(run), "--ckpt", "step-2", "--set", "parallel.ep=1",
+                "--set", "cluster.gpus_per_node=4"], {"LLMTRAIN_TEST_SAMPLE_LOG": str(samples)})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "saved as dp_shard2 ep2 zero3 on 2 ranks" in out and "now dp_shard2 zero3 on 2 ranks" in out
+    assert "saved as dp_shard2 ep2 zero3 on 2 ranks" in out and "now dp_shard4 zero3 on 4 ranks" in out
     ref_losses, new_losses = losses(ref_run), losses(run)
     ref_final = load_ckpt(ref_run / "checkpoints" / "step-4", tmp_path)
     assert any(".moe." in k and "exp_avg" in k for k in ref_final)
     loss_diff = max(abs(new_losses[step] - ref_losses[step]) for step in (3, 4))
     weight_diff = max_diff(ref_final, load_ckpt(run / "checkpoints" / "step-4", tmp_path))
-    print(f"reshard moe ep2 -> ep1: loss diff {loss_diff:.2e}, weight/moment diff {weight_diff:.2e}")
+    print(f"reshard moe ep2 -> ep1 on 4 ranks: loss diff {loss_diff:.2e}, weight/moment diff {weight_diff:.2e}")
     assert loss_diff <= LOSS_TOL, (new_losses, ref_losses)
     assert weight_diff <= WEIGHT_TOL
     kept = {**{s: p for s, p in sample_audit(ref_samples).items() if s <= 2}, **sample_audit(samples)}

@@ -149,6 +149,10 @@ CASES = {
     "zero3_full": ["parallel.zero=3", "train.activation_checkpointing=full"],
     "moe_ep2_zero1": MOE + ["parallel.zero=1", "parallel.ep=2"],
     "moe_tp2_zero3": MOE + ["parallel.zero=3", "parallel.tp=2"],  # expert-TP (experts F / tp) under FSDP, SP
+    # fewer local experts than FSDP ranks: the stacked experts are split on H, evenly (data_parallel.expert_placement),
+    # in the block's unit (no EP: 2 experts over 4 ranks) and in the experts' own unit (ep 2: 1 expert over edp 2)
+    "moe_e2_zero3": MOE + ["model.moe.num_experts=2", "parallel.zero=3"],
+    "moe_e2_ep2_zero2": MOE + ["model.moe.num_experts=2", "parallel.ep=2", "parallel.zero=2"],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp2_allgather": ["parallel.cp=2", "parallel.cp_method=allgather"],  # kernel blocks: no [s, S] mask held
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",

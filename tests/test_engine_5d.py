@@ -56,6 +56,10 @@ CASES = {
     **{f"pp2_{s}": (2, "dense", pp(s)) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")},
     **{f"cp2_{m}": (2, "dense", ["parallel.cp=2", f"parallel.cp_method={m}"]) for m in ("ring", "ulysses", "allgather")},
     "ep2_dp2_moe": (2, "moe", MOE + ["parallel.ep=2", "parallel.zero=3"]),
+    # fewer local experts than FSDP ranks: the stacked experts are sharded on H (data_parallel.expert_placement),
+    # in their own unit on the edp mesh (ep 2: 1 expert over edp 2) and in the block's unit (2 experts over 4)
+    "ep2_dp4_moe_e2": (4, "moe_e2", MOE + ["model.moe.num_experts=2", "parallel.ep=2", "parallel.zero=3"]),
+    "dp4_moe_e2_zero2": (4, "moe_e2", MOE + ["model.moe.num_experts=2", "parallel.zero=2"]),
     "tp2": (2, "dense", ["parallel.tp=2"]),
     "tp2_moe_aux": (2, "moe_aux", ["model.preset=debug-moe", "parallel.tp=2"]),  # expert-TP + SP, aux loss
     # expert-TP on the 2-D (ep, tp) mesh with the zero-1 expert optimizer, without SP (copy / sum region)
@@ -94,7 +98,8 @@ CASES = {
     "pp2_dp2_cp2_tp2_ep2_moe": (16, "moe", MOE + pp("1f1b") + ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
                                                                "parallel.zero=3", "train.micro_batch_size=1"]),
 }
-REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"]}
+REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"],
+        "moe_e2": MOE + ["model.moe.num_experts=2"]}
 # checks run inside the same jobs (dist_worker "check" cases): world size -> cases
 CHECKS = {2: [{"name": "pp_bf16_kernels", "check": "tests.pp_precision_check:stage_matmul_dtypes"}]}
 

@@ -27,7 +27,10 @@ engine exactly (``llmtrain/engine/models/llama.py``, ``moe.py``, ``parallel/tens
   their own ZeRO-1 optimizer over dp_replicate x edp); router and shared experts stay dense.
 - **FSDP2** (zero 2/3 with ``dp x cp > 1``) shards every parameter on dim 0 over
   ``dp_shard x cp`` with ``torch.chunk`` semantics: chunks of ``ceil(rows / n)`` rows, so the
-  last ranks may hold fewer or none. This is exactly ``p._local_tensor.numel()``.
+  last ranks may hold fewer or none. This is exactly ``p._local_tensor.numel()``. Stacked expert
+  weights whose rank-local expert count does not divide their shard count are split on their
+  hidden dimension instead, evenly, when it divides (``ParamShape.hidden_dim``; the engine's
+  ``expert_placement``).
 - **ZeRO-1** (``zero 1`` with ``dp x cp > 1``) keeps full parameters and gradients and assigns
   each *whole* parameter's AdamW states to one rank of its data-parallel group (dp x cp for
   dense weights, dp_replicate x edp for EP experts), largest first onto the least-loaded rank
@@ -60,6 +63,7 @@ class ParamShape:
     shape: tuple[int, ...]  # local shape after TP and EP
     kind: str  # "matmul" (2-D weight used by a matmul), "norm", "embedding", "expert" (EP-sharded)
     trainable: bool = True  # False: a frozen LoRA base weight (no gradient, no optimizer state)
+    hidden_dim: int | None = None  # stacked experts: the dim of H, FSDP's alternative to an uneven dim 0
     numel: int = field(init=False, repr=False)
     rows_rest: tuple[int, int] = field(init=False, repr=False)
 
@@ -156,7 +160,7 @@ def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:
-    return [ParamShape(p.name, p.shape, p.kind, False) for p in params]
+    return [ParamShape(p.name, p.shape, p.kind, False, p.hidden_dim) for p in params]
 
 
 def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = None) -> list[ParamShape]:
@@ -188,9 +192,9 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         ft = f // tp  # expert-TP
         out += [
             ParamShape(p + "moe.router.weight", (e, h), "matmul"),
-            ParamShape(p + "moe.experts.w1", (local_e, ft, h), kind),
-            ParamShape(p + "moe.experts.w3", (local_e, ft, h), kind),
-            ParamShape(p + "moe.experts.w2", (local_e, h, ft), kind),
+            ParamShape(p + "moe.experts.w1", (local_e, ft, h), kind, hidden_dim=2),
+            ParamShape(p + "moe.experts.w3", (local_e, ft, h), kind, hidden_dim=2),
+            ParamShape(p + "moe.experts.w2", (local_e, h, ft), kind, hidden_dim=1),
         ]
         if m.moe.shared_experts:
             s = m.moe.shared_experts * f // tp
@@ -251,6 +255,8 @@ def chunk_rows(rows: int, shards: int, index: int) -> int:
 
 def fsdp_numel(p: ParamShape, shards: int, index: int) -> int:
     rows, rest = p.rows_rest
+    if rows % shards and p.hidden_dim is not None and p.shape[p.hidden_dim] % shards == 0:
+        return p.numel // shards  # stacked experts split on H (engine/parallel/data_parallel.py expert_placement)
     return chunk_rows(rows, shards, index) * rest
 
 

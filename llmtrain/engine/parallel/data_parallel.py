@@ -18,6 +18,15 @@ bf16: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` keeps fp32 m
 and fp32 gradient reduction (FSDP); for zero 0/1 the trainer runs the forward under autocast
 and reduces the fp32 gradients (:mod:`llmtrain.engine.parallel.grad_buckets`).
 
+Stacked expert weights (``GroupedExperts`` ``w1``/``w3`` [E, F, H], ``w2`` [E, H, F]) are sharded
+on dim 0 like every parameter when their expert count (``E / ep`` on a rank) divides the shard
+count; otherwise FSDP2's ``torch.chunk`` split of dim 0 is uneven (Mixtral's 8 experts at ep 8 and
+edp 4: the first rank of each expert-DP group held the expert and three held nothing), so they
+are sharded on their hidden dimension H instead (``shard_placement_fn``; FSDP2 requires an even
+split there, and H is never split by expert-TP, which splits F), and stay on dim 0 if H does not
+divide either. :func:`expert_placement` is the rule; the planner follows it
+(``plan/shards.py``, ``fsdp_numel``).
+
 ``parallel.reduce_dtype: bf16`` sets ``MixedPrecisionPolicy.reduce_dtype=bf16``. In torch 2.13
 this is real also with fp32 parameters: ``FSDPParam.init_dtype_attrs`` clamps ``reduce_dtype``
 to None only when it equals ``param_dtype`` (None for fp32 compute), so the fp32 gradients are
@@ -42,8 +51,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from llmtrain.engine.models.grouped_experts import GroupedExperts
 from llmtrain.recipe.schema import bf16_compute
 
 
@@ -64,8 +74,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
         for block in layers.values():
             experts = getattr(getattr(block, "moe", None), "experts", None)
             if expert_mesh is not None and experts is not None:
-                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp)
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+                fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
+                            shard_placement_fn=expert_placement(experts, _shard_size(expert_mesh)))
+            place = expert_placement(experts, _shard_size(mesh)) if experts is not None else None
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, shard_placement_fn=place)
             blocks.append(block)
     if reshard and PREFETCH:
         for i, block in enumerate(blocks):
@@ -76,6 +88,33 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
     # The root wraps embeddings, final norm and output. It is never resharded after forward:
     # backward starts with the output layer, so a reshard would be gathered again at once.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+
+
+def _shard_size(mesh: DeviceMesh) -> int:
+    """Ranks a parameter is sharded over: the mesh, or its last (shard) dimension under HSDP."""
+    return mesh.size(mesh.ndim - 1)
+
+
+# dimension of each stacked expert weight that holds the model's hidden size H
+EXPERT_HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
+
+
+def expert_placement(experts: GroupedExperts, shards: int):
+    """FSDP2 ``shard_placement_fn`` for ``experts``' stacked weights over ``shards`` ranks: ``Shard(H's
+    dim)`` where dim 0 (the rank's experts) would split unevenly and H evenly, else the default
+    (None: ``Shard(0)``). Other parameters (a block's own) get the default."""
+    hidden_dim = {id(getattr(experts, name)): d for name, d in EXPERT_HIDDEN_DIM.items()}
+
+    def place(param: nn.Parameter) -> Shard | None:
+        d = hidden_dim.get(id(param))
+        if d is None:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param  # [E / ep, ...] under EP
+        if local.shape[0] % shards == 0 or local.shape[d] % shards != 0:
+            return None
+        return Shard(d)
+
+    return place
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
