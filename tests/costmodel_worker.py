@@ -163,6 +163,12 @@ class SavedPeak:
     def pack(self, x):
         if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
             return x  # a weight (FSDP's all-gathered ones included), not an activation
+        # detached: holding ``x`` itself (an op's output, with its grad_fn) would close a cycle through
+        # the graph node that saves it, which autograd only breaks when backward frees the node (never
+        # under the zero-bubble schedules' input-gradient pass, retain_graph=True): a leak of the tracker
+        return _Held(x.detach(), self._take(x), self)
+
+    def _take(self, x) -> list[int]:
         # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
         # unsharded storages exist only during forward, so they are looked up now
         weights = param_storages(self.parts)
@@ -177,10 +183,50 @@ class SavedPeak:
             self.refs[ptr] = (n, k + 1)
             ptrs.append(ptr)
         self.peak = max(self.peak, self.total)
-        # detached: holding ``x`` itself (an op's output, with its grad_fn) would close a cycle through
-        # the graph node that saves it, which autograd only breaks when backward frees the node (never
-        # under the zero-bubble schedules' input-gradient pass, retain_graph=True): a leak of the tracker
-        return _Held(x.detach(), ptrs, self)
+        return ptrs
+
+    def hold(self, x: torch.Tensor) -> None:
+        """Count ``x`` (a selective-checkpoint cache entry) until the tensor object dies: it is
+        handed to the recomputed forward in backward and lives as long as that graph needs it."""
+        weakref.finalize(x, self.release, self._take(x))
+
+    @contextlib.contextmanager
+    def sac_cache(self):
+        """Also count what selective recomputation caches (torch's ``_CachingTorchDispatchMode``
+        storage, and the engine's discarding subclass of it: engine/parallel/checkpointing.py), which
+        ``saved_tensors_hooks`` do not see: the checkpoint packs its region's saved tensors itself."""
+        from torch.utils import checkpoint as ckpt
+
+        from llmtrain.engine.parallel import checkpointing as engine_ckpt
+
+        classes = [c for c in (ckpt._CachingTorchDispatchMode, getattr(engine_ckpt, "_DiscardingMode", None)) if c]
+        originals = {c: c.__dict__["__torch_dispatch__"] for c in classes}
+        tracker = self
+
+        def wrap(orig):
+            def dispatch(mode, func, types, args=(), kwargs=None):
+                depth = mode.__dict__.get("_tracked_depth", 0)
+                mode._tracked_depth = depth + 1
+                try:
+                    out = orig(mode, func, types, args, kwargs)
+                finally:
+                    mode._tracked_depth = depth
+                if depth == 0 and func not in ckpt.SAC_IGNORED_OPS:  # the outermost call: its final entry
+                    key = ckpt._sac_storage_key(func, args)
+                    entry = mode.storage[key][mode.func_counter[key] - 1]
+                    for leaf in tree_leaves(entry):
+                        if isinstance(leaf, ckpt._VersionWrapper) and isinstance(leaf.val, torch.Tensor):
+                            tracker.hold(leaf.val)
+                return out
+            return dispatch
+
+        for c in classes:
+            c.__torch_dispatch__ = wrap(originals[c])
+        try:
+            yield
+        finally:
+            for c in classes:
+                c.__torch_dispatch__ = originals[c]
 
     @staticmethod
     def unpack(h):
@@ -251,7 +297,7 @@ def run_case(recipe, device) -> dict:
                                           StepLoss.for_parts(parts), device, meshes.pp.get_group(), shapes=shapes,
                                           dtype=act_dtype)
         tracker = SavedPeak(parts)
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), tracker.sac_cache():
             pipelined_step(parts, schedule, batches, device, tp_loss, amp)
         pp_peak_saved = tracker.peak
         del schedule, stages

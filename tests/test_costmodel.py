@@ -178,8 +178,16 @@ CASES = {
     # split backward: a micro batch's activations live until its weight pass (plan/inflight.py)
     "pp2_zero_bubble": ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_virtual_stages=2",
                         "train.global_batch_size=16"],
-    # full recomputation under PP: each chunk keeps its blocks' inputs per micro batch in flight (selective's
-    # cached outputs live in the policy's own cache, which saved_tensors_hooks do not see: not checked here)
+    # selective recomputation under PP: the policy's cache (counted beside what the hooks see, costmodel_worker.py
+    # SavedPeak.sac_cache) per micro batch in flight; with TP + SP wo's reduced output is cached, not its partial sum
+    "pp2_1f1b_selective": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective",
+                           "train.global_batch_size=8"],
+    "pp2_tp2_interleaved_selective": ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved-1f1b",
+                                      "parallel.pp_virtual_stages=2", "train.activation_checkpointing=selective",
+                                      "train.global_batch_size=8"],
+    "pp2_interleaved_selective_mm": ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2",
+                                     "train.activation_checkpointing=selective_mm", "train.global_batch_size=16"],
+    # full recomputation under PP: each chunk keeps its blocks' inputs per micro batch in flight
     "pp2_interleaved_full": ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2",
                              "train.activation_checkpointing=full", "train.global_batch_size=16"],
     # quantized AdamW moments (engine/quant_optim.py): 8bit quantizes by the LOCAL shard's size (FSDP x TP
@@ -253,7 +261,8 @@ def test_pipelined_activation_peak_matches_the_plan(engine, case):
     of that pipeline rank: a micro batch's saved bytes times the schedule's micro batches in flight
     per chunk (plan/inflight.py, itself checked against torch's orders in
     tests/test_pipeline_inflight.py). 1F1B, interleaved, ZBV and zero-bubble, with FSDP, TP,
-    LoRA, tied embeddings and full recomputation. Before the twentieth session the harness let torch infer the stage
+    LoRA, tied embeddings, full and (twenty-first session, the policy's cache counted too) selective
+    and selective_mm recomputation. Before the twentieth session the harness let torch infer the stage
     shapes with a real forward (+36 % on pp rank 0: what it left saved), and zero-bubble / ZBV were
     planned 40 % low / 23 % high on a rank."""
     for rank in engine[case]:

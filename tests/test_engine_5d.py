@@ -54,6 +54,9 @@ def pp(schedule: str, degree: int = 2) -> list[str]:
 CASES = {
     # each dimension alone at degree 2
     **{f"pp2_{s}": (2, "dense", pp(s)) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")},
+    # full recomputation under a split backward: the non-reentrant checkpoint recomputes once per backward (input,
+    # then weight pass); selective cannot (torch's cache is consumed once: plan/validate.py refuses it)
+    "pp2_zero-bubble_full": (2, "dense", pp("zero-bubble") + ["train.activation_checkpointing=full"]),
     **{f"cp2_{m}": (2, "dense", ["parallel.cp=2", f"parallel.cp_method={m}"]) for m in ("ring", "ulysses", "allgather")},
     "ep2_dp2_moe": (2, "moe", MOE + ["parallel.ep=2", "parallel.zero=3"]),
     # fewer local experts than FSDP ranks: the stacked experts are sharded on H (data_parallel.expert_placement),

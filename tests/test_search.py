@@ -122,6 +122,20 @@ def test_keep_a_recomputation_mode_and_micro_batch_the_ladder_does_not_try():
     _check_valid_and_fitting(plan, res)
 
 
+def test_split_backward_schedules_are_searched_without_selective_recomputation():
+    """zero-bubble, zbv and dualpipev refuse selective recomputation (plan/validate.py): the search
+    prices them with none or full (from a recipe that says selective), and a kept selective finds none."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", None, 2, 8)
+    assert plan.recipe.train.activation_checkpointing == "selective"
+    for schedule in ("zero-bubble", "zbv"):
+        keep = {"parallel.pp_schedule": schedule}
+        res = search(plan.recipe, plan.placement, top=5, keep=keep)
+        assert res.top and {c.overrides["train.activation_checkpointing"] for c in res.top} <= {"none", "full"}
+        _check_valid_and_fitting(plan, res)
+        keep["train.activation_checkpointing"] = "selective"
+        assert not search(plan.recipe, plan.placement, top=5, keep=keep).top
+
+
 def test_keep_equal_stages_drops_the_uneven_pipelines_and_pruning_still_loses_nothing():
     """A stack that cannot split layers unevenly (Megatron-LM 2021): 30 layers on pp 2 leave 1F1B (15 + 15)
     and drop every interleaved v (30 / 4, / 8, / 16); the kept top is the exhaustive order filtered."""

@@ -248,6 +248,24 @@ def test_pp_virtual_stages_valid(schedule, v):
     assert plan.valid, plan.validation.errors
 
 
+@pytest.mark.parametrize("schedule", ["zero-bubble", "zbv", "dualpipev"])
+@pytest.mark.parametrize("mode", ["selective", "selective_mm"])
+def test_selective_recomputation_refused_under_a_split_backward(schedule, mode):
+    """torch's selective checkpoint replays its cache into one recomputed forward; the split backward's
+    weight pass recomputes the block a second time ("Trying to backward an extra time", measured on
+    all three schedules): refused before launch, full and none stay valid."""
+    data = pp_recipe(schedule, 2)
+    data["train"]["activation_checkpointing"] = mode
+    p = find(errors(data), "train.activation_checkpointing", f"{mode} recomputation cannot run under {schedule}")
+    assert p.hint == "use activation_checkpointing none or full, or pp_schedule 1f1b / interleaved-1f1b"
+    for ok in ("none", "full"):
+        data["train"]["activation_checkpointing"] = ok
+        assert plan_of(data).valid
+    data["train"]["activation_checkpointing"] = mode
+    data["parallel"]["pp_schedule"] = "interleaved-1f1b"
+    assert plan_of(data).valid
+
+
 def test_virtual_stages_without_pp_warns():
     p = find(warnings(debug({"parallel": {"pp_virtual_stages": 2}})), "parallel.pp_virtual_stages",
              "2 virtual stages have no effect with pp = 1")

@@ -52,7 +52,7 @@ from llmtrain.plan.search_bounds import (
 from llmtrain.plan.search_keep import allowed
 from llmtrain.plan.search_render import explain, format_result, layout_label, set_flags  # noqa: F401 (the CLI imports these from here)
 from llmtrain.plan.steptime import efficiency, matmul_peak
-from llmtrain.plan.validate import divisors, validate
+from llmtrain.plan.validate import SELECTIVE, SPLIT_BACKWARD, divisors, validate
 from llmtrain.recipe.gpus import cluster_gpu
 from llmtrain.recipe.schema import Recipe
 
@@ -269,13 +269,18 @@ def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, t
     per_dp = gbs // dp
     kept_ac = (keep or {}).get("train.activation_checkpointing")
     ladder = RECOMPUTE if kept_ac is None else (kept_ac,)
+    if pp > 1 and par.get("pp_schedule", recipe.parallel.pp_schedule) in SPLIT_BACKWARD:
+        ladder = tuple(mode for mode in ladder if mode not in SELECTIVE)  # plan/validate.py: not under a split backward
+        if not ladder:
+            return
     level = 0  # recomputation needed so far (more micro batches never need less)
     kept_mb = (keep or {}).get("train.micro_batch_size")
     for mb in [d for d in divisors(per_dp) if d <= max(MAX_MICRO_BATCH, kept_mb or 0) and kept_mb in (None, d)]:
         if (pp > 1 and per_dp // mb < pp) or hopeless(mb):
             break
-        variant = make_variant(recipe, par, dict(micro_batch_size=mb, global_batch_size=gbs))
-        v = validate(variant, placement)  # the same rules as `llmtrain plan`; recomputation is not among them
+        variant = make_variant(recipe, par, dict(micro_batch_size=mb, global_batch_size=gbs,
+                                                 activation_checkpointing=ladder[0]))
+        v = validate(variant, placement)  # the same rules as `llmtrain plan`, with the ladder's first recomputation
         if not v.valid:
             result.rejected_invalid += 1
             if any(e.path != "train.global_batch_size" for e in v.errors):

@@ -21,6 +21,10 @@ from llmtrain.recipe.schema import Recipe
 
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 V_SHAPED = ("zbv", "dualpipev")
+# schedules whose backward is split into an input-gradient and a later weight-gradient pass
+SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
+# recomputation that caches op outputs for one recomputed forward (torch's selective checkpoint)
+SELECTIVE = ("selective", "selective_mm")
 BUBBLE_WARN = 0.2
 
 
@@ -160,6 +164,14 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if p.pp_schedule in V_SHAPED and v != 2:
             err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} is V-shaped: exactly 2 stages per rank, got {v}",
                         "set pp_virtual_stages: 2"))
+        if p.pp_schedule in SPLIT_BACKWARD and t.activation_checkpointing in SELECTIVE:
+            # torch's selective checkpoint replays its cached outputs into one recomputed forward; the
+            # weight pass is a second backward of the block, which recomputes again and finds the cache
+            # consumed ("Trying to backward an extra time": measured on zero-bubble, zbv and dualpipev)
+            err(Problem("train.activation_checkpointing", f"{t.activation_checkpointing} recomputation cannot run under "
+                        f"{p.pp_schedule}, whose split backward recomputes each block twice (input, then weight "
+                        "gradients) and torch's selective checkpoint allows one",
+                        "use activation_checkpointing none or full, or pp_schedule 1f1b / interleaved-1f1b"))
         if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
             err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} runs one stage per rank, got {v}",
                         "set pp_virtual_stages: 1, or pp_schedule: interleaved-1f1b"))
