@@ -18,8 +18,9 @@ up to 4 ranks, in ONE torchrun job
   ``hardware_flops_per_step`` (recomputation included, attention without causal halving — the
   counter sees the math SDPA backend's full score matmuls);
 - communication: the message bytes of every collective in one full step, per dimension,
-  averaged over ranks, against the planner's ``comm`` entries (``message_bytes x count`` per
-  dimension, llmtrain/plan/comm.py) of the same recipe.
+  averaged over ranks (with PP, the ranks of the planner's slowest pipeline rank), against the
+  planner's ``comm`` entries (``message_bytes x count`` per dimension, llmtrain/plan/comm.py) of
+  the same recipe.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ CASES = {
     "tp 2 x dp 2": ["parallel.tp=2", "parallel.sequence_parallel=false"],
     "tp 2 +SP x dp 2": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp 2 (1f1b) x dp 2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    # recomputation under PP; a split backward recomputes in its input pass and again in its weight pass
+    "pp 2 (1f1b) x dp 2, selective": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective"],
+    "pp 2 (zero-bubble) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_virtual_stages=2",
+                                        "train.activation_checkpointing=full"],
+    "pp 2 (zbv) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+                                "train.activation_checkpointing=full"],
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp 2 (all-gather) x dp 2": ["parallel.cp=2", "parallel.cp_method=allgather"],
     # the selective policy keeps every CP kernel block's output: rank 0 runs fewer (plan/activations.py)
@@ -149,14 +156,17 @@ def compare(name: str, ranks: list[dict], overrides: list[str]) -> list[dict]:
     for c in cm.comms:
         planned.setdefault(c.dim, []).append(c)
     measured: dict[str, dict] = {}
-    for r in ranks:
+    # the planner lists its slowest pipeline rank's collectives: measured on the ranks of that pp rank
+    # (a V-shaped schedule's rank 0 holds the embedding and the output, more gradient than rank 1)
+    same = [r for r in ranks if v.dims.pp == 1 or r["coords"]["pp"] == cm.time.slowest_pp_rank]
+    for r in same:
         for key, val in r["comm"].items():
             dim, kind = key.split("/")
             if kind == "recv":
                 continue
             d = measured.setdefault(dim, {"bytes": 0.0, "count": 0.0, "kinds": set()})
-            d["bytes"] += val["bytes"] / len(ranks)
-            d["count"] += val["count"] / len(ranks)
+            d["bytes"] += val["bytes"] / len(same)
+            d["count"] += val["count"] / len(same)
             d["kinds"].add(kind)
     for dim in sorted(set(planned) | set(measured)):
         pc = planned.get(dim, [])
@@ -185,7 +195,7 @@ def main() -> None:
                 row[k] = int(round(row[k]))
     table = common.md_table(rows, [("layout", "layout"), ("quantity", "quantity"), ("predicted", "predicted"),
                                    ("measured", "measured"), ("error", "error %"), ("note", "note")])
-    notes = f"""Recipe recipes/debug.yaml with {', '.join(base)}, {world} ranks (`llmtrain plan` of the same recipe on 1 node x {world}); MoE: `model.preset=debug-moe`. Error % = (measured - predicted) / predicted. Model state: the rank whose numbers differ most (all ranks are compared; "exact on n/n"). Activations: bytes alive after one micro batch's forward, parameters excluded, against the planner's saved activations + logits (worst rank). FLOPs: `FlopCounterMode` over one full training step (all micro batches), summed over ranks, against `hardware_flops_per_step`. Communication: every `c10d` / `_c10d_functional` op of one full step (after one warm-up step) seen by a `TorchDispatchMode` that lets DTensor desugar first (as `CommDebugMode` does), attributed to a dimension by the code that issued it, message bytes in the planner's convention (all-reduce / broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the rank's input; P2P: sends only), averaged over ranks; predicted = the planner's `message_bytes x count` summed over the dimension's entries (llmtrain/plan/comm.py; for PP the planner's entries of its slowest pipeline rank). Planned and measured *calls* are not comparable (planned: whole-model passes or all-reduce equivalents; measured: one call per FSDP unit, bucket, owner or tensor).
+    notes = f"""Recipe recipes/debug.yaml with {', '.join(base)}, {world} ranks (`llmtrain plan` of the same recipe on 1 node x {world}); MoE: `model.preset=debug-moe`. Error % = (measured - predicted) / predicted. Model state: the rank whose numbers differ most (all ranks are compared; "exact on n/n"). Activations: bytes alive after one micro batch's forward, parameters excluded, against the planner's saved activations + logits (worst rank). FLOPs: `FlopCounterMode` over one full training step (all micro batches), summed over ranks, against `hardware_flops_per_step`. Communication: every `c10d` / `_c10d_functional` op of one full step (after one warm-up step) seen by a `TorchDispatchMode` that lets DTensor desugar first (as `CommDebugMode` does), attributed to a dimension by the code that issued it, message bytes in the planner's convention (all-reduce / broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the rank's input; P2P: sends only), averaged over ranks (with PP: over the ranks of the planner's slowest pipeline rank); predicted = the planner's `message_bytes x count` summed over the dimension's entries (llmtrain/plan/comm.py; for PP the entries of its slowest pipeline rank). Planned and measured *calls* are not comparable (planned: whole-model passes or all-reduce equivalents; measured: one call per FSDP unit, bucket, owner or tensor).
 
 What this benchmark found, and what was done (the first full run, at git bbb8118, measured TP
 without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6 %):

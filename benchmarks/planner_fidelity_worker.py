@@ -157,6 +157,18 @@ class CommCounter(TorchDispatchMode):
         return {f"{d}/{k}": {"bytes": self.bytes[(d, k)], "count": self.count[(d, k)]} for d, k in sorted(self.bytes)}
 
 
+class GlobalOnly:
+    """Stands in FlopCounterMode's ModuleTracker: every FLOP goes to its "Global" total."""
+
+    parents = {"Global"}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        return False
+
+
 def measure_step(recipe, device) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
@@ -165,6 +177,9 @@ def measure_step(recipe, device) -> dict:
     h.step()  # warm-up: lazy state (AdamW, FSDP, the pipeline's buffers) outside the counted step
     comm = CommCounter(h.dims.ep > 1, h.dims.cp > 1)
     flops = FlopCounterMode(display=False)
+    # totals only: its ModuleTracker's multi-grad hooks fail inside a split backward's autograd.grad
+    # ("A leaf node was passed to _will_engine_execute_node ..."), and no per-module count is used
+    flops.mod_tracker = GlobalOnly()
     dist.barrier()
     # the CP blocks call the CPU flash kernel directly, which FlopCounterMode has no formula for:
     # count them on the math path, as plain SDPA is counted (forced to SDPBackend.MATH)

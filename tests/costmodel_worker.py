@@ -141,13 +141,14 @@ def wait_for_idle_comm_threads(timeout_s: float = 10.0) -> bool:
 class _Held:
     """A tensor autograd saved, as :class:`SavedPeak` packs it: released with the graph node."""
 
-    __slots__ = ("x", "ptrs", "owner")
+    __slots__ = ("x", "counts")
 
-    def __init__(self, x, ptrs, owner):
-        self.x, self.ptrs, self.owner = x, ptrs, owner
+    def __init__(self, x, counts):
+        self.x, self.counts = x, counts  # [(tracker, storage pointers it counted)]
 
     def __del__(self):
-        self.owner.release(self.ptrs)
+        for owner, ptrs in self.counts:
+            owner.release(ptrs)
 
 
 class SavedPeak:
@@ -157,8 +158,12 @@ class SavedPeak:
     forward: what the planner's saved activations predict; over a pipelined step: the planner's
     in-flight micro batches per chunk (plan/inflight.py) times a micro batch's saved bytes."""
 
-    def __init__(self, parts):
+    def __init__(self, parts, also: "SavedPeak | None" = None):
         self.parts, self.refs, self.total, self.peak = parts, {}, 0, 0
+        self.also = also  # a second tracker that also counts recomputed tensors (:meth:`sac_cache`)
+
+    def _trackers(self):
+        return (self,) if self.also is None else (self, self.also)
 
     def pack(self, x):
         if isinstance(x, nn.Parameter) or isinstance(getattr(x, "_base", None), nn.Parameter):
@@ -166,7 +171,7 @@ class SavedPeak:
         # detached: holding ``x`` itself (an op's output, with its grad_fn) would close a cycle through
         # the graph node that saves it, which autograd only breaks when backward frees the node (never
         # under the zero-bubble schedules' input-gradient pass, retain_graph=True): a leak of the tracker
-        return _Held(x.detach(), self._take(x), self)
+        return _Held(x.detach(), [(t, t._take(x)) for t in self._trackers()])
 
     def _take(self, x) -> list[int]:
         # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
@@ -188,13 +193,17 @@ class SavedPeak:
     def hold(self, x: torch.Tensor) -> None:
         """Count ``x`` (a selective-checkpoint cache entry) until the tensor object dies: it is
         handed to the recomputed forward in backward and lives as long as that graph needs it."""
-        weakref.finalize(x, self.release, self._take(x))
+        for t in self._trackers():
+            weakref.finalize(x, t.release, t._take(x))
 
     @contextlib.contextmanager
     def sac_cache(self):
         """Also count what selective recomputation caches (torch's ``_CachingTorchDispatchMode``
         storage, and the engine's discarding subclass of it: engine/parallel/checkpointing.py), which
-        ``saved_tensors_hooks`` do not see: the checkpoint packs its region's saved tensors itself."""
+        ``saved_tensors_hooks`` do not see: the checkpoint packs its region's saved tensors itself.
+        ``also`` counts, besides, every tensor a recomputation stores for its backward (the
+        non-reentrant checkpoint's ``_recomputation_hook``) until it dies: the plan's working set of
+        the recomputed block, and whatever a recomputation leaves unused until its graph is freed."""
         from torch.utils import checkpoint as ckpt
 
         from llmtrain.engine.parallel import checkpointing as engine_ckpt
@@ -222,11 +231,25 @@ class SavedPeak:
 
         for c in classes:
             c.__torch_dispatch__ = wrap(originals[c])
+        init = ckpt._recomputation_hook.__init__
+        if self.also is not None:
+            def recomputation_init(hook, frame_ref, gid):
+                init(hook, frame_ref, gid)
+                pack = hook.pack_hook
+
+                def counted(x):
+                    out = pack(x)
+                    if isinstance(out, torch.Tensor):
+                        tracker.also.hold(out)
+                    return out
+                hook.pack_hook = counted
+            ckpt._recomputation_hook.__init__ = recomputation_init
         try:
             yield
         finally:
             for c in classes:
                 c.__torch_dispatch__ = originals[c]
+            ckpt._recomputation_hook.__init__ = init
 
     @staticmethod
     def unpack(h):
@@ -284,7 +307,7 @@ def run_case(recipe, device) -> dict:
         batches = [(shard_sequence(x, positions), shard_sequence(y, positions)) for x, y in batches]
     tp_loss = dims.tp > 1
     amp = compute_context(t.precision, fsdp, device)  # as the trainer: bf16 autocast for zero 0/1 in bf16
-    held = hooked = comm_idle = pp_peak_saved = None
+    held = hooked = comm_idle = pp_peak_saved = pp_peak_all = None
     if dims.pp > 1:  # model state, and the peak of what the pipelined step's micro batches keep
         # as the trainer builds it: the chunked loss over the head and the stages' shapes given (without
         # them torch's shape inference runs a real forward whose saved tensors outlive the step)
@@ -296,10 +319,10 @@ def run_case(recipe, device) -> dict:
         schedule, stages = build_schedule(parts.parts, parts.stage_ids, parts.n_stages, p.pp_schedule, grad_accum,
                                           StepLoss.for_parts(parts), device, meshes.pp.get_group(), shapes=shapes,
                                           dtype=act_dtype)
-        tracker = SavedPeak(parts)
+        tracker = SavedPeak(parts, also=SavedPeak(parts))
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), tracker.sac_cache():
             pipelined_step(parts, schedule, batches, device, tp_loss, amp)
-        pp_peak_saved = tracker.peak
+        pp_peak_saved, pp_peak_all = tracker.peak, tracker.also.peak
         del schedule, stages
     else:
         model = parts.parts[0]
@@ -337,7 +360,8 @@ def run_case(recipe, device) -> dict:
     out = {"rank": dist.get_rank(), "coords": dims.coord_dict(dist.get_rank()), "dp_cp_index": meshes.dp_cp.get_local_rank(),
            # every parameter the rank stores (LoRA: the frozen base too; ``params`` are the trainable ones)
            "params": sum(nbytes(p) for part in parts.parts for p in part.parameters()), "grads": grads, "optimizer": optimizer_state_bytes(optimizer),
-           "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle, "pp_peak_saved": pp_peak_saved}
+           "held_after_forward": held, "saved_hooks": hooked, "comm_idle": comm_idle, "pp_peak_saved": pp_peak_saved,
+           "pp_peak_all": pp_peak_all}
     del parts, optimizer, params
     gc.collect()
     return out

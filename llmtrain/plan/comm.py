@@ -62,7 +62,11 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   of the busiest rank: a middle rank sends each of its ``v`` chunks' activations on and their
   gradients back (``2 v`` per micro batch); with pp 2 no rank is in the middle, and each sends
   ``2 v - 1`` (the chunk at the pipeline's end sends no activation, the one at its start no
-  gradient: 1F1B, ``m`` activations from rank 0 and ``m`` gradients from rank 1).
+  gradient: 1F1B, ``m`` activations from rank 0 and ``m`` gradients from rank 1). V-shaped
+  schedules (zbv, dualpipev: rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``) pass stage
+  ``pp - 1``'s activation to stage ``pp`` on the same rank: with pp 2 each rank sends 2 (rank 0
+  stage 0's activation and stage 3's gradient; rank 1 stage 2's activation and stage 1's
+  gradient; measured, benchmarks/planner_fidelity.py zbv), the middle ranks of a longer V ``2 v``.
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
   gradients backward, and one last pass of dK/dV back to their owner (the gradients in the
   accumulation dtype, fp32 at least: twice K/V's bytes in bf16); Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
@@ -171,6 +175,7 @@ class CommSpec:
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
     pp_blocking: bool = False  # planner.pp_p2p blocking: Megatron's waiting sends, 1/tp of the activation per TP rank
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs w2 and its reduction too
+    v_shaped: bool = False  # zbv / dualpipev: rank r holds stages r and 2 pp - 1 - r
 
     @property
     def grad_params(self) -> tuple[int, int]:
@@ -338,7 +343,9 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     if d.pp > 1:
         g = lk("pp")
         full = c.e * c.tokens * c.hidden
-        sends = 2 * c.chunks - (1 if d.pp == 2 else 0)  # per micro batch, the busiest rank (module docstring)
+        # per micro batch, the busiest rank (module docstring); V-shaped with pp 2: each rank's two stages meet
+        # on rank 1 (stages 1 and 2), so each rank sends 2
+        sends = 2 if c.v_shaped and d.pp == 2 else 2 * c.chunks - (1 if d.pp == 2 else 0)
         if c.pp_blocking:  # Megatron: each TP rank sends its 1/tp share and waits for it (planner.pp_p2p)
             out.append(make("pp", "p2p", 2, full / d.tp, m * sends, g, "pipeline-blocking",
                             "activations forward, gradients backward; every send waits (planner.pp_p2p blocking)"

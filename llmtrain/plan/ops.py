@@ -37,7 +37,7 @@ for LoRA recipes (costmodel.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the v2 time model's entry)
@@ -178,6 +178,13 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     elif x.recompute == "selective_mm":
         bwd += ef_s + again_mm
     return fwd, bwd
+
+
+def recompute_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int) -> float:
+    """Seconds of one more recomputation of the given blocks (the backward's extra over no recomputation)."""
+    plain = replace(x, recompute="none")
+    return sum(n * (block_seconds(x, gpu, moe)[1] - block_seconds(plain, gpu, moe)[1])
+               for n, moe in ((dense_layers, False), (moe_layers, True)) if n)
 
 
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times

@@ -17,12 +17,11 @@ from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.comm import powersgd_start
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.cluster.placement import Placement
-from llmtrain.recipe.schema import Recipe
+from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, Recipe
 
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 V_SHAPED = ("zbv", "dualpipev")
-# schedules whose backward is split into an input-gradient and a later weight-gradient pass
-SPLIT_BACKWARD = ("zero-bubble", "zbv", "dualpipev")
+SPLIT_BACKWARD = SPLIT_BACKWARD_SCHEDULES  # input-gradient pass, then a later weight-gradient pass
 # recomputation that caches op outputs for one recomputed forward (torch's selective checkpoint)
 SELECTIVE = ("selective", "selective_mm")
 BUBBLE_WARN = 0.2

@@ -26,6 +26,8 @@ from llmtrain.recipe.schema_plan import PlannerConfig
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv", "dualpipev")
 V_SHAPED_SCHEDULES = ("zbv", "dualpipev")  # two stages per rank, placed (r, 2 pp - 1 - r)
+# backward split into an input-gradient pass and a later weight-gradient pass (torch's I and W actions)
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 
 
 def bf16_compute(precision: str) -> bool:
