@@ -57,6 +57,8 @@ CASES = {
                                         "train.activation_checkpointing=full"],
     "pp 2 (zbv) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
                                 "train.activation_checkpointing=full"],
+    "pp 2 (dualpipev) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+                                      "train.activation_checkpointing=full", "train.global_batch_size=32"],
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp 2 (all-gather) x dp 2": ["parallel.cp=2", "parallel.cp_method=allgather"],
     # the selective policy keeps every CP kernel block's output: rank 0 runs fewer (plan/activations.py)

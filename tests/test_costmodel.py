@@ -189,6 +189,11 @@ CASES = {
                                      "train.activation_checkpointing=selective_mm", "train.global_batch_size=16"],
     "pp2_zero_bubble_full": ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_virtual_stages=2",
                              "train.activation_checkpointing=full", "train.global_batch_size=16"],
+    "pp2_dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+                      "train.global_batch_size=16"],
+    "pp2_dualpipev_full": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+                           "train.activation_checkpointing=full", "train.global_batch_size=16"],
+    "pp2_cp2_1f1b": ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=1f1b", "train.global_batch_size=8"],
     # full recomputation under PP: each chunk keeps its blocks' inputs per micro batch in flight
     "pp2_interleaved_full": ["parallel.pp=2", "parallel.pp_schedule=interleaved-1f1b", "parallel.pp_virtual_stages=2",
                              "train.activation_checkpointing=full", "train.global_batch_size=16"],

@@ -17,7 +17,7 @@ import types
 
 import pytest
 
-from llmtrain.plan.inflight import inflight
+from llmtrain.plan.inflight import inflight, split_backwards
 
 S = pytest.importorskip("torch.distributed.pipelining.schedules")
 T = S._ComputationType
@@ -69,3 +69,20 @@ def test_inflight_is_torchs_schedule(schedule, p, m):
         orders = torch_orders(schedule, p, v, m)
         for r in range(p):
             assert inflight(schedule, p, v, m, r) == held_at_peak(orders[r], p, v, r, v_shape), (schedule, p, v, m, r)
+
+
+@pytest.mark.parametrize("schedule", list(CLASSES))
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (3, 6), (4, 8), (5, 10), (6, 12), (7, 14), (8, 16), (8, 40)])
+def test_split_backwards_are_torchs(schedule, p, m):
+    """How many micro batches each stage runs as an input pass then a weight pass (full recomputation
+    recomputes in both: costmodel.recompute_again): torch's BACKWARD_INPUT actions per stage
+    (DualPipeV: a fixed few, whatever m; zero-bubble and ZBV: all m; interleaved 1F1B: none)."""
+    v = 2
+    orders = torch_orders(schedule, p, v, m)
+    got = [0] * (p * v)
+    for actions in orders.values():
+        for action in actions:
+            for a in (() if action is None else (action.sub_actions or (action,))):
+                if a.computation_type == T.BACKWARD_INPUT:
+                    got[a.stage_index] += 1
+    assert got == [split_backwards(schedule, p, s, m) for s in range(p * v)], (schedule, p, m)

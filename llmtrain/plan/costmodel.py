@@ -34,7 +34,7 @@ from llmtrain.plan.flops import (
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
-from llmtrain.plan.inflight import inflight
+from llmtrain.plan.inflight import inflight, split_backwards
 from llmtrain.plan.memory import (
     DPMode, best_dp_index, compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, model_state_bytes,
     optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
@@ -245,7 +245,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
     v2 = recipe.cluster.time_model == "v2" and lk is None  # LoRA: v1's compute (plan/ops.py)
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
-    twice = recomputed_twice(recipe, dims, stages)
+    again_share = recompute_again(recipe, dims, stages, batch.microbatches)
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
@@ -258,9 +258,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             rs -= skipped_attention / 3 if recompute == "full" else 0.0
             fwd += n * (fs / dims.tp + fr)
             bwd += n * ((split - fs) / dims.tp + (rep - fr) + rs / dims.tp + rr)
-        again = tuple(layer for layer in inv.layers if layer in twice)
-        for n, (_, _, rs, rr), _ in _layer_groups(m, again, seq, recompute, lk, dims.tp, whole):
-            bwd += n * ((rs - skipped_attention / 3) / dims.tp + rr)  # the weight pass's recomputation
+        again = [(again_share[sid], stages[sid]) for sid in held if sid in again_share]
+        for share, layers in again:  # the weight pass's recomputation (recompute_again)
+            for n, (_, _, rs, rr), _ in _layer_groups(m, layers, seq, recompute, lk, dims.tp, whole):
+                bwd += share * n * ((rs - skipped_attention / 3) / dims.tp + rr)
         if inv.last:
             head = head_flops_per_token(m, lk) / dims.tp
             share = 1 / 3 if lk is None else 1 / 2
@@ -301,9 +302,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         if v2:
             dense, moe = len(inv.layers) - inv.moe_layers, inv.moe_layers
             f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last)
-            if again:  # the weight pass's recomputation (recomputed_twice)
-                moe_again = sum(1 for layer in again if is_moe_layer(m, layer)) if m.is_moe else 0
-                b_s += ops.recompute_seconds(shape, gpu, len(again) - moe_again, moe_again)
+            for share, layers in again:  # the weight pass's recomputation (recompute_again)
+                moe_again = sum(1 for layer in layers if is_moe_layer(m, layer)) if m.is_moe else 0
+                b_s += share * ops.recompute_seconds(shape, gpu, len(layers) - moe_again, moe_again)
             # fp8: torchao's scaling casts and layout copies beside the FP8 GEMMs (plan/fp8time.py)
             share = 1 / max(1, dims.dp_shard * dims.cp) if p.fp8_all_gather and mode.kind == "fsdp" else 1.0
             c_f, c_b = fp8time.cast_seconds(shape, gpu, dense, moe, t.compile or recipe.planner.fp8_casts == "fused", share)
@@ -319,8 +320,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     uncounted = (1.0 - attention_counted(dims.cp, p.cp_method)) * score_flops_per_token(m.heads * m.head_dim, seq)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp, whole):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + (recompute == "full")))
-    for n, (_, _, rs, rr), _ in _layer_groups(m, tuple(sorted(twice)), seq, recompute, lk, dims.tp, whole):
-        hw_tok += n * (rs + rr * dims.tp - uncounted)
+    for sid, share in again_share.items():
+        for n, (_, _, rs, rr), _ in _layer_groups(m, stages[sid], seq, recompute, lk, dims.tp, whole):
+            hw_tok += share * n * (rs + rr * dims.tp - uncounted)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
@@ -346,17 +348,24 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     return cm
 
 
-def recomputed_twice(recipe: Recipe, dims: ParallelDims, stages) -> frozenset[int]:
-    """Layers whose full recomputation runs twice per micro batch: under a split backward
-    (zero-bubble, zbv, dualpipev) the input-gradient pass recomputes a checkpointed block and the
-    weight pass, a second backward, recomputes it again (engine/parallel/pipeline.py groups the weight
-    pass's parameter groups into one recomputation); except on stage 0, whose input needs no
-    gradient, so torch runs its backward whole at the weight step. Measured with
-    benchmarks/planner_fidelity.py (zero-bubble, pp 2: +14 % FLOPs against one recomputation)."""
+def recompute_again(recipe: Recipe, dims: ParallelDims, stages, microbatches: int) -> dict[int, float]:
+    """Stage -> share of its micro batches whose full recomputation runs a second time. Under a split
+    backward the input-gradient pass recomputes each checkpointed block and the weight pass, a
+    second backward, recomputes it again (engine/parallel/pipeline.py groups the weight pass's
+    parameter groups into one recomputation): every micro batch under zero-bubble and ZBV, DualPipeV's
+    few split ones (:func:`llmtrain.plan.inflight.split_backwards`); never on stage 0, whose input
+    needs no gradient, so torch runs its backward whole at the weight step. Measured with
+    benchmarks/planner_fidelity.py: zero-bubble and ZBV +14 %, DualPipeV +1.7 % FLOPs (pp 2) against
+    one recomputation."""
     if (dims.pp == 1 or recipe.parallel.pp_schedule not in SPLIT_BACKWARD_SCHEDULES
             or recipe.train.activation_checkpointing != "full"):
-        return frozenset()
-    return frozenset(layer for stage in stages[1:] for layer in stage)
+        return {}
+    out = {}
+    for s in range(1, len(stages)):
+        k = split_backwards(recipe.parallel.pp_schedule, dims.pp, s, microbatches)
+        if k and stages[s]:
+            out[s] = k / microbatches
+    return out
 
 
 def _layer_groups(m, layers: tuple[int, ...], seq: int, recompute: str, lk, tp: int = 1, whole: bool = False) -> list[tuple]:

@@ -49,3 +49,22 @@ def inflight(schedule: str, pp: int, virtual: int, microbatches: int, pp_rank: i
     if schedule == "dualpipev":
         return [min(2 * p - r, m), min(r + 1, m)]
     raise ValueError(f"unknown schedule {schedule}")
+
+
+def split_backwards(schedule: str, pp: int, stage: int, microbatches: int) -> int:
+    """Micro batches whose backward on pipeline ``stage`` runs as an input-gradient pass and a later
+    weight pass (torch's ``BACKWARD_INPUT`` then ``BACKWARD_WEIGHT``), per step. Full recomputation
+    recomputes a checkpointed block in each of the two (:func:`llmtrain.plan.costmodel.recompute_again`).
+
+    zero-bubble and ZBV split every micro batch's backward. DualPipeV runs most of them whole
+    (inside its ``OVERLAP_F_B`` pairs and as ``FULL_BACKWARD``) and splits a fixed few, whatever the
+    micro-batch count: ``p - ceil(s / 2)`` on stage ``s < p``, ``p - 1 - floor(r / 2)`` on stage
+    ``2p - 1 - r`` (rank ``r``'s second stage), read from torch's ``pipeline_order`` and checked
+    against it (tests/test_pipeline_inflight.py). The other schedules never split."""
+    if pp <= 1:
+        return 0
+    if schedule in ("zero-bubble", "zbv"):
+        return microbatches
+    if schedule == "dualpipev":
+        return min(microbatches, pp - (stage + 1) // 2 if stage < pp else pp - 1 - (2 * pp - 1 - stage) // 2)
+    return 0
