@@ -160,7 +160,7 @@ class SavedPeak:
 
     def __init__(self, parts, also: "SavedPeak | None" = None):
         self.parts, self.refs, self.total, self.peak = parts, {}, 0, 0
-        self.also = also  # a second tracker that also counts recomputed tensors (:meth:`sac_cache`)
+        self.also = also  # a second tracker that also counts recomputed tensors (:meth:`recompute_caches`)
 
     def _trackers(self):
         return (self,) if self.also is None else (self, self.also)
@@ -197,7 +197,7 @@ class SavedPeak:
             weakref.finalize(x, t.release, t._take(x))
 
     @contextlib.contextmanager
-    def sac_cache(self):
+    def recompute_caches(self):
         """Also count what selective recomputation caches (torch's ``_CachingTorchDispatchMode``
         storage, and the engine's discarding subclass of it: engine/parallel/checkpointing.py), which
         ``saved_tensors_hooks`` do not see: the checkpoint packs its region's saved tensors itself.
@@ -320,7 +320,7 @@ def run_case(recipe, device) -> dict:
                                           StepLoss.for_parts(parts), device, meshes.pp.get_group(), shapes=shapes,
                                           dtype=act_dtype)
         tracker = SavedPeak(parts, also=SavedPeak(parts))
-        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), tracker.sac_cache():
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack), tracker.recompute_caches():
             pipelined_step(parts, schedule, batches, device, tp_loss, amp)
         pp_peak_saved, pp_peak_all = tracker.peak, tracker.also.peak
         del schedule, stages

@@ -179,7 +179,7 @@ CASES = {
     "pp2_zero_bubble": ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_virtual_stages=2",
                         "train.global_batch_size=16"],
     # selective recomputation under PP: the policy's cache (counted beside what the hooks see, costmodel_worker.py
-    # SavedPeak.sac_cache) per micro batch in flight; with TP + SP wo's reduced output is cached, not its partial sum
+    # SavedPeak.recompute_caches) per micro batch in flight; with TP + SP wo's reduced output is cached, not its partial sum
     "pp2_1f1b_selective": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.activation_checkpointing=selective",
                            "train.global_batch_size=8"],
     "pp2_tp2_interleaved_selective": ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved-1f1b",

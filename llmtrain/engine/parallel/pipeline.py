@@ -44,6 +44,11 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+try:  # torch 2.13 has it; without it a weight pass recomputes once per parameter group (module docstring)
+    from torch.utils.checkpoint import GraphExecGroup
+except ImportError:  # pragma: no cover - other torch versions
+    GraphExecGroup = None
+
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
@@ -98,12 +103,6 @@ def stage_io_shapes(stage: int, n_stages: int, micro: int, seq: int, hidden: int
     inp = (micro, seq) if stage == 0 else boundary
     out = (micro, seq, hidden if head_in_loss else vocab) if stage == n_stages - 1 else boundary
     return inp, out
-
-
-try:  # torch >= 2.10; before it a weight pass recomputes per parameter group, as described above
-    from torch.utils.checkpoint import GraphExecGroup
-except ImportError:  # pragma: no cover - older torch
-    GraphExecGroup = None
 
 
 class Stage(PipelineStage):
