@@ -57,6 +57,13 @@ CASES = {
                                         "train.activation_checkpointing=full"],
     "pp 2 (zbv) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
                                 "train.activation_checkpointing=full"],
+    "pp 2 (zero-bubble) x zero 3 dp 2": ["parallel.pp=2", "parallel.pp_schedule=zero-bubble", "parallel.pp_virtual_stages=2",
+                                         "parallel.zero=3"],
+    "pp 2 (interleaved) x tp 2 +SP": ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=interleaved-1f1b",
+                                      "parallel.pp_virtual_stages=2"],
+    "pp 2 (1f1b) x cp 2 (all-gather)": ["parallel.pp=2", "parallel.cp=2", "parallel.cp_method=allgather",
+                                        "parallel.pp_schedule=1f1b"],
+    "MoE pp 2 (1f1b) x ep 2 (zero 1)": MOE + ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1", "parallel.pp_schedule=1f1b"],
     "pp 2 (dualpipev) x dp 2, full": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
                                       "train.activation_checkpointing=full", "train.global_batch_size=32"],
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
@@ -214,12 +221,21 @@ without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6
   run kernel blocks, not the whole causal square (all-gather FLOPs -2.2 %); with an expert-DP
   group of one the planner listed an expert-gradient all-reduce and broadcast the experts' ZeRO-1
   owners over the dense DP group (the engine does neither); collectives on a group of one are
-  not counted (they move nothing).
+  not counted (they move nothing). Twenty-first session, with the PP cases (recomputation, split backward, TP, CP, EP
+  and FSDP under PP): full recomputation under a split backward runs a second time in the weight
+  pass (zero-bubble and ZBV +14.3 % FLOPs, DualPipeV +1.7 %: now counted per split micro batch),
+  and the V-shaped schedules' P2P at pp 2 is 2 sends per rank, not 3 (-33 %). The harness itself
+  had two faults, fixed: under PP the C++ backward of EP's all-to-all and of the all-gather CP's
+  K/V gather was attributed to PP (its only Python frame is the pipeline stage's), and PP cases
+  compared the planner's slowest pipeline rank with the average over all ranks (ZBV's rank 0
+  holds the embedding and the output).
 - **Fixed in the engine** (llmtrain/engine/parallel/tensor.py): TP without SP issued 7
   activation all-reduces per layer instead of 4 (each column-parallel layer's input gradient
   reduced on its own); attention and MLP inputs now pass through one `PrepareModuleInput`.
-- **Left, by definition**: PP — the planner counts 2 m boundary messages per rank (what a middle
-  stage sends); with 2 stages each rank sends m and receives m. EP — the all-to-all bytes depend
+  Twenty-first session (engine/parallel/pipeline.py): under a split backward the weight pass
+  recomputed each checkpointed block once per parameter group; it now runs in one
+  `GraphExecGroup` (the FLOP count above is with that fix; tests/test_costmodel.py has the memory).
+- **Left, by definition**: EP — the all-to-all bytes depend
   on the router's balance; the small excess is the exchange of split sizes. CP ring FLOPs — the
   ring backward recomputes QK^T block by block, which the planner does not count."""
     results = {"world": world, "set": base, "cases": {n: CASES[n] for n in names}, "rows": rows, "raw": measured}

@@ -128,9 +128,12 @@ class CommCounter(TorchDispatchMode):
             path, fn = f.f_code.co_filename.replace("\\", "/"), f.f_code.co_name
             for frag, func, dim in FRAMES:
                 if frag in path and (func is None or func == fn):
-                    if dim == "other" and kind == "all-to-all":  # autograd's C++ backward of an all-to-all
+                    # autograd's C++ backward of a collective has no engine frame: the caller's is the
+                    # harness's backward, or under PP the pipeline stage's
+                    caller = dim == "other" or (dim == "pp" and kind not in ("p2p", "recv"))
+                    if caller and kind == "all-to-all":  # the backward of an all-to-all
                         return "ep" if self.ep else "cp"
-                    if dim == "other" and kind == "reduce-scatter" and self.cp:  # ... of the CP K/V all-gather
+                    if caller and kind == "reduce-scatter" and self.cp:  # ... of the CP K/V all-gather
                         return "cp"
                     if dim == "ep" and kind != "all-to-all":  # the MoE block's expert-TP region (SP gather, reduction)
                         return "tp"
