@@ -171,12 +171,13 @@ class SavedPeak:
         # detached: holding ``x`` itself (an op's output, with its grad_fn) would close a cycle through
         # the graph node that saves it, which autograd only breaks when backward frees the node (never
         # under the zero-bubble schedules' input-gradient pass, retain_graph=True): a leak of the tracker
-        return _Held(x.detach(), [(t, t._take(x)) for t in self._trackers()])
-
-    def _take(self, x) -> list[int]:
-        # a local view of a weight (``to_local()`` of an expert shard; slices of it): FSDP's
-        # unsharded storages exist only during forward, so they are looked up now
         weights = param_storages(self.parts)
+        return _Held(x.detach(), [(t, t._take(x, weights)) for t in self._trackers()])
+
+    def _take(self, x, weights: set[int]) -> list[int]:
+        """Count ``x``'s storages except ``weights`` (:func:`param_storages`: a local view of a weight,
+        ``to_local()`` of an expert shard or slices of it; FSDP's unsharded storages exist only during
+        forward, so they are looked up at each pack)."""
         ptrs = []
         for st in storages_of(x):
             ptr = st.data_ptr()
@@ -193,8 +194,9 @@ class SavedPeak:
     def hold(self, x: torch.Tensor) -> None:
         """Count ``x`` (a selective-checkpoint cache entry) until the tensor object dies: it is
         handed to the recomputed forward in backward and lives as long as that graph needs it."""
+        weights = param_storages(self.parts)
         for t in self._trackers():
-            weakref.finalize(x, t.release, t._take(x))
+            weakref.finalize(x, t.release, t._take(x, weights))
 
     @contextlib.contextmanager
     def recompute_caches(self):

@@ -40,7 +40,8 @@ from functools import lru_cache
 
 from llmtrain.plan.comm import fp8_gather_numel
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.shards import ParamShape, fsdp_local_numel, fsdp_numel, zero1_loads
+from llmtrain.plan.dp_shards import fsdp_local_numel, fsdp_numel, zero1_loads
+from llmtrain.plan.shards import ParamShape
 from llmtrain.recipe.schema import bf16_compute
 
 FP32 = 4

@@ -52,9 +52,9 @@ from llmtrain.plan.search_bounds import (
 from llmtrain.plan.search_keep import allowed
 from llmtrain.plan.search_render import explain, format_result, layout_label, set_flags  # noqa: F401 (the CLI imports these from here)
 from llmtrain.plan.steptime import efficiency, matmul_peak
-from llmtrain.plan.validate import SELECTIVE, SPLIT_BACKWARD, divisors, validate
+from llmtrain.plan.validate import SELECTIVE, divisors, validate
 from llmtrain.recipe.gpus import cluster_gpu
-from llmtrain.recipe.schema import Recipe
+from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, Recipe
 
 # least memory last: selective_mm (torchtitan's op policy) saves less than selective (drops the outputs
 # of wk, w3 and, without TP, wo) and re-runs far less than full
@@ -269,7 +269,7 @@ def _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, t
     per_dp = gbs // dp
     kept_ac = (keep or {}).get("train.activation_checkpointing")
     ladder = RECOMPUTE if kept_ac is None else (kept_ac,)
-    if pp > 1 and par.get("pp_schedule", recipe.parallel.pp_schedule) in SPLIT_BACKWARD:
+    if pp > 1 and par.get("pp_schedule", recipe.parallel.pp_schedule) in SPLIT_BACKWARD_SCHEDULES:
         ladder = tuple(mode for mode in ladder if mode not in SELECTIVE)  # plan/validate.py: not under a split backward
         if not ladder:
             return

@@ -21,7 +21,6 @@ from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, Recipe
 
 INTERLEAVED = ("interleaved-1f1b", "zero-bubble")
 V_SHAPED = ("zbv", "dualpipev")
-SPLIT_BACKWARD = SPLIT_BACKWARD_SCHEDULES  # input-gradient pass, then a later weight-gradient pass
 # recomputation that caches op outputs for one recomputed forward (torch's selective checkpoint)
 SELECTIVE = ("selective", "selective_mm")
 BUBBLE_WARN = 0.2
@@ -163,7 +162,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         if p.pp_schedule in V_SHAPED and v != 2:
             err(Problem("parallel.pp_virtual_stages", f"{p.pp_schedule} is V-shaped: exactly 2 stages per rank, got {v}",
                         "set pp_virtual_stages: 2"))
-        if p.pp_schedule in SPLIT_BACKWARD and t.activation_checkpointing in SELECTIVE:
+        if p.pp_schedule in SPLIT_BACKWARD_SCHEDULES and t.activation_checkpointing in SELECTIVE:
             # torch's selective checkpoint replays its cached outputs into one recomputed forward; the
             # weight pass is a second backward of the block, which recomputes again and finds the cache
             # consumed ("Trying to backward an extra time": measured on zero-bubble, zbv and dualpipev)

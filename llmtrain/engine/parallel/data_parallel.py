@@ -25,7 +25,7 @@ edp 4: the first rank of each expert-DP group held the expert and three held not
 are sharded on their hidden dimension H instead (``shard_placement_fn``; FSDP2 requires an even
 split there, and H is never split by expert-TP, which splits F), and stay on dim 0 if H does not
 divide either. :func:`expert_placement` is the rule; the planner follows it
-(``plan/shards.py``, ``fsdp_numel``).
+(``plan/dp_shards.py``, ``fsdp_numel``).
 
 ``parallel.reduce_dtype: bf16`` sets ``MixedPrecisionPolicy.reduce_dtype=bf16``. In torch 2.13
 this is real also with fp32 parameters: ``FSDPParam.init_dtype_attrs`` clamps ``reduce_dtype``
@@ -76,7 +76,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, pp_enabled: bool, 
             if expert_mesh is not None and experts is not None:
                 fully_shard(experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=mp,
                             shard_placement_fn=expert_placement(experts, _shard_size(expert_mesh)))
-            place = expert_placement(experts, _shard_size(mesh)) if experts is not None else None
+            in_block = experts is not None and expert_mesh is None  # no EP: the experts are the block unit's
+            place = expert_placement(experts, _shard_size(mesh)) if in_block else None
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, shard_placement_fn=place)
             blocks.append(block)
     if reshard and PREFETCH:
