@@ -90,6 +90,65 @@ def megatron_rows() -> list[dict]:
     return out
 
 
+# Korthikanti et al. 2022 (arXiv:2205.05198, "Reducing Activation Recomputation in Large Transformer Models"):
+# GPT on DGX A100 80GB (s = 2048, V = 51200, fp16, data parallel 1), end-to-end iteration time with full
+# recomputation and with sequence parallelism + selective recomputation. The times and layouts are as
+# Calculon's validation quotes and rebuilds them (calculon-ai/calculon calculon/megatron/validation.py
+# kProfile, "reported here: https://arxiv.org/pdf/2205.05198.pdf"; validation/<model>_{full,seqsel}.json:
+# TP, PP, batch, micro batch, interleaving); the Megatron-LM README's MFU table (22B 41.5 %, 175B 51.4 %,
+# 530B 56.0 %, 1T 56.3 %) is the same runs' selective times in the paper's FLOP count (22B: 72 B s l h^2
+# (1 + s/6h + V/12lh) / (1.10 s x 8 x 312 TFLOP/s) = 41.6 %).
+KORTHIKANTI = [  # (params, heads, hidden, layers, pp, gpus, batch, micro batch, virtual stages, s full, s selective)
+    ("22B", 64, 6144, 48, 1, 8, 4, 4, 1, 1.42, 1.10),
+    ("175B", 96, 12288, 96, 8, 64, 64, 1, 3, 18.13, 13.75),
+    ("530B", 128, 20480, 105, 35, 280, 280, 1, 3, 49.05, 37.83),
+    ("1T", 160, 25600, 128, 64, 512, 512, 1, 1, 94.42, 71.49),
+]
+KORTHIKANTI_URL = ("https://arxiv.org/abs/2205.05198 (times and layouts as calculon-ai/calculon "
+                   "calculon/megatron/validation.py and validation/*.json quote them)")
+
+
+def megatron_2022_rows() -> list[dict]:
+    """Megatron-LM as the paper ran it (NVIDIA/Megatron-LM d898a89, 2022-05-25, the merge of its sequence
+    parallelism): full recomputation re-runs whole layers (``CheckpointFunction``: planner.full_recompute
+    whole_block); ``--recompute-granularity selective`` checkpoints only ``CoreAttention`` (scores, softmax,
+    dropout, the product with V: planner.selective_recompute core_attention); the column-parallel linear
+    (``LinearWithGradAccumulationAndAsyncCommunication``) runs the input gradient's all-reduce (with SP: the
+    input's re-gather and the gradient's reduce-scatter) beside the gradient GEMMs
+    (planner.tp_backward_overlap); pipeline sends still wait (``p2p_communication._communicate`` calls
+    ``torch.cuda.synchronize()``: planner.pp_p2p blocking) and, with SP, send the shard without the gather;
+    attention with the scores in HBM (planner.attention_kernel materialized). Data parallelism 1: no
+    gradient all-reduce. The metric is tokens/s/GPU from the published time: batch x 2,048 / (time x GPUs)."""
+    out = []
+    for name, heads, h, layers, pp, gpus, batch, mbs, v, t_full, t_sel in KORTHIKANTI:
+        for ac, seconds in (("full", t_full), ("selective", t_sel)):
+            par = megatron_parallel(8, pp, "local", layers // (pp * v) if v > 1 else None, layers)
+            par["sequence_parallel"] = ac == "selective"
+            schedule = f"interleaved 1F1B, v = {v}" if v > 1 else "1F1B" if pp > 1 else "no PP"
+            what = "full recomputation" if ac == "full" else "SP + selective recomputation"
+            first = name == KORTHIKANTI[0][0] and ac == "full"
+            out.append(dict(
+                source="Korthikanti et al. 2022", url=KORTHIKANTI_URL,
+                name=f"GPT {name}, {gpus} A100, TP 8 PP {pp}, {what}", metric="tokens/s/GPU",
+                published=round(batch * 2048 / (seconds * gpus), 1),
+                recipe=recipe(gpt(h, heads, layers, 8), par,
+                              dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing=ac),
+                              gpus, "a100-80g", attention="materialized", dp_overlap=False,
+                              full_recompute=WHOLE if ac == "full" else None, pp_p2p=P2P,
+                              selective_recompute="core_attention" if ac == "selective" else None,
+                              tp_backward_overlap=True),
+                note=(f"published as {seconds} s per iteration (batch {batch} x 2,048 tokens on {gpus} GPUs); micro batch "
+                      f"{mbs}, {schedule}, {what}, data parallel 1; Megatron-LM d898a89 (2022-05): whole-layer "
+                      "recomputation (planner.full_recompute whole_block), selective = the core attention "
+                      "(planner.selective_recompute core_attention), the column-parallel inputs' backward collectives "
+                      "beside the gradient GEMMs (planner.tp_backward_overlap), blocking pipeline sends (planner.pp_p2p "
+                      "blocking), scores in HBM (planner.attention_kernel materialized); layouts as Calculon's validation "
+                      "files rebuild them"
+                      if first else f"published as {seconds} s per iteration; micro batch {mbs}, {schedule}; the rest "
+                      "as the 22B row")))
+    return out
+
+
 def megatron_flops(batch: int, layers: int, h: int, s: int = 2048, vocab: int = 51200) -> float:
     """FLOPs per step as the SC'21 paper counts them for its TFLOP/s (section 5.1, eq. 3: the GEMMs of
     forward, backward and the recomputed forward, ``96 B s l h^2 (1 + s / 6h + V / 16 l h)``). The

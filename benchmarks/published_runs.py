@@ -95,13 +95,15 @@ def with_split(recipe: dict) -> dict:
 def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
            attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None,
            norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
-           dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None) -> dict:
+           dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
+           selective_recompute: str | None = None, tp_backward_overlap: bool = False) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
     planner = {"assume_dp_overlap": True} if overlapped else {}  # (module docstring)
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
-                full_recompute=full_recompute, pp_p2p=pp_p2p)
+                full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
+                tp_backward_overlap=tp_backward_overlap)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -301,10 +303,11 @@ def trainy_rows() -> list[dict]:
 def rows() -> list[dict]:
     from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
-    from published_megatron import megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_megatron import megatron_2022_rows, megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows())
+            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
+            + megatron_2022_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

@@ -237,3 +237,60 @@ def test_blocking_pipeline_sends_are_all_exposed_and_scattered_over_tp():
     flat = dict(over, parallel__pp=1, cluster__nodes=1)
     e1, b1 = _plan(_recipe(**flat)), _plan(_recipe(**flat, planner__pp_p2p="blocking"))
     assert b1.time.step_s == e1.time.step_s and "planner.pp_p2p blocking" not in b1.assumptions
+
+
+def test_core_attention_selective_recompute_reruns_the_attention_not_the_elementwise_ops():
+    """planner.selective_recompute core_attention (Megatron-LM's selective recomputation): the
+    backward re-runs the attention kernel's forward instead of the element-wise ops (v2 block
+    seconds, exact), the hardware FLOPs gain the attention's scores and values forward, 4 s h per
+    token and block counted unmasked (8B: 32 blocks, h 4096, s 8192; the model FLOPs and memory do
+    not move); other recomputation modes ignore it; plan names it only under selective."""
+    gpu = GPUS["h100-sxm"]
+    x = ops.BlockShape(**{**TINY.__dict__, "fp8_peak": 0.0, "recompute": "selective"})
+    core = ops.BlockShape(**{**x.__dict__, "recompute_attention": True})
+    plain = ops.BlockShape(**{**x.__dict__, "recompute": "none"})
+    (sf, sb), (cf, cb), (_, nb) = (ops.block_seconds(v, gpu, False) for v in (x, core, plain))
+    attention_fwd = ops.layer_attention_seconds(x, gpu)[0]
+    assert cf == sf and cb - nb == pytest.approx(attention_fwd, rel=1e-12) and sb - nb != pytest.approx(cb - nb)
+    base = dict(train__precision="bf16")
+    engine, core_plan = _plan(_recipe(**base)), _plan(_recipe(**base, planner__selective_recompute="core_attention"))
+    tokens = 16 * 8192
+    assert core_plan.flops["hardware_flops_per_step"] - engine.flops["hardware_flops_per_step"] == pytest.approx(
+        4 * 4096 * 8192 * 32 * tokens, rel=1e-9)
+    assert core_plan.flops["model_flops_per_step"] == engine.flops["model_flops_per_step"]
+    assert core_plan.worst.peak == engine.worst.peak and core_plan.time.step_s != engine.time.step_s
+    assert "planner.selective_recompute core_attention" in core_plan.assumptions and not engine.assumptions
+    full = dict(base, train__activation_checkpointing="full")
+    f, f_core = _plan(_recipe(**full)), _plan(_recipe(**full, planner__selective_recompute="core_attention"))
+    assert f_core.time.step_s == f.time.step_s and not f_core.assumptions
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tp_backward_overlap_hides_the_column_parallel_inputs_backward_collectives(sp):
+    """planner.tp_backward_overlap (Megatron-LM's column-parallel linear): per layer and micro batch
+    the 2 input-gradient reductions (all-reduces; with SP reduce-scatters) and, with SP, the 2
+    re-gathers that selective recomputation runs move to phase tp-bwd-overlap, hidden behind the
+    backward (exposed 0 at these shapes); the TP bytes and counts per op do not change, the step gets
+    shorter. 8B at tp 8, micro batch 2 x 8,192 tokens, 1 micro batch, 32 layers."""
+    over = dict(parallel__tp=8, parallel__zero=1, parallel__sequence_parallel=sp, train__precision="bf16",
+                train__global_batch_size=2)
+    engine, beside = _plan(_recipe(**over)), _plan(_recipe(**over, planner__tp_backward_overlap=True))
+
+    def tp(x):
+        out = {}
+        for c in x.comms:
+            if c.dim == "tp":
+                out[c.op] = out.get(c.op, 0) + c.count * c.message_bytes
+        return out
+
+    assert tp(beside) == tp(engine)
+    hidden = [c for c in beside.comms if c.phase == "tp-bwd-overlap"]
+    want = {"all-gather": 64, "reduce-scatter": 64} if sp else {"all-reduce": 64}
+    assert {c.op: c.count for c in hidden} == want
+    assert all(c.exposed_s == 0 for c in hidden) and beside.time.step_s < engine.time.step_s
+    assert "planner.tp_backward_overlap true" in beside.assumptions and not engine.assumptions
+    # async TP / planner.tp_overlap with SP already overlaps: the setting is not applied, nor named
+    if sp:
+        both = _plan(_recipe(**over, planner__tp_overlap=True, planner__tp_backward_overlap=True))
+        assert not [c for c in both.comms if c.phase == "tp-bwd-overlap"]
+        assert "planner.tp_backward_overlap true" not in both.assumptions

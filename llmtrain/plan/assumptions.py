@@ -19,6 +19,11 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.fp8_casts {pl.fp8_casts}")
     if pl.tp_overlap and not recipe.parallel.async_tp and recipe.parallel.sequence_parallel and recipe.parallel.tp > 1:
         out.append("planner.tp_overlap true")
+    if (pl.tp_backward_overlap and recipe.parallel.tp > 1 and not recipe.parallel.async_tp
+            and not (pl.tp_overlap and recipe.parallel.sequence_parallel)):
+        out.append("planner.tp_backward_overlap true")
+    if pl.selective_recompute != "engine" and recipe.train.activation_checkpointing == "selective":
+        out.append(f"planner.selective_recompute {pl.selective_recompute}")
     if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
         out.append(f"planner.norm {pl.norm}")
     if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":

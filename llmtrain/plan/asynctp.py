@@ -44,3 +44,31 @@ def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -
     if overlapped_s <= 0:
         return 1.0
     return 1.0 / group + max(0.0, 1.0 - 1.0 / group - compute_s / overlapped_s)
+
+
+def tp_backward_async(micro_batches: int, layers: int, gathers: int, sp: bool) -> dict[str, int]:
+    """How many of one pipeline rank's TP collectives ``planner.tp_backward_overlap`` prices as running
+    beside the backward's GEMMs (phase ``tp-bwd-overlap``): Megatron-LM's column-parallel linear since
+    2021-09 (``LinearWithGradAccumulationAndAsyncCommunication`` in megatron/mpu/layers.py, read at
+    NVIDIA/Megatron-LM d898a89, 2022-05-25; megatron/core/tensor_parallel/layers.py later) launches, per
+    column-parallel input (the attention's and the MLP's: 2 per layer and micro batch), the input
+    gradient's all-reduce (with SP: its reduce-scatter) with ``async_op=True`` before the
+    weight-gradient GEMM, and with SP the re-gather of the saved input shard before the
+    input-gradient GEMM. Counted against the engine's collectives (bytes unchanged, comm.py): the
+    reduce sites' 2 (``"reduce-scatter"``, without SP the all-reduces) and, with SP, the re-gathers
+    this recipe's recomputation already runs (``gathers``: selective and full re-gather both inputs;
+    without recomputation the engine keeps the gathered input and re-gathers nothing, where Megatron
+    would, hidden: not priced). The forward's collectives and the row-parallel outputs' backward
+    ones stay in line, as in Megatron-LM."""
+    return {"reduce-scatter": micro_batches * 2 * layers,
+            "all-gather": micro_batches * min(2, gathers) * layers if sp else 0}
+
+
+def tp_backward_exposed_factor(overlapped_s: float, backward_s: float) -> float:
+    """The exposed share of the ``tp-bwd-overlap`` collectives (:func:`tp_backward_async`): each runs
+    beside one gradient GEMM of its layer; at the shapes where TP is used that GEMM is the longer,
+    so they hide up to the rank's backward compute of the same micro batches (``backward_s``) and
+    what exceeds it is exposed. No chunking (one collective, one GEMM), unlike async TP."""
+    if overlapped_s <= 0:
+        return 1.0
+    return max(0.0, 1.0 - backward_s / overlapped_s)

@@ -88,7 +88,7 @@ from math import ceil
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
-from llmtrain.plan.asynctp import async_tp_fused_counts
+from llmtrain.plan.asynctp import async_tp_fused_counts, tp_backward_async
 from llmtrain.plan.recompute_comm import recomputed_tp_sites
 from llmtrain.plan.ringtime import forward_passes, ring_grad_units, ring_units
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
@@ -170,6 +170,7 @@ class CommSpec:
     grad_shapes: tuple = ((), ())  # with compression: (dense, expert) local gradient shapes (TP embedding: replicated)
     async_tp: bool = False  # parallel.async_tp (with SP): per-layer TP collectives fused with their matmuls
     overlap_by_planner: bool = False  # async_tp set by planner.tp_overlap (another stack's TP overlap)
+    tp_bwd_overlap: bool = False  # planner.tp_backward_overlap: the column-parallel inputs' backward collectives async
     fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
     kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
@@ -329,6 +330,17 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                            if op == "reduce-scatter" else "embedding / output: not fused")
                     out.append(make("tp", op, d.tp, act, counts[op] - fused[op], g, "microbatch",
                                     f"sequence parallel ({why})"))
+        elif c.tp_bwd_overlap:  # planner.tp_backward_overlap (another stack's column-parallel linear): tp_backward_async
+            ops = ("all-gather", "reduce-scatter") if c.sp else ("reduce-scatter",)
+            hidden = tp_backward_async(m, c.layers, gathers, c.sp)
+            for op in ops:
+                name = op if c.sp else "all-reduce"
+                out.append(make("tp", name, d.tp, act, hidden[op], g, "tp-bwd-overlap",
+                                ("sequence parallel, " if c.sp else "") + "backward, beside the gradient GEMMs "
+                                "(planner.tp_backward_overlap)"))
+                if counts[op] > hidden[op]:
+                    out.append(make("tp", name, d.tp, act, counts[op] - hidden[op], g, "microbatch",
+                                    "sequence parallel" if c.sp else ""))
         elif c.sp:
             out.append(make("tp", "all-gather", d.tp, act, counts["all-gather"], g, "microbatch", "sequence parallel"))
             out.append(make("tp", "reduce-scatter", d.tp, act, counts["reduce-scatter"], g, "microbatch",

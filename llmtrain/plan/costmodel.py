@@ -233,6 +233,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     model_tok = flops_per_token(m, seq, lk)
     recompute = t.activation_checkpointing
     whole = recipe.planner.full_recompute == "whole_block"  # another stack's checkpoint re-runs each block's last GEMM
+    # what the recomputation re-runs, for the FLOPs (another stack's selective may re-run the attention instead)
+    recomputed = ("core_attention" if recompute == "selective" and recipe.planner.selective_recompute == "core_attention"
+                  else recompute)
+    again_attention = recomputed in ("full", "core_attention")  # the recomputed forward runs the attention scores
     hw_tok = head_flops_per_token(m, lk)
     works: list[RankWork] = []
     comm_by_rank: list[list[Comm]] = []
@@ -250,17 +254,17 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
         inv = inventory(m, stages, held, dims.tp, dims.ep, lk)
         fwd = bwd = 0.0
-        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recompute, lk, dims.tp, whole):
+        for n, (split, rep, rs, rr), (fs, fr) in _layer_groups(m, inv.layers, seq, recomputed, lk, dims.tp, whole):
             # Time, not FLOP counting: causal SDPA kernels skip the masked half of the scores
             # (a third of them in the forward)
             split -= skipped_attention
             fs -= skipped_attention / 3
-            rs -= skipped_attention / 3 if recompute == "full" else 0.0
+            rs -= skipped_attention / 3 if again_attention else 0.0
             fwd += n * (fs / dims.tp + fr)
             bwd += n * ((split - fs) / dims.tp + (rep - fr) + rs / dims.tp + rr)
         again = [(again_share[sid], stages[sid]) for sid in held if sid in again_share]
         for share, layers in again:  # the weight pass's recomputation (recompute_again)
-            for n, (_, _, rs, rr), _ in _layer_groups(m, layers, seq, recompute, lk, dims.tp, whole):
+            for n, (_, _, rs, rr), _ in _layer_groups(m, layers, seq, recomputed, lk, dims.tp, whole):
                 bwd += share * n * ((rs - skipped_attention / 3) / dims.tp + rr)
         if inv.last:
             head = head_flops_per_token(m, lk) / dims.tp
@@ -280,6 +284,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()),
                         async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
                         overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
+                        tp_bwd_overlap=recipe.planner.tp_backward_overlap,
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
                         kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking",
                         recompute_whole=whole, v_shaped=p.pp_schedule in V_SHAPED_SCHEDULES)
@@ -318,10 +323,10 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
     # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
     uncounted = (1.0 - attention_counted(dims.cp, p.cp_method)) * score_flops_per_token(m.heads * m.head_dim, seq)
-    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recompute, lk, dims.tp, whole):
-        hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + (recompute == "full")))
+    for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recomputed, lk, dims.tp, whole):
+        hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + again_attention))
     for sid, share in again_share.items():
-        for n, (_, _, rs, rr), _ in _layer_groups(m, stages[sid], seq, recompute, lk, dims.tp, whole):
+        for n, (_, _, rs, rr), _ in _layer_groups(m, stages[sid], seq, recomputed, lk, dims.tp, whole):
             hw_tok += share * n * (rs + rr * dims.tp - uncounted)
     world = dims.world_size
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)

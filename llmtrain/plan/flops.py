@@ -98,9 +98,14 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
     ``w3`` and, without TP, ``wo`` (under TP wo keeps selective's rule; MoE blocks have no dense
     ``w3``); under LoRA the frozen bases' GEMMs only (the adapters' outputs stay saved). Hardware
     FLOPs only: the model FLOPs do not change.
+    ``core_attention`` (``selective`` under ``planner.selective_recompute: core_attention``, Megatron-LM's
+    selective recomputation) re-runs the attention's scores and values forward (``Q K^T``, ``P V``:
+    :func:`score_flops_per_token`, counted unmasked as the block's attention is; tp-split).
     """
     if recompute == "selective_mm":
         return _mm_recompute_flops(model, layer, tp), 0.0
+    if recompute == "core_attention":  # selective under planner.selective_recompute core_attention
+        return score_flops_per_token(model.heads * model.head_dim, seq_len), 0.0
     if recompute != "full":
         return 0.0, 0.0
     if lora is not None:

@@ -90,6 +90,7 @@ class BlockShape:
     attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
     norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
+    recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
 
 
@@ -173,8 +174,8 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":
         bwd += again + af + ef_s
-    elif x.recompute == "selective":
-        bwd += ef_s
+    elif x.recompute == "selective":  # the element-wise ops, or (core_attention) the attention kernel's forward
+        bwd += af if x.recompute_attention else ef_s
     elif x.recompute == "selective_mm":
         bwd += ef_s + again_mm
     return fwd, bwd
@@ -222,6 +223,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel,
                       norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
+                      recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0)
 
 
@@ -271,8 +273,8 @@ def launch_seconds(x: BlockShape, layers: int, compiled: bool, fsdp: bool) -> tu
     elementwise = fwd - KERNELS["gemm"]
     if x.recompute == "full":
         bwd += fwd
-    elif x.recompute == "selective":
-        bwd += elementwise
+    elif x.recompute == "selective":  # core_attention: the attention kernels (materialized: 4, a flash kernel: 1)
+        bwd += (4 if x.attention == "materialized" else 1) if x.recompute_attention else elementwise
     elif x.recompute == "selective_mm":
         bwd += elementwise + 1 + (x.tp == 1) + (x.experts == 0)
     if fsdp:

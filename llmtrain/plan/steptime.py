@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.plan.asynctp import async_tp_exposed_factor
+from llmtrain.plan.asynctp import async_tp_exposed_factor, tp_backward_exposed_factor
 from llmtrain.plan.comm import Comm
 from llmtrain.recipe.gpus import GPUSpec
 
@@ -192,6 +192,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
         fused = [c for c in w.comms if c.phase == "tp-overlap"]  # parallel.async_tp (comm.py)
         fused_factor = async_tp_exposed_factor(sum(c.seconds for c in fused), m * (t_f + t_b),
                                                fused[0].group) if fused else 1.0
+        beside = [c for c in w.comms if c.phase == "tp-bwd-overlap"]  # planner.tp_backward_overlap (comm.py)
+        beside_factor = tp_backward_exposed_factor(sum(c.seconds for c in beside), m * t_b)
         shared = None
         if v2:  # FSDP's backward gathers and reduce-scatters on one link (fsdp_shared_link_exposed)
             gathers = [c for c in w.comms if c.phase == "fsdp-gather"]
@@ -202,6 +204,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
         for c in w.comms:  # the share of each collective on the critical path
             if c.phase == "tp-overlap":
                 c.exposed_s = fused_factor * c.seconds
+            elif c.phase == "tp-bwd-overlap":
+                c.exposed_s = beside_factor * c.seconds
             elif c.dim in ("tp", "cp"):  # the ring's hops behind its blocks: exposed_share (plan/ringtime.py)
                 c.exposed_s = c.exposed_share * c.seconds
             elif c.dim == "ep":

@@ -76,6 +76,22 @@ class PlannerConfig(Strict):
                               "Megatron-Core without overlap_p2p_comm do; each TP rank sends 1/tp of the activation, "
                               "without sequence parallelism gathered again over TP after the receive: Megatron-LM's "
                               "scatter_gather_tensors_in_pipeline, on by default). plan/comm.py, plan/steptime.py.")
+    tp_backward_overlap: bool = Field(
+        False, description="Planner only; the bundled engine runs its TP collectives in line. Price the backward's "
+                           "collectives at the column-parallel inputs as running beside that layer's gradient GEMMs, "
+                           "as Megatron-LM's column-parallel linear does since 2021-09 "
+                           "(LinearWithGradAccumulationAndAsyncCommunication: the input gradient's all-reduce, with "
+                           "sequence parallelism the input's re-gather and the input gradient's reduce-scatter, each "
+                           "async_op=True beside the input- or weight-gradient GEMM): 2 collectives per layer and "
+                           "micro batch without SP, 4 with SP; hidden up to the rank's backward compute. Ignored where "
+                           "parallel.async_tp or planner.tp_overlap already overlaps TP. plan/comm.py, plan/steptime.py.")
+    selective_recompute: Literal["engine", "core_attention"] = Field(
+        "engine", description="Planner only; what train.activation_checkpointing selective re-runs in the backward: "
+                              "engine (the bundled engine's policy: the element-wise ops; every matmul and attention "
+                              "output saved), core_attention (the attention scores, softmax, dropout and the product "
+                              "with V, everything else saved: Megatron-LM's --recompute-granularity selective, "
+                              "Korthikanti et al. 2022). Time and hardware FLOPs; memory is the engine's. plan/ops.py, "
+                              "plan/flops.py.")
     cp_kv: Literal["engine", "repeated"] = Field(
         "engine", description="Planner only; what context parallelism moves. engine (the bundled engine: K/V with "
                               "their kv_heads only, repeated for GQA after the exchange, as Megatron-Core and Llama 3 "
