@@ -137,14 +137,14 @@ def megatron_2022_rows() -> list[dict]:
                               full_recompute=WHOLE if ac == "full" else None, pp_p2p=P2P,
                               selective_recompute="core_attention" if ac == "selective" else None,
                               tp_backward_overlap=True),
-                note=(f"published as {seconds} s per iteration (batch {batch} x 2,048 tokens on {gpus} GPUs); micro batch "
+                note=(f"published as {seconds:.2f} s per iteration (batch {batch} x 2,048 tokens on {gpus} GPUs); micro batch "
                       f"{mbs}, {schedule}, {what}, data parallel 1; Megatron-LM d898a89 (2022-05): whole-layer "
                       "recomputation (planner.full_recompute whole_block), selective = the core attention "
                       "(planner.selective_recompute core_attention), the column-parallel inputs' backward collectives "
                       "beside the gradient GEMMs (planner.tp_backward_overlap), blocking pipeline sends (planner.pp_p2p "
                       "blocking), scores in HBM (planner.attention_kernel materialized); layouts as Calculon's validation "
                       "files rebuild them"
-                      if first else f"published as {seconds} s per iteration; micro batch {mbs}, {schedule}; the rest "
+                      if first else f"published as {seconds:.2f} s per iteration; micro batch {mbs}, {schedule}; the rest "
                       "as the 22B row")))
     return out
 
