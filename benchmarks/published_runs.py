@@ -211,7 +211,11 @@ def torchtitan_rows() -> list[dict]:
 
 
 def nemo_rows() -> list[dict]:
-    """TP comm overlap as NeMo 24.07's launcher configs for these models set it
+    """Without userbuffers, Transformer Engine's column-parallel layers still run the backward's input
+    re-gather and input-gradient reduce-scatter beside the GEMMs (NVIDIA/TransformerEngine v1.8,
+    ``module/linear.py`` and ``module/layernorm_linear.py``: "Overlap input AG with dgrad", "Overlap
+    dgrad-RS/AR with wgrad"): ``planner.tp_backward_overlap`` where TP runs without the TP comm overlap.
+    TP comm overlap as NeMo 24.07's launcher configs for these models set it
     (NVIDIA/NeMo-Framework-Launcher tag 24.07, ``launcher_scripts/conf/training``: ``llama/llama3_70b.yaml``
     ``ub_tp_comm_overlap: true`` with ``ub_cfg_h100_h8192_tp4_mbs1_seqlen8192``, ``gpt3/175b.yaml`` ``False``;
     8B has no TP). The table's virtual stages differ from those files' (5 and 6 against 10 and 12), so the
@@ -230,11 +234,14 @@ def nemo_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
-                          attention="cudnn", fp8_casts="fused", tp_overlap=overlap),
+                          attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
                   "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
                   "fp8 cast-transpose kernels (planner.fp8_casts fused); TP comm overlap as NeMo 24.07's launcher "
-                  "config sets it (ub_tp_comm_overlap false)" if name == "GPT3-175B" else
+                  "config sets it (ub_tp_comm_overlap false), so Transformer Engine's own backward overlap: its "
+                  "column-parallel layers re-gather the input beside the dgrad GEMM and reduce-scatter the input "
+                  "gradient beside the wgrad GEMM (TE v1.8 module/linear.py, layernorm_linear.py: planner.tp_backward_overlap)"
+                  if name == "GPT3-175B" else
                   "as above; the launcher's llama3_70b.yaml sets ub_tp_comm_overlap true: planner.tp_overlap"
                   if overlap else "as above")))
     return out
