@@ -108,6 +108,33 @@ def test_the_real_cli_gives_the_benchmarks_number():
     assert tp and any("planner.tp_overlap" in line for line in tp)
 
 
+def test_tp_floor_is_below_the_exposed_tp_time_of_every_published_layout():
+    """Branch and bound's TP floor (search_bounds.tp_floor) must stay under the TP seconds the cost
+    model leaves exposed, or pruning may drop the fastest layout. Regression: it counted 4 all-reduce
+    equivalents per layer in line under every setting, above what async TP, planner.tp_overlap and
+    planner.tp_backward_overlap leave exposed (torchtitan's 70B async TP row: 3.34 s floor, 1.33 s
+    exposed). Every published row with TP, as published and with planner.tp_overlap added."""
+    from llmtrain.plan.costmodel import estimate  # noqa: PLC0415
+    from llmtrain.plan.search_bounds import tp_floor  # noqa: PLC0415
+    from llmtrain.recipe.gpus import GPUS  # noqa: PLC0415
+
+    checked = 0
+    for row in ROWS:
+        if row["recipe"]["parallel"].get("tp", 1) == 1:
+            continue
+        for extra in ({}, {"tp_overlap": True}):
+            d = {**row["recipe"], "planner": {**row["recipe"].get("planner", {}), **extra}}
+            rc = validate_recipe_dict(d)
+            p = plan_recipe(rc)
+            exposed = estimate(rc, p.validation.dims, p.validation.batch, p.placement, hints=False).time.breakdown["tp_comm"]
+            pa = rc.parallel
+            dp = rc.cluster.nodes * rc.cluster.gpus_per_node // (pa.tp * pa.pp * pa.cp)
+            floor = tp_floor(rc, GPUS[rc.cluster.gpu], pa.tp, pa.pp, pa.cp, dp, rc.train.global_batch_size)
+            assert floor <= exposed * (1 + 1e-9), (row["name"], extra, floor, exposed)
+            checked += 1
+    assert checked >= 60
+
+
 def test_pruned_search_keeps_the_fp8_optimum():
     """Branch and bound must not prune the fastest layout of an fp8 recipe. Regression: the compute
     floor used the bf16 peak, which overstates fp8 compute, so on this case (Llama 3 8B, fp8, one

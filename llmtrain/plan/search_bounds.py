@@ -111,13 +111,19 @@ def zero_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dp: int, cp: int
 
 
 def tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) -> float:
-    """Seconds of TP communication per step on one rank (no recomputation, NVLink): a lower bound."""
+    """Seconds of exposed TP communication per step on one rank (no recomputation, NVLink): a lower
+    bound. Per layer and micro batch 4 all-reduce equivalents stay in line (2 forward, 2 backward);
+    where the recipe overlaps some (plan/comm.py), only those that never hide: async TP or
+    ``planner.tp_overlap`` under SP leave the backward's 2 input-gradient reduce-scatters (1
+    all-reduce equivalent), ``planner.tp_backward_overlap`` the forward's 2."""
     if tp == 1:
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
 
-    m, t = recipe.model, recipe.train
+    m, t, p = recipe.model, recipe.train, recipe.parallel
     e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
-    volume = 4 * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
+    sp = p.sequence_parallel
+    exposed = 1 if sp and (p.async_tp or recipe.planner.tp_overlap) else 2 if recipe.planner.tp_backward_overlap else 4
+    volume = exposed * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
     return volume / link(gpu, False).bandwidth
