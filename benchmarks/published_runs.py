@@ -96,14 +96,15 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None,
            norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
-           selective_recompute: str | None = None, tp_backward_overlap: bool = False) -> dict:
+           selective_recompute: str | None = None, tp_backward_overlap: bool = False,
+           dp_optimizer: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
     planner = {"assume_dp_overlap": True} if overlapped else {}  # (module docstring)
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
-                tp_backward_overlap=tp_backward_overlap)
+                tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -210,43 +211,6 @@ def torchtitan_rows() -> list[dict]:
     return out
 
 
-def nemo_rows() -> list[dict]:
-    """Without userbuffers, Transformer Engine's column-parallel layers still run the backward's input
-    re-gather and input-gradient reduce-scatter beside the GEMMs (NVIDIA/TransformerEngine v1.8,
-    ``module/linear.py`` and ``module/layernorm_linear.py``: "Overlap input AG with dgrad", "Overlap
-    dgrad-RS/AR with wgrad"): ``planner.tp_backward_overlap`` where TP runs without the TP comm overlap.
-    TP comm overlap as NeMo 24.07's launcher configs for these models set it
-    (NVIDIA/NeMo-Framework-Launcher tag 24.07, ``launcher_scripts/conf/training``: ``llama/llama3_70b.yaml``
-    ``ub_tp_comm_overlap: true`` with ``ub_cfg_h100_h8192_tp4_mbs1_seqlen8192``, ``gpt3/175b.yaml`` ``False``;
-    8B has no TP). The table's virtual stages differ from those files' (5 and 6 against 10 and 12), so the
-    runs were not the files verbatim."""
-    rows = [  # (name, model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tokens/s/GPU, TP comm overlap)
-        ("GPT3-175B", gpt(12288, 96, 96, 4), 128, 256, 1, 2048, 4, 8, 1, 6, 726, False),
-        ("LLAMA3-8B", dict(preset="llama3-8b"), 8, 128, 1, 8192, 1, 1, 2, 1, 12036, False),
-        ("LLAMA3-70B", dict(preset="llama3-70b"), 64, 128, 1, 8192, 4, 4, 2, 5, 1533, True),
-    ]
-    out = []
-    for name, model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps, overlap in rows:
-        par = dict(tp=tp, pp=pp, cp=cp, zero=1, cp_method="ring") | (
-            dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
-        out.append(dict(
-            source="NeMo performance summary", url=NEMO, name=f"{name}, {gpus} H100, TP {tp} PP {pp} CP {cp} VP {vp}, FP8",
-            metric="tokens/s/GPU", published=tps,
-            recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
-                                           activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
-                          attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap),
-            note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
-                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
-                  "fp8 cast-transpose kernels (planner.fp8_casts fused); TP comm overlap as NeMo 24.07's launcher "
-                  "config sets it (ub_tp_comm_overlap false), so Transformer Engine's own backward overlap: its "
-                  "column-parallel layers re-gather the input beside the dgrad GEMM and reduce-scatter the input "
-                  "gradient beside the wgrad GEMM (TE v1.8 module/linear.py, layernorm_linear.py: planner.tp_backward_overlap)"
-                  if name == "GPT3-175B" else
-                  "as above; the launcher's llama3_70b.yaml sets ub_tp_comm_overlap true: planner.tp_overlap"
-                  if overlap else "as above")))
-    return out
-
-
 def bridge_rows() -> list[dict]:
     rows = [  # (system, gpu, name, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tokens/s/GPU), FP8 current scaling
         ("DGX-H100", "h100-sxm", "LLAMA3_8B", "llama3-8b", 8, 128, 1, True, 1, 1, 1, 1, 14451),
@@ -311,10 +275,11 @@ def rows() -> list[dict]:
     from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_megatron import megatron_2022_rows, megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_nemo import nemo_more_rows, nemo_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
             + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
-            + megatron_2022_rows())
+            + megatron_2022_rows() + nemo_more_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

@@ -22,6 +22,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
     if (pl.tp_backward_overlap and recipe.parallel.tp > 1 and not recipe.parallel.async_tp
             and not (pl.tp_overlap and recipe.parallel.sequence_parallel)):
         out.append("planner.tp_backward_overlap true")
+    if pl.dp_optimizer != "engine" and recipe.parallel.zero == 1:
+        out.append(f"planner.dp_optimizer {pl.dp_optimizer}")
     if pl.selective_recompute != "engine" and recipe.train.activation_checkpointing == "selective":
         out.append(f"planner.selective_recompute {pl.selective_recompute}")
     if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:

@@ -171,6 +171,7 @@ class CommSpec:
     async_tp: bool = False  # parallel.async_tp (with SP): per-layer TP collectives fused with their matmuls
     overlap_by_planner: bool = False  # async_tp set by planner.tp_overlap (another stack's TP overlap)
     tp_bwd_overlap: bool = False  # planner.tp_backward_overlap: the column-parallel inputs' backward collectives async
+    dist_opt: bool = False  # planner.dp_optimizer distributed: ZeRO-1 reduce-scatters gradients, all-gathers parameters
     fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
     kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
@@ -276,7 +277,8 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                 how = f"{size}, each chunk's after its last weight pass, the last chunk's {tail} exposed"
             if not overlap:
                 how = "after the pipeline schedule (not overlapped)"
-            comm = make("dp", "all-reduce", group, message, 1, g, "step-overlap" if overlap else "step",
+            op = "reduce-scatter" if c.dist_opt and c.dp_kind == "zero1" else "all-reduce"  # planner.dp_optimizer
+            comm = make("dp", op, group, message, 1, g, "step-overlap" if overlap else "step",
                         f"{rname} {what}: {how}")
             comm.bucket_bytes = c.bucket_bytes
             comm.ready = c.grad_ready
@@ -292,7 +294,14 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             out.append(grads_comm(dpcp, r * dense, "gradients"))
             if expert and d.dp_replicate * d.edp > 1:
                 out.append(grads_comm(d.dp_replicate * d.edp, r * expert, "expert gradients over expert-DP"))
-        if c.dp_kind == "zero1":  # the experts' owners among their expert-DP group (engine/dp_optimizer.py)
+        if c.dp_kind == "zero1" and c.dist_opt:  # planner.dp_optimizer distributed: Megatron-Core's / Apex's
+            out.append(make("dp", "all-gather", dpcp, c.e * dense, 1, g, "step",
+                            f"ZeRO-1 as a distributed optimizer: updated {c.e}-byte parameters all-gathered "
+                            "(planner.dp_optimizer distributed)"))
+            if expert and d.dp_replicate * d.edp > 1:
+                out.append(make("dp", "all-gather", d.dp_replicate * d.edp, c.e * expert, 1, g, "step",
+                                "ZeRO-1 as a distributed optimizer: expert parameters over expert-DP"))
+        elif c.dp_kind == "zero1":  # the experts' owners among their expert-DP group (engine/dp_optimizer.py)
             out.append(make("dp", "broadcast", dpcp, 4 * dense, 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))
             if expert and d.dp_replicate * d.edp > 1:

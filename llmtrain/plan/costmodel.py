@@ -285,6 +285,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
                         overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
                         tp_bwd_overlap=recipe.planner.tp_backward_overlap,
+                        dist_opt=recipe.planner.dp_optimizer == "distributed",
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
                         kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking",
                         recompute_whole=whole, v_shaped=p.pp_schedule in V_SHAPED_SCHEDULES)

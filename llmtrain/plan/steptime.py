@@ -218,7 +218,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 if dp_overlap or c.phase == "step-overlap":  # all but the last bucket hide behind the last backward
                     bucket = c.bucket_bytes or BUCKET_BYTES  # (dp_overlap: ZeRO-1's broadcast behind the next forward)
                     last = c.seconds * min(1.0, bucket / max(1.0, c.message_bytes))
-                    c.exposed_s = last + max(0.0, c.seconds - last - (t_f if c.op == "broadcast" else t_b))
+                    after = c.op in ("broadcast", "all-gather")  # ZeRO-1's parameters, behind the next forward
+                    c.exposed_s = last + max(0.0, c.seconds - last - (t_f if after else t_b))
                 else:
                     c.exposed_s = c.seconds
             elif c.phase == "fsdp-gather":

@@ -76,6 +76,13 @@ class PlannerConfig(Strict):
                               "Megatron-Core without overlap_p2p_comm do; each TP rank sends 1/tp of the activation, "
                               "without sequence parallelism gathered again over TP after the receive: Megatron-LM's "
                               "scatter_gather_tensors_in_pipeline, on by default). plan/comm.py, plan/steptime.py.")
+    dp_optimizer: Literal["engine", "distributed"] = Field(
+        "engine", description="Planner only (parallel.zero 1); what ZeRO-1's data-parallel collectives move. engine "
+                              "(the bundled engine's ZeRO-1: gradients all-reduced, each owner then broadcasts its "
+                              "updated fp32 parameters), distributed (Megatron-Core's DistributedOptimizer and Apex's "
+                              "DistributedFusedAdam, as NeMo and Megatron-LM run ZeRO-1: gradients reduce-scattered in "
+                              "parallel.reduce_dtype, the updated parameters all-gathered in the compute dtype). Time "
+                              "only; memory is the engine's. plan/comm.py.")
     tp_backward_overlap: bool = Field(
         False, description="Planner only; the bundled engine runs its TP collectives in line. Price the backward's "
                            "collectives at the column-parallel inputs as running beside that layer's gradient GEMMs, "
