@@ -344,9 +344,10 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             hidden = tp_backward_async(m, c.layers, gathers, c.sp)
             for op in ops:
                 name = op if c.sp else "all-reduce"
-                out.append(make("tp", name, d.tp, act, hidden[op], g, "tp-bwd-overlap",
-                                ("sequence parallel, " if c.sp else "") + "backward, beside the gradient GEMMs "
-                                "(planner.tp_backward_overlap)"))
+                if hidden[op]:  # (no re-gathers without recomputation: tp_backward_async)
+                    out.append(make("tp", name, d.tp, act, hidden[op], g, "tp-bwd-overlap",
+                                    ("sequence parallel, " if c.sp else "") + "backward, beside the gradient GEMMs "
+                                    "(planner.tp_backward_overlap)"))
                 if counts[op] > hidden[op]:
                     out.append(make("tp", name, d.tp, act, counts[op] - hidden[op], g, "microbatch",
                                     "sequence parallel" if c.sp else ""))
