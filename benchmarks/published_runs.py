@@ -212,6 +212,12 @@ def torchtitan_rows() -> list[dict]:
 
 
 def bridge_rows() -> list[dict]:
+    """The table's "FSDP 0" is Megatron-Core's DDP, and the Bridge recipes run it with the distributed
+    optimizer (NVIDIA-NeMo/Megatron-Bridge ``recipes/llama/llama3.py``: ``cfg.ddp.use_distributed_optimizer =
+    True``, ``grad_reduce_in_fp32 = True``, ``overlap_grad_reduce`` and ``overlap_param_gather``;
+    ``recipes/utils/optimizer_utils.py`` ``distributed_fused_adam_with_cosine_annealing``:
+    ``use_distributed_optimizer=True``): zero 1 with ``planner.dp_optimizer: distributed`` (before the
+    twenty-second session these rows said zero 0, plain DDP)."""
     rows = [  # (system, gpu, name, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tokens/s/GPU), FP8 current scaling
         ("DGX-H100", "h100-sxm", "LLAMA3_8B", "llama3-8b", 8, 128, 1, True, 1, 1, 1, 1, 14451),
         ("DGX-H100", "h100-sxm", "LLAMA3_70B", "llama3-70b", 64, 128, 1, False, 4, 8, 1, 5, 1602),
@@ -224,7 +230,7 @@ def bridge_rows() -> list[dict]:
         # tp > 1: the Bridge Llama 3 recipes turn on Megatron-Core's userbuffers TP overlap
         # (CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_*_h100_h16384_tp8_cp2_... for
         # 405B, ..._h8192_tp4_... for 70B, ..._b200_h16384_tp4_cp2_... on B200): planner.tp_overlap
-        par = dict(tp=tp, pp=pp, cp=cp, zero=3 if fsdp else 0, cp_method="ring") | (
+        par = dict(tp=tp, pp=pp, cp=cp, zero=3 if fsdp else 1, cp_method="ring") | (
             dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
         out.append(dict(
             source=f"Megatron-Bridge 25.11 {system}", url=BRIDGE,
@@ -232,8 +238,11 @@ def bridge_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps,
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
-                          attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1),
-            note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as plain DDP (zero 0), ring CP, no "
+                          attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1,
+                          dp_optimizer=None if fsdp else "distributed"),
+            note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
+                  "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
+                  "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "
