@@ -14,6 +14,10 @@ from published_runs import NEMO, gpt, recipe
 # overlapped (overlap_grad_sync, overlap_param_sync): planner.dp_optimizer distributed with
 # planner.assume_dp_overlap (zero 1)
 DIST_OPT = "distributed"
+# optim.bucket_cap_mb of each model's 24.07 launcher config (the gradient buckets the optimizer reduce-scatters;
+# Nemotron-340B also grad_sync_dtype bf16)
+BUCKET_MB = {"GPT3-5B": 400, "GPT3-20B": 220, "GPT3-175B": 220, "LLAMA2-7B": 125, "LLAMA2-13B": 125, "LLAMA2-70B": 125,
+             "LLAMA3-8B": 125, "LLAMA3-70B": 125, "Nemotron-8B": 100, "Nemotron-22B": 100, "Nemotron-340B": 50}
 
 
 def nemo_rows() -> list[dict]:
@@ -33,7 +37,7 @@ def nemo_rows() -> list[dict]:
     ]
     out = []
     for name, model, gpus, gbs, mbs, seq, tp, pp, cp, vp, tps, overlap in rows:
-        par = dict(tp=tp, pp=pp, cp=cp, zero=1, cp_method="ring") | (
+        par = dict(tp=tp, pp=pp, cp=cp, zero=1, cp_method="ring", dp_bucket_mb=BUCKET_MB[name]) | (
             dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
         out.append(dict(
             source="NeMo performance summary", url=NEMO, name=f"{name}, {gpus} H100, TP {tp} PP {pp} CP {cp} VP {vp}, FP8",
@@ -45,7 +49,8 @@ def nemo_rows() -> list[dict]:
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
                   "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
                   "fp8 cast-transpose kernels (planner.fp8_casts fused); distributed_fused_adam: gradients "
-                  "reduce-scattered, bf16 parameters all-gathered (planner.dp_optimizer distributed); TP comm overlap as "
+                  "reduce-scattered in the config's bucket_cap_mb (parallel.dp_bucket_mb), bf16 parameters all-gathered "
+                  "(planner.dp_optimizer distributed); TP comm overlap as "
                   "NeMo 24.07's launcher "
                   "config sets it (ub_tp_comm_overlap false), so Transformer Engine's own backward overlap: its "
                   "column-parallel layers re-gather the input beside the dgrad GEMM and reduce-scatter the input "
@@ -93,7 +98,9 @@ def nemo_more_rows() -> list[dict]:
     recomputation is Megatron-Core's (the core attention: planner.selective_recompute core_attention)."""
     out = []
     for name, model, gpus, gbs, mbs, seq, tp, pp, vp, tps, overlap, ac in NEMO_MORE:
-        par = dict(tp=tp, pp=pp, zero=1) | (dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
+        par = dict(tp=tp, pp=pp, zero=1, dp_bucket_mb=BUCKET_MB[name]) | (
+            dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {}) | (
+            dict(reduce_dtype="bf16") if name == "Nemotron-340B" else {})
         first = name == NEMO_MORE[0][0]
         out.append(dict(
             source="NeMo performance summary", url=NEMO, name=f"{name}, {gpus} H100, TP {tp} PP {pp} CP 1 VP {vp}, FP8",
@@ -104,7 +111,8 @@ def nemo_more_rows() -> list[dict]:
                           selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT),
             note=("FP8; the table's layout, the rest from NeMo-Framework-Launcher 24.07's config for the model "
                   "(launcher_scripts/conf/training/...): distributed_fused_adam with overlapped gradient and parameter "
-                  "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap), sequence parallelism with TP, ub_tp_comm_overlap "
+                  "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap) in its bucket_cap_mb "
+                  "(parallel.dp_bucket_mb; Nemotron-340B's grad_sync_dtype bf16: parallel.reduce_dtype), sequence parallelism with TP, ub_tp_comm_overlap "
                   "(planner.tp_overlap; without it, Transformer Engine's backward overlap: planner.tp_backward_overlap), "
                   "recomputation as the config says (none; Nemotron-340B selective: planner.selective_recompute "
                   "core_attention); cuDNN attention and fused fp8 casts as rows 35-37; GPT3 as gpt() models it "

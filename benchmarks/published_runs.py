@@ -217,7 +217,9 @@ def bridge_rows() -> list[dict]:
     True``, ``grad_reduce_in_fp32 = True``, ``overlap_grad_reduce`` and ``overlap_param_gather``;
     ``recipes/utils/optimizer_utils.py`` ``distributed_fused_adam_with_cosine_annealing``:
     ``use_distributed_optimizer=True``): zero 1 with ``planner.dp_optimizer: distributed`` (before the
-    twenty-second session these rows said zero 0, plain DDP)."""
+    twenty-second session these rows said zero 0, plain DDP), in Megatron-Core's default buckets
+    (``distributed_data_parallel.py``: ``bucket_size = max(40000000, 1000000 * dp_size)`` parameters, fp32
+    gradients: ``parallel.dp_bucket_mb``)."""
     rows = [  # (system, gpu, name, model, gpus, gbs, mbs, fsdp, tp, pp, cp, vp, tokens/s/GPU), FP8 current scaling
         ("DGX-H100", "h100-sxm", "LLAMA3_8B", "llama3-8b", 8, 128, 1, True, 1, 1, 1, 1, 14451),
         ("DGX-H100", "h100-sxm", "LLAMA3_70B", "llama3-70b", 64, 128, 1, False, 4, 8, 1, 5, 1602),
@@ -231,6 +233,7 @@ def bridge_rows() -> list[dict]:
         # (CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_*_h100_h16384_tp8_cp2_... for
         # 405B, ..._h8192_tp4_... for 70B, ..._b200_h16384_tp4_cp2_... on B200): planner.tp_overlap
         par = dict(tp=tp, pp=pp, cp=cp, zero=3 if fsdp else 1, cp_method="ring") | (
+            {} if fsdp else dict(dp_bucket_mb=round(4 * max(40_000_000, 1_000_000 * gpus // (tp * pp * cp)) / 2**20, 1))) | (
             dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
         out.append(dict(
             source=f"Megatron-Bridge 25.11 {system}", url=BRIDGE,
@@ -242,7 +245,8 @@ def bridge_rows() -> list[dict]:
                           dp_optimizer=None if fsdp else "distributed"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
                   "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
-                  "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed), ring CP, no "
+                  "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed) in Megatron-Core's "
+                  "default buckets (max(40M, 1M x dp) parameters: parallel.dp_bucket_mb), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "

@@ -273,3 +273,30 @@ def test_fsdp_backward_gathers_and_reduce_scatters_share_the_link():
     # with room to spare (t_b = 8 s: 2 s of compute per block) only the first block's share waits
     g, r = fsdp_shared_link_exposed(gather, reduce, 0.25, 4.0, 8.0, 2)
     assert (g, r) == (pytest.approx(1.0 + 1.25 * 0.4 + 0.5), pytest.approx(1.25 * 0.6))
+
+
+def test_each_fsdp_unit_and_gradient_bucket_pays_its_collective_latency():
+    """v2 prices a message issued as several collectives (FSDP2's per-unit gathers and reduce-scatters:
+    one per block plus the root; the DP gradient buckets) as that many collectives of its share, each
+    with NCCL's latency: exactly ``units x collective_seconds(message / units)``, more than one
+    collective of the whole. 8B (32 blocks, the root: 33 units) FSDP over 2 nodes; zero 1 in 25 MiB
+    buckets."""
+    def plan(**par):
+        d = {"model": {"preset": "llama3-8b"}, "parallel": par,
+             "train": {"seq_len": 8192, "micro_batch_size": 1, "global_batch_size": 16, "precision": "bf16"},
+             "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-sxm", "time_model": "v2"}}
+        rc = validate_recipe_dict(d)
+        p = plan_recipe(rc)
+        return estimate(rc, p.validation.dims, p.validation.batch, p.placement, hints=False)
+
+    gather = next(c for c in plan(zero=3).comms if c.phase == "fsdp-gather")
+    assert gather.units == 33
+    local = commtime.local_members(resolve_dims(validate_recipe_dict(
+        {"model": {"preset": "llama3-8b"}, "parallel": {"zero": 3}, "train": {"seq_len": 8192, "global_batch_size": 16},
+         "cluster": {"nodes": 2, "gpus_per_node": 8}}), 16), 8, ("dp_shard", "cp"))
+    whole = commtime.collective_seconds("all-gather", gather.message_bytes, 16, H100, local)
+    assert gather.per_item_s == pytest.approx(33 * commtime.collective_seconds(
+        "all-gather", gather.message_bytes / 33, 16, H100, local), rel=1e-9)
+    assert gather.per_item_s > whole
+    grads = next(c for c in plan(zero=1, dp_bucket_mb=25).comms if c.dim == "dp" and c.op == "all-reduce")
+    assert grads.units == ceil(grads.message_bytes / (25 * 2**20))

@@ -117,6 +117,7 @@ class Comm:
     bucket_bytes: float = 0.0  # phase "step-overlap": the bucket size (the last one is exposed)
     ready: tuple = ()  # phase "step-overlap": per chunk (lead, hooked), plan/schedule.py gradient_ready
     exposed_share: float = 1.0  # phase "cp-ring": share on the critical path (plan/ringtime.py)
+    units: int = 1  # separate collectives one message is issued as (FSDP units, DP buckets): v2 prices each one's latency
 
     def to_dict(self) -> dict:
         return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
@@ -248,14 +249,17 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         # which is not resharded after forward
         passes = 1 if d.pp > 1 else (2 * m - m * min(c.root, total) / max(1, total) if c.zero == 3 else m)
         fp8 = min(c.fp8_gather_numel, total)  # parallel.fp8_all_gather: those weights travel as 1-byte float8
+        units = max(1, c.layers) + int(c.root > 0)  # FSDP2's units on this rank: one per block, and the root's
         out.append(make("dp", "all-gather", shard, c.e * total - (c.e - 1) * fp8, passes, g, "fsdp-gather",
                         f"{c.e}-byte weights{' (the Float8 Linears: 1-byte)' if fp8 else ''}, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
+        out[-1].units = units
         grads = sum(c.grad_params)
         r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
         # parallel.fsdp_reduce_each_microbatch (no PP): every micro batch; else the last one (engine/step.py)
         reduces = m if c.fsdp_reduce_each and d.pp == 1 else 1
         out.append(make("dp", "reduce-scatter", shard, r * grads, reduces, g, "fsdp-reduce",
                         f"{rname} gradients, {'per' if reduces > 1 else 'last'} micro batch"))
+        out[-1].units = units
         if d.dp_replicate > 1:
             out.append(make("dp", "all-reduce", d.dp_replicate, r * grads / shard, reduces, lk("dp_replicate"), "fsdp-reduce",
                             "HSDP: sharded gradients across replicas"))
@@ -282,6 +286,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                         f"{rname} {what}: {how}")
             comm.bucket_bytes = c.bucket_bytes
             comm.ready = c.grad_ready
+            comm.units = n
             return comm
 
         if c.compression != "none":

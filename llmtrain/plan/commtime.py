@@ -120,8 +120,11 @@ def group_key(c: Comm) -> tuple[str, ...]:
 
 
 def retime(comms: list[Comm], gpu: GPUSpec, dims: ParallelDims, slots: int) -> None:
-    """Replace each collective's seconds with v2's (bytes, counts and phases untouched)."""
+    """Replace each collective's seconds with v2's (bytes, counts and phases untouched). A message
+    issued as ``units`` separate collectives (FSDP2's per-unit gathers and reduce-scatters, the DP
+    gradient buckets: comm.py) pays each one's latency: ``units`` collectives of ``message / units``."""
     for c in comms:
         local = c.group if c.link != "network" else min(c.group, local_members(dims, slots, group_key(c)))
-        one = collective_seconds(c.op, c.message_bytes, c.group, gpu, local)
+        units = max(1, c.units)
+        one = units * collective_seconds(c.op, c.message_bytes / units, c.group, gpu, local)
         c.per_item_s, c.seconds = one, one * c.count
