@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from llmtrain.engine.error_file import AtomicErrorHandler
 from llmtrain.errors import LLMTrainError
 from llmtrain.recipe.load import load_recipe
 
@@ -46,7 +47,6 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-@record  # writes torchelastic's error.json, which the launcher's failure summary quotes
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llmtrain.engine.main", description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", required=True, help="Resolved recipe (RUN_DIR/recipe.lock.yaml).")
@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     train(recipe, device, run_dir=args.run_dir, resume=args.resume, auto_resume=restarted)
     shutdown()
     return 0
+
+
+# torch's @record writes torchelastic's error.json (which the launcher's failure summary quotes); this
+# handler writes it atomically, so torchrun never reads a half-written one (engine/error_file.py)
+main = record(main, error_handler=AtomicErrorHandler())
 
 
 if __name__ == "__main__":
