@@ -287,16 +287,15 @@ def test_each_fsdp_unit_and_gradient_bucket_pays_its_collective_latency():
              "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu": "h100-sxm", "time_model": "v2"}}
         rc = validate_recipe_dict(d)
         p = plan_recipe(rc)
-        return estimate(rc, p.validation.dims, p.validation.batch, p.placement, hints=False)
+        return estimate(rc, p.validation.dims, p.validation.batch, p.placement, hints=False), p.validation.dims
 
-    gather = next(c for c in plan(zero=3).comms if c.phase == "fsdp-gather")
+    fsdp, dims = plan(zero=3)
+    gather = next(c for c in fsdp.comms if c.phase == "fsdp-gather")
     assert gather.units == 33
-    local = commtime.local_members(resolve_dims(validate_recipe_dict(
-        {"model": {"preset": "llama3-8b"}, "parallel": {"zero": 3}, "train": {"seq_len": 8192, "global_batch_size": 16},
-         "cluster": {"nodes": 2, "gpus_per_node": 8}}), 16), 8, ("dp_shard", "cp"))
+    local = commtime.local_members(dims, 8, ("dp_shard", "cp"))
     whole = commtime.collective_seconds("all-gather", gather.message_bytes, 16, H100, local)
     assert gather.per_item_s == pytest.approx(33 * commtime.collective_seconds(
         "all-gather", gather.message_bytes / 33, 16, H100, local), rel=1e-9)
     assert gather.per_item_s > whole
-    grads = next(c for c in plan(zero=1, dp_bucket_mb=25).comms if c.dim == "dp" and c.op == "all-reduce")
+    grads = next(c for c in plan(zero=1, dp_bucket_mb=25)[0].comms if c.dim == "dp" and c.op == "all-reduce")
     assert grads.units == ceil(grads.message_bytes / (25 * 2**20))

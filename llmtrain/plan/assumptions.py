@@ -5,6 +5,7 @@ overlap with TP and SP, the CP K/V with ring or all-gather CP, ...)."""
 
 from __future__ import annotations
 
+from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.recipe.schema import Recipe
 
 
@@ -17,10 +18,10 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.attention_kernel {pl.attention_kernel}")
     if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
         out.append(f"planner.fp8_casts {pl.fp8_casts}")
-    if pl.tp_overlap and not recipe.parallel.async_tp and recipe.parallel.sequence_parallel and recipe.parallel.tp > 1:
+    tp_kind = tp_overlap_kind(recipe) if recipe.parallel.tp > 1 else "none"
+    if pl.tp_overlap and not recipe.parallel.async_tp and tp_kind == "async":
         out.append("planner.tp_overlap true")
-    if (pl.tp_backward_overlap and recipe.parallel.tp > 1 and not recipe.parallel.async_tp
-            and not (pl.tp_overlap and recipe.parallel.sequence_parallel)):
+    if tp_kind == "backward":
         out.append("planner.tp_backward_overlap true")
     if pl.dp_optimizer != "engine" and recipe.parallel.zero == 1:
         out.append(f"planner.dp_optimizer {pl.dp_optimizer}")

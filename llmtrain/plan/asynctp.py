@@ -19,6 +19,18 @@ from __future__ import annotations
 UNFUSED_REDUCE_SCATTERS = 2  # per layer and micro batch: the attention and MLP input gradients
 
 
+def tp_overlap_kind(recipe) -> str:
+    """Which overlap prices a recipe's TP collectives (where tp > 1): ``"async"`` (``parallel.async_tp``,
+    or another stack's ``planner.tp_overlap``, both under sequence parallelism: the fused collectives,
+    :func:`async_tp_fused_counts`), else ``"backward"`` (``planner.tp_backward_overlap``:
+    :func:`tp_backward_async`), else ``"none"``. One rule for comm.py, the search's TP floor and
+    ``plan``'s "assumes" line."""
+    p, pl = recipe.parallel, recipe.planner
+    if p.sequence_parallel and (p.async_tp or pl.tp_overlap):
+        return "async"
+    return "backward" if pl.tp_backward_overlap else "none"
+
+
 def async_tp_fused_counts(micro_batches: int, gathers: int, reduces: int, layers: int) -> dict[str, int]:
     """How many all-gathers and reduce-scatters of one pipeline rank's step the pass fuses
     (``gathers`` / ``reduces``: SP all-gathers / reduce-scatters per layer and micro batch,

@@ -82,14 +82,14 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import ceil
 
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.cluster.placement import Placement
 from llmtrain.recipe.gpus import GPUSpec
-from llmtrain.plan.asynctp import async_tp_fused_counts, tp_backward_async
-from llmtrain.plan.recompute_comm import recomputed_tp_sites
+from llmtrain.plan.collective import Comm, make  # noqa: F401 (re-exported: callers import Comm from comm)
+from llmtrain.plan.comm_tp import tp_comms
 from llmtrain.plan.ringtime import forward_passes, ring_grad_units, ring_units
 from llmtrain.plan.comm_compression import (  # noqa: F401 (powersgd_* re-exported)
     POWERSGD_MIN_RATE, _numel, compressed_grad_bytes, powersgd_rank_of, powersgd_start)
@@ -99,37 +99,6 @@ from llmtrain.plan.links import (  # noqa: F401 (re-exported: callers import the
 
 
 # ---- volumes ---------------------------------------------------------------------------------------
-@dataclass
-class Comm:
-    """One kind of collective of one dimension, per step, as seen by one rank."""
-
-    dim: str
-    op: str
-    group: int  # ranks in the collective
-    message_bytes: float  # one collective's (unsharded) message
-    count: float  # collectives per step
-    link: str
-    seconds: float  # all of them, if nothing overlapped
-    phase: str  # "step" (once per step), "microbatch" (per micro batch, on the critical path), "pipeline"
-    exposed_s: float = 0.0  # filled by the step-time model
-    note: str = ""
-    per_item_s: float = field(default=0.0, repr=False)
-    bucket_bytes: float = 0.0  # phase "step-overlap": the bucket size (the last one is exposed)
-    ready: tuple = ()  # phase "step-overlap": per chunk (lead, hooked), plan/schedule.py gradient_ready
-    exposed_share: float = 1.0  # phase "cp-ring": share on the critical path (plan/ringtime.py)
-    units: int = 1  # separate collectives one message is issued as (FSDP units, DP buckets): v2 prices each one's latency
-
-    def to_dict(self) -> dict:
-        return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,
-                "count": self.count, "bytes_per_step": self.message_bytes * self.count, "link": self.link,
-                "seconds": self.seconds, "exposed_s": self.exposed_s, "note": self.note}
-
-
-def make(dim: str, op: str, group: int, message: float, count: float, lk: Link, phase: str, note: str = "") -> Comm:
-    one = collective_time(op, message, group, lk)
-    return Comm(dim, op, group, message, count, lk.kind, one * count, phase, note=note, per_item_s=one)
-
-
 @dataclass(frozen=True)
 class CommSpec:
     """The numbers the volumes need, for one pipeline rank."""
@@ -315,56 +284,7 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
 
     # -- tensor parallel -------------------------------------------------------------------------------
     if d.tp > 1:
-        g = lk("tp")
-        act = c.e * c.tokens * c.hidden
-        # per layer and micro batch: 2 gather sites (the attention and MLP inputs: SP all-gathers,
-        # without SP nothing in the forward) and 2 reduce sites (wo and w2 outputs: SP
-        # reduce-scatters, without SP all-reduces) forward, the transposes backward, and the sites
-        # recomputation re-runs; one all-reduce equivalent for the vocabulary-parallel embedding
-        # (forward only) and one for the output layer's input (backward only). With SP each
-        # all-reduce equivalent is an all-gather plus a reduce-scatter (same bytes).
-        gathers, reduces = recomputed_tp_sites(c.recompute, c.recompute_whole)
-        ends = int(c.embedding) + int(c.output)
-        # LoRA: block 0's input needs no gradient (frozen embedding): one all-reduce equivalent less
-        # per micro batch (its attention input's gradient; with SP that reduce-scatter and the
-        # embedding output gradient's all-gather)
-        lora = int(c.lora_first and c.layers > 0)
-        ag_layer, rs_layer = 4 + gathers, 4 + reduces
-        counts = {"all-gather": m * (ag_layer * c.layers + ends - lora),
-                  "reduce-scatter": m * (rs_layer * c.layers + ends - lora)}
-        if c.sp and c.async_tp:  # fused with their matmuls (asynctp.py), but not all of them
-            fused = async_tp_fused_counts(m, ag_layer, rs_layer, c.layers)
-            for op in ("all-gather", "reduce-scatter"):
-                out.append(make("tp", op, d.tp, act, fused[op], g, "tp-overlap",
-                                "sequence parallel, " + ("overlapped as Megatron-Core's TP overlap (planner.tp_overlap; "
-                                                         "priced as the engine's async TP)" if c.overlap_by_planner else
-                                                         "async TP: chunked under the column/row-parallel matmuls")))
-                if counts[op] > fused[op]:
-                    why = ("block input gradients (sums of matmuls), embedding / output: not fused"
-                           if op == "reduce-scatter" else "embedding / output: not fused")
-                    out.append(make("tp", op, d.tp, act, counts[op] - fused[op], g, "microbatch",
-                                    f"sequence parallel ({why})"))
-        elif c.tp_bwd_overlap:  # planner.tp_backward_overlap (another stack's column-parallel linear): tp_backward_async
-            ops = ("all-gather", "reduce-scatter") if c.sp else ("reduce-scatter",)
-            hidden = tp_backward_async(m, c.layers, gathers, c.sp)
-            for op in ops:
-                name = op if c.sp else "all-reduce"
-                if hidden[op]:  # (no re-gathers without recomputation: tp_backward_async)
-                    out.append(make("tp", name, d.tp, act, hidden[op], g, "tp-bwd-overlap",
-                                    ("sequence parallel, " if c.sp else "") + "backward, beside the gradient GEMMs "
-                                    "(planner.tp_backward_overlap)"))
-                if counts[op] > hidden[op]:
-                    out.append(make("tp", name, d.tp, act, counts[op] - hidden[op], g, "microbatch",
-                                    "sequence parallel" if c.sp else ""))
-        elif c.sp:
-            out.append(make("tp", "all-gather", d.tp, act, counts["all-gather"], g, "microbatch", "sequence parallel"))
-            out.append(make("tp", "reduce-scatter", d.tp, act, counts["reduce-scatter"], g, "microbatch",
-                            "sequence parallel"))
-        else:  # the gather sites are identities: only the reduce sites (and the ends) communicate
-            out.append(make("tp", "all-reduce", d.tp, act, counts["reduce-scatter"], g, "microbatch"))
-        if c.lora_replicated:
-            out.append(make("tp", "all-reduce", d.tp, c.reduce_bytes * c.lora_replicated, 1, g, "step",
-                            "LoRA: the gradients of the adapters replicated over TP (Partial), once per step"))
+        out += tp_comms(c, lk("tp"))
 
     # -- pipeline --------------------------------------------------------------------------------------
     if d.pp > 1:

@@ -27,6 +27,7 @@ from llmtrain.plan import activations as act
 from llmtrain.plan import commtime, fp8time, ops
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
+from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import (
@@ -237,6 +238,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     recomputed = ("core_attention" if recompute == "selective" and recipe.planner.selective_recompute == "core_attention"
                   else recompute)
     again_attention = recomputed in ("full", "core_attention")  # the recomputed forward runs the attention scores
+    tp_kind = tp_overlap_kind(recipe)
     hw_tok = head_flops_per_token(m, lk)
     works: list[RankWork] = []
     comm_by_rank: list[list[Comm]] = []
@@ -282,9 +284,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         compression=p.grad_compression, powersgd_rank=p.powersgd_rank, topk_ratio=p.topk_ratio,
                         powersgd_start_step=powersgd_start(recipe),
                         grad_shapes=grad_shapes(inv) if p.grad_compression != "none" else ((), ()),
-                        async_tp=(p.async_tp or recipe.planner.tp_overlap) and p.sequence_parallel and dims.tp > 1,
+                        async_tp=tp_kind == "async" and dims.tp > 1,
                         overlap_by_planner=recipe.planner.tp_overlap and not p.async_tp,
-                        tp_bwd_overlap=recipe.planner.tp_backward_overlap,
+                        tp_bwd_overlap=tp_kind == "backward",
                         dist_opt=recipe.planner.dp_optimizer == "distributed",
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
                         kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking",

@@ -5,6 +5,7 @@ search with ``exhaustive=True``)."""
 
 from __future__ import annotations
 
+from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.costmodel import peak_bytes, probe_ranks
 from llmtrain.plan.memory import compute_bytes
 from llmtrain.cluster.placement import Placement
@@ -120,10 +121,9 @@ def tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) 
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
 
-    m, t, p = recipe.model, recipe.train, recipe.parallel
+    m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
-    sp = p.sequence_parallel
-    exposed = 1 if sp and (p.async_tp or recipe.planner.tp_overlap) else 2 if recipe.planner.tp_backward_overlap else 4
+    exposed = {"async": 1, "backward": 2, "none": 4}[tp_overlap_kind(recipe)]
     volume = exposed * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
     return volume / link(gpu, False).bandwidth
