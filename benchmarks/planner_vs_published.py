@@ -4,6 +4,7 @@
     python benchmarks/planner_vs_published.py --time-model both  # v1 and v2 side by side (section 9.1)
     python benchmarks/planner_vs_published.py --time-model v2 --without interference,fa2   # what terms move
     python benchmarks/planner_vs_published.py --memory           # peak memory against torchtitan's readings
+    python benchmarks/planner_vs_published.py --time-model v2 --set cluster.gpu_variability=0   # a setting's effect
 
 Each row is a published run written as a recipe file, ``benchmarks/published/NN-<run>.yaml``
 (generated from benchmarks/published_runs.py with ``--write``; the row's source and choices are
@@ -51,11 +52,12 @@ def plan_json(path: Path, overrides: list[str] = ()) -> dict:
     return json.loads(result.stdout)
 
 
-def predict(row: dict, time_model: str = "v1", path: Path | None = None) -> dict:
-    """The row's metric as ``plan --json`` predicts it (``path``: default the row's recipe file)."""
+def predict(row: dict, time_model: str = "v1", path: Path | None = None, overrides: list[str] = ()) -> dict:
+    """The row's metric as ``plan --json`` predicts it (``path``: default the row's recipe file;
+    ``overrides``: more ``--set KEY=VALUE`` for every row)."""
     if path is None:
         path = recipe_file(rows_index()[row["name"]], row)
-    data = plan_json(path, [f"cluster.time_model={time_model}"])
+    data = plan_json(path, [f"cluster.time_model={time_model}", *overrides])
     t, mem = data["time"], data["memory"]
     value = t[METRIC_KEY[row["metric"]]]
     if "flops_per_step" in row:  # the source's own FLOP count over the predicted time (published_megatron.megatron_flops)
@@ -133,7 +135,8 @@ def memory_table() -> None:
 def main(argv: list[str] | None = None) -> None:
     """``--time-model v1|v2|both`` (default v1): ``both`` prints v1 and v2 side by side, and per
     source group the median |error| and rows within 15 % (stderr). ``--without T,...``: v2 with
-    those terms off (:data:`TERMS`, :func:`switch_off`)."""
+    those terms off (:data:`TERMS`, :func:`switch_off`). ``--set KEY=VALUE`` (repeatable): the
+    same override on every row (a setting's effect, e.g. ``cluster.gpu_variability=0``)."""
     args = sys.argv[1:] if argv is None else argv
     if "--memory" in args:
         memory_table()
@@ -148,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if "--without" in args:
         i = args.index("--without")
         switch_off([t for t in (args[i + 1] if i + 1 < len(args) else "").split(",") if t])
+    overrides = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--set"]
     pred_cols = " | ".join(f"predicted {m} | error {m}" for m in models)
     print(f"| source | run | metric | published | {pred_cols} | fits (peak GiB) | note |")
     print("|---|---|---|---:|" + "---:|---:|" * len(models) + "---|---|")
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, row in enumerate(rows()):
         cells = []
         for m in models:
-            p = predict(row, m, recipe_file(i, row))
+            p = predict(row, m, recipe_file(i, row), overrides)
             err = p["predicted"] / row["published"] - 1
             errors[m].append(abs(err))
             groups.setdefault(row["source"].split(",")[0], {k: [] for k in models})[m].append(abs(err))

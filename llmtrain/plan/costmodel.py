@@ -30,6 +30,7 @@ from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
     attention_counted, attention_executed,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
@@ -251,6 +252,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
     v2 = recipe.cluster.time_model == "v2" and lk is None  # LoRA: v1's compute (plan/ops.py)
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
+    # v2: the step waits for the slowest of its GPUs (plan/stragglers.py; v1's constant was fitted on real runs)
+    slow = straggler_factor(dims.world_size, recipe.cluster.gpu_variability) if v2 else 1.0
     again_share = recompute_again(recipe, dims, stages, batch.microbatches)
     for r in range(dims.pp):  # time: every pipeline rank (cheap; memory above may probe only some)
         held = rank_stages(r, dims.pp, v, p.pp_schedule)
@@ -296,7 +299,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
         if dims.cp > 1 and p.cp_method == "ring":  # the engine's ring overlaps each hop with a block (ringtime.py)
             if shape is not None:  # v2: the kernel's price, as in the block's time
-                a_f, a_b = ops.layer_attention_seconds(shape, gpu)
+                a_f, a_b = (slow * a for a in ops.layer_attention_seconds(shape, gpu))
             else:  # v1: the executed score FLOPs at v1's rate; flash backward runs 2.5x its forward
                 a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * executed
                        / (gpu.peak_flops_bf16 * efficiency(gpu)))
@@ -335,7 +338,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     bubble = bubble_fraction(p.pp_schedule, dims.pp, v, batch.microbatches)
     st = step_time(works, gpu, batch.microbatches, bubble, p.pp_schedule if dims.pp > 1 else None, tokens_step, world,
                    model_tok * tokens_step, hw_tok * tokens_step, v, dp_overlap, dims.pp, t.precision,
-                   fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0, v2=v2)
+                   fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0, v2=v2, straggler=slow)
     flops = {
         "model_flops_per_token": model_tok, "model_flops_per_step": model_tok * tokens_step,
         "model_flops_per_gpu_per_step": model_tok * tokens_step / world,

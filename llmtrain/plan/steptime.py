@@ -177,18 +177,20 @@ def bucketed_exposed(c: Comm, t_b: float) -> float:
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
               chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None,
-              precision: str = "bf16", fp8_fraction: float = 0.0, v2: bool = False) -> StepTime:
+              precision: str = "bf16", fp8_fraction: float = 0.0, v2: bool = False,
+              straggler: float = 1.0) -> StepTime:
     """``v2`` (cluster.time_model v2) adds FSDP's per-block waits (:func:`fsdp_block_exposed`) and
     the compute slowed while collectives overlap it (``overlap`` in the breakdown: the hidden
-    DP seconds x :attr:`RankWork.overlap_slowdown`)."""
+    DP seconds x :attr:`RankWork.overlap_slowdown`). ``straggler``: how much longer every rank's
+    compute takes at the slowest GPU's pace (plan/stragglers.py; ``stragglers`` in the breakdown)."""
     fsdp_exposed = fsdp_block_exposed if v2 else _fsdp_exposed
     rate = matmul_peak(gpu, precision, fp8_fraction) * efficiency(gpu)
     m = microbatches
     per_rank = []
     n_ranks = pp or len(ranks)
     for w in ranks:
-        t_f = w.fwd_s if w.fwd_s is not None else w.fwd_flops / rate
-        t_b = w.bwd_s if w.bwd_s is not None else w.bwd_flops / rate
+        t_f = straggler * (w.fwd_s if w.fwd_s is not None else w.fwd_flops / rate)
+        t_b = straggler * (w.bwd_s if w.bwd_s is not None else w.bwd_flops / rate)
         fused = [c for c in w.comms if c.phase == "tp-overlap"]  # parallel.async_tp (comm.py)
         fused_factor = async_tp_exposed_factor(sum(c.seconds for c in fused), m * (t_f + t_b),
                                                fused[0].group) if fused else 1.0
@@ -246,10 +248,12 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
     opt_s = max(r["optimizer"] for r in per_rank)
     overlap_s = max(r["overlap"] for r in per_rank)
     step = pipeline + bubble_s + dp_s + pp_s + opt_s + overlap_s
-    breakdown = {"compute": m * s["compute"], "tp_comm": m * s["tp"], "cp_comm": m * s["cp"], "ep_comm": m * s["ep"],
+    breakdown = {"compute": m * s["compute"] / straggler, "tp_comm": m * s["tp"], "cp_comm": m * s["cp"], "ep_comm": m * s["ep"],
                  "bubble": bubble_s, "dp_comm": dp_s, "pp_comm": pp_s, "optimizer": opt_s}
     if v2:
         breakdown["overlap"] = overlap_s
+    if straggler != 1.0:
+        breakdown["stragglers"] = m * s["compute"] * (1.0 - 1.0 / straggler)
     tflops = model_flops_step / world / step / 1e12
     return StepTime(step, breakdown, tokens_per_step / step / world, tflops, hw_flops_step / world / step / 1e12,
                     tflops * 1e12 / gpu.mfu_peak, slowest)  # the datasheet peak, also under cluster.gpu_power_w

@@ -297,6 +297,13 @@ class ClusterConfig(Strict):
         description="Board power cap in watts for power-capped parts (nvidia-smi -pl): the planner scales the compute "
                     "peaks linearly, peak x cap / TDP (bandwidths unchanged; MFU stays against the datasheet peak); "
                     "from 50 % of the TDP up to the TDP (default: uncapped).")
+    gpu_variability: float = Field(
+        0.0174, ge=0, le=0.1,
+        description="Relative standard deviation of the sustained compute rate across the cluster's GPUs (time model "
+                    "v2): a step runs at its slowest GPU's pace, so on n GPUs compute takes 1 / (1 - c_n x this) as long, "
+                    "c_n the expected largest of n normal draws (+2.6 % on 8 GPUs, +5.6 % on 512). Default: a 5 % "
+                    "spread within 8-GPU nodes (docs/planner.md 9, plan/stragglers.py); 0: every GPU at the catalog's "
+                    "measured rates.")
     time_model: Literal["v1", "v2"] = Field(
         "v2", description="Planner step-time model: v1 prices FLOPs at peak x one efficiency per GPU and collectives "
                           "on one link; v2 prices each GEMM by shape (roofline, wave quantization, measured matmul "
