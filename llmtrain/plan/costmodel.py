@@ -250,7 +250,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # the zigzag ring and the zigzag all-gather)
     executed = attention_executed(dims.cp, p.cp_method)
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
-    v2 = recipe.cluster.time_model == "v2" and lk is None  # LoRA: v1's compute (plan/ops.py)
+    # LoRA under fp8 (its targets stay bf16 beside Float8 bases): v1's compute (plan/loratime.py)
+    v2 = recipe.cluster.time_model == "v2" and not (lk is not None and t.precision == "fp8")
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
     # v2: the step waits for the slowest of its GPUs (plan/stragglers.py; v1's constant was fitted on real runs)
     slow = straggler_factor(dims.world_size, recipe.cluster.gpu_variability) if v2 else 1.0
@@ -312,7 +313,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
         if v2:
             dense, moe = len(inv.layers) - inv.moe_layers, inv.moe_layers
-            f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last)
+            first = lk is not None and inv.first and 0 in inv.layers  # LoRA: block 0's input needs no gradient
+            f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last, first_block=first)
             for share, layers in again:  # the weight pass's recomputation (recompute_again)
                 moe_again = sum(1 for layer in layers if is_moe_layer(m, layer)) if m.is_moe else 0
                 b_s += share * ops.recompute_seconds(shape, gpu, len(layers) - moe_again, moe_again)
@@ -325,7 +327,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             # eager launches: a pass takes the longer of the GPU's work and the CPU's launches (ops.launch_seconds)
             cpu_f, cpu_b = ops.launch_seconds(shape, len(inv.layers), t.compile, mode.kind == "fsdp")
             works[-1].fwd_s, works[-1].bwd_s = max(f_s, cpu_f), max(b_s, cpu_b)
-            works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last)
+            works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last, first)
     # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
     # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
     uncounted = (1.0 - attention_counted(dims.cp, p.cp_method)) * score_flops_per_token(m.heads * m.head_dim, seq)

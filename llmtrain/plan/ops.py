@@ -31,8 +31,8 @@ Beside the kernels (docs/planner.md section 9): compute slowed while NCCL's CTAs
 the attention kernel of the stack (``planner.attention_kernel``: the engine's SDPA is FA2).
 
 ``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak times the measured FP8
-matmul fraction (:data:`MAMF_FP8`). LoRA is not modelled here: v2 falls back to v1's compute
-for LoRA recipes (costmodel.py).
+matmul fraction (:data:`MAMF_FP8`). LoRA (``train.lora``): frozen bases and adapters as
+``loratime.py`` prices them (v1's compute only for LoRA under fp8).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     attention_fractions, attention_seconds)
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
+from llmtrain.plan.loratime import LORA_KERNELS, lora_block_seconds
 from llmtrain.recipe.gpus import GPUSpec
 
 # SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
@@ -92,6 +93,8 @@ class BlockShape:
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
+    lora: tuple | None = None  # train.lora: (rank, target names, dropout on) (plan/loratime.py)
+    lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -171,6 +174,8 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
         again += count * f if recomputed or x.recompute_whole else 0.0
     af, ab = layer_attention_seconds(x, gpu, sms)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
+    if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; validate refuses LoRA on MoE)
+        return lora_block_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
     fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
     if x.recompute == "full":
         bwd += again + af + ef_s
@@ -193,6 +198,8 @@ def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[f
     """Final norm, output GEMM (vocabulary split over TP) and the fp32 cross-entropy."""
     tok = x.b * x.s
     f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu, sms=sms)
+    if x.lora is not None:  # the frozen output layer: its input's gradient only
+        b_ = gemm_seconds(tok, x.h, x.vocab / x.tp, gpu, sms=sms)
     logits = x.vocab / x.tp * tok
     # upcast to fp32 (read e, write 4), log-softmax (read 4, write 4) forward; backward read 4 and
     # write the e-byte gradient of the logits, plus the final norm (norm_bytes)
@@ -224,15 +231,20 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
-                      kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0)
+                      kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0,
+                      lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0))
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
-                 sms: int | None = None) -> tuple[float, float]:
+                 sms: int | None = None, first_block: bool = False) -> tuple[float, float]:
     """(forward, backward) compute seconds of one micro batch on a pipeline rank holding
     ``dense_layers`` + ``moe_layers`` blocks (and the output head when ``last``); ``sms``: on
-    only that many SMs (:func:`overlap_slowdown`)."""
+    only that many SMs (:func:`overlap_slowdown`); ``first_block``: under LoRA, one of the dense
+    blocks is block 0 (its input needs no gradient)."""
     fwd = bwd = 0.0
+    if first_block and x.lora is not None and dense_layers:
+        fwd, bwd = block_seconds(replace(x, lora_first=True), gpu, False, sms)
+        dense_layers -= 1
     for n, moe in ((dense_layers, False), (moe_layers, True)):
         if n:
             f, b = block_seconds(x, gpu, moe, sms)
@@ -244,7 +256,8 @@ def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int
 
 
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
-def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool) -> float:
+def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
+                     first_block: bool = False) -> float:
     """Share of compute throughput lost while an NCCL collective runs beside it (issue 18, 9.1 (a)).
 
     NCCL's kernels are ordinary CTAs, one per channel, resident for the whole collective, so the
@@ -256,8 +269,8 @@ def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers:
     full = SMS.get(gpu.rates_key, 108)
     if full <= NCCL_CTAS:
         return 0.0
-    f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last)
-    f1, b1 = rank_seconds(x, gpu, dense_layers, moe_layers, last, sms=full - NCCL_CTAS)
+    f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last, first_block=first_block)
+    f1, b1 = rank_seconds(x, gpu, dense_layers, moe_layers, last, sms=full - NCCL_CTAS, first_block=first_block)
     return max(0.0, 1.0 - (f0 + b0) / (f1 + b1)) if f1 + b1 > 0 else 0.0
 
 
@@ -268,9 +281,14 @@ def launch_seconds(x: BlockShape, layers: int, compiled: bool, fsdp: bool) -> tu
     busier. Kernel counts (:data:`KERNELS`) are the engine's block as ops.py prices it; FSDP adds
     its gather + copy-out per block and pass, reduce-scatter + copy-in in the backward;
     recomputation re-launches the forward (``full``) or its element-wise kernels (``selective``; and
-    ``selective_mm`` also the GEMMs of wk, wo without TP and w3 in a dense model: MoE blocks have none)."""
+    ``selective_mm`` also the GEMMs of wk, wo without TP and w3 in a dense model: MoE blocks have none).
+    LoRA: each adapted projection adds :data:`~llmtrain.plan.loratime.LORA_KERNELS`, and the frozen
+    bases launch no weight-gradient GEMM (7 fewer backward kernels per block)."""
     fwd, bwd = KERNELS["compiled" if compiled else "eager"]
     elementwise = fwd - KERNELS["gemm"]
+    if x.lora is not None:
+        adapted = len(x.lora[1])
+        fwd, bwd = fwd + adapted * (LORA_KERNELS[0] + x.lora[2]), bwd - 7 + adapted * (LORA_KERNELS[1] + x.lora[2])
     if x.recompute == "full":
         bwd += fwd
     elif x.recompute == "selective":  # core_attention: the attention kernels (materialized: 4, a flash kernel: 1)
