@@ -21,7 +21,8 @@ def explain(top: list[Choice]) -> None:
     for i, c in enumerate(top):
         c.rank = i + 1
         t = c.cost.time
-        costs = {k: v for k, v in t.breakdown.items() if k != "compute" and v > 0.005 * t.step_s}
+        # stragglers are a share of the compute, the same for every layout of one search: not a layout's overhead
+        costs = {k: v for k, v in t.breakdown.items() if k not in ("compute", "stragglers") and v > 0.005 * t.step_s}
         worst = sorted(costs.items(), key=lambda kv: -kv[1])[:2]
         parts = ", ".join(f"{k.replace('_comm', ' comm')} {v / t.step_s:.0%}" for k, v in worst) or "almost pure compute"
         if i == 0:
