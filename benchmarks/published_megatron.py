@@ -157,3 +157,67 @@ def megatron_flops(batch: int, layers: int, h: int, s: int = 2048, vocab: int = 
     hardware FLOPs are about 5 % fewer: its recomputation stops before each block's last GEMM, as
     the engine's does)."""
     return 96.0 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
+
+
+# The Megatron-LM README's H100 weak-scaling table (NVIDIA/Megatron-LM images/model_table.png, added in
+# f2e5db402c, 2024-07-15, "New scaling figures on H100 GPUs"; the figures name Megatron-Core r0.8.0): GPT
+# models of 1.7B-462B, vocabulary 131,072, 4,096 tokens, data parallel 48, bf16 (MFU = TFLOP/s / 989), "fine-
+# grained overlapping of data-parallel (--overlap-grad-reduce --overlap-param-gather), tensor-parallel
+# (--tp-comm-overlap) and pipeline-parallel communication (enabled by default)"; the table gives heads, hidden,
+# layers, TP, PP, GPUs, batch and the per-GPU TFLOP/s in Megatron's own count (megatron_core_flops).
+MEGATRON_H100 = [  # (params, heads, hidden, layers, tp, pp, gpus, batch, TFLOP/s per GPU, MFU)
+    ("1.7B", 16, 2048, 24, 1, 1, 48, 192, 408.8, 0.41),
+    ("7.1B", 32, 4096, 30, 2, 1, 96, 192, 465.9, 0.47),
+    ("16B", 48, 6144, 32, 4, 1, 192, 192, 489.1, 0.49),
+    ("32B", 56, 7168, 48, 8, 1, 384, 192, 459.6, 0.46),
+    ("70B", 64, 8192, 84, 8, 2, 768, 384, 419.7, 0.42),
+    ("119B", 80, 10240, 92, 8, 4, 1536, 768, 420.5, 0.43),
+    ("177B", 96, 12288, 96, 8, 6, 2304, 1152, 432.8, 0.44),
+    ("314B", 128, 16384, 96, 8, 8, 3072, 1536, 474.4, 0.48),
+    ("462B", 144, 18432, 112, 8, 16, 6144, 3072, 459.9, 0.47),
+]
+MEGATRON_H100_URL = "NVIDIA/Megatron-LM README.md, images/model_table.png (f2e5db402c, Megatron-Core r0.8.0)"
+
+
+def megatron_core_flops(batch: int, layers: int, h: int, s: int = 4096, vocab: int = 131072) -> float:
+    """FLOPs per step as Megatron-LM counts them for its TFLOP/s (``megatron/training/training.py``
+    ``num_floating_point_operations`` at f2e5db402c): ``12 B s l h^2 ((1 + groups / heads + s / h) + ffn / h +
+    V / (2 l h))``, for MHA and GPT's 4h GeLU MLP ``12 B s l h^2 (6 + s / h + V / 2 l h)``: model FLOPs (no
+    recomputation), attention unmasked."""
+    return 12.0 * batch * s * layers * h * h * (6 + s / h + vocab / (2 * layers * h))
+
+
+def megatron_h100_rows() -> list[dict]:
+    """The README's table as Megatron-Core r0.8.0 runs it with the flags the README names
+    (NVIDIA/Megatron-LM tag core_r0.8.0): ``--overlap-param-gather`` needs the distributed optimizer
+    (``arguments.py``), so zero 1 with ``planner.dp_optimizer: distributed`` and overlapped syncs; bf16 turns on
+    ``accumulate_allreduce_grads_in_fp32`` (fp32 reduce-scatter, the engine's default); no ``--ddp-bucket-size``:
+    ``max(40M, 1M x dp)`` parameters (``distributed_data_parallel.py``); ``--tp-comm-overlap`` needs sequence
+    parallelism (planner.tp_overlap); the non-interleaved schedule turns ``overlap_p2p_comm`` off and its
+    batched sends end in ``torch.cuda.synchronize()`` (``batch_p2p_sync`` defaults on: planner.pp_p2p
+    blocking); Transformer Engine's cuDNN attention on Hopper (planner.attention_kernel cudnn, as the NeMo
+    rows). Not in the table, Megatron's defaults: no recomputation, no virtual stages, and micro batch 1 (the
+    repository's GPT-3 example, ``examples/gpt3/train_gpt3_175b_distributed.sh``); GPT's learned positions and
+    LayerNorm priced as RoPE and the engine's norm, the 4h GeLU MLP as a SwiGLU of equal FLOPs (``gpt``)."""
+    out = []
+    for name, heads, h, layers, tp, pp, gpus, batch, tflops, mfu in MEGATRON_H100:
+        dp = gpus // (tp * pp)
+        par = dict(tp=tp, pp=pp, zero=1, dp_bucket_mb=round(4 * max(40_000_000, 1_000_000 * dp) / 2**20, 1))
+        first = name == MEGATRON_H100[0][0]
+        out.append(dict(
+            source="Megatron-LM README H100", url=MEGATRON_H100_URL, name=f"GPT {name}, {gpus} H100, TP {tp} PP {pp}",
+            metric="TFLOP/s/GPU (MFU)", published=tflops, published_mfu=mfu,
+            flops_per_step=megatron_core_flops(batch, layers, h),
+            recipe=recipe(gpt(h, heads, layers, tp, vocab=131072, seq=4096), par,
+                          dict(seq_len=4096, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="none"),
+                          gpus, "h100-sxm", attention="cudnn", tp_overlap=tp > 1, dp_optimizer="distributed",
+                          pp_p2p=P2P if pp > 1 else None),
+            note=("bf16, data parallel 48; Megatron-Core r0.8.0 with the README's flags: distributed optimizer with "
+                  "overlapped gradient reduce-scatter and parameter all-gather (zero 1, planner.dp_optimizer distributed, "
+                  "planner.assume_dp_overlap) in fp32 and Megatron-Core's default buckets (max(40M, 1M x dp) parameters), "
+                  "TP comm overlap with SP (planner.tp_overlap), 1F1B sends that end in torch.cuda.synchronize() "
+                  "(planner.pp_p2p blocking), cuDNN attention (planner.attention_kernel cudnn); not in the table: micro "
+                  "batch 1, no recomputation, no virtual stages (Megatron's defaults); predicted = Megatron's FLOP count "
+                  "(training.py num_floating_point_operations) / predicted step time"
+                  if first else "as the 1.7B row")))
+    return out

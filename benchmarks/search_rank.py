@@ -4,7 +4,7 @@
     python benchmarks/search_rank.py --tiny --out D   # CI smoke test: one small run, D/search_rank.json
 
 For every published run in benchmarks/published_runs.py that a layout search can compare (the
-sources that chose their layout for speed: Megatron-LM SC'21 Table 1, Llama 3 Table 4, NeMo's
+sources that chose their layout for speed: Megatron-LM SC'21 Table 1 and its README's H100 table, Llama 3 Table 4, NeMo's
 and Megatron-Bridge's (H100) performance summaries, torchtitan's and llm-foundry's H100 tables), the run's recipe is searched
 (``llmtrain.plan.search.search``, the ``plan --search`` code path, with ``dp_overlap=True`` as in
 the published comparison) and the table gives where the published **split** (tp, cp, pp, ep)
@@ -47,7 +47,7 @@ from llmtrain.recipe.load import validate_recipe_dict  # noqa: E402
 NEAR = 0.05  # a published split this close to the search's #1 is inside the model's own error (docs/planner.md 7)
 TOP = 200  # layouts the search returns per run (distinct splits are fewer); enough to reach the published zero
 SEARCHED = ("Megatron-LM Table 1", "Llama 3 Table 4", "NeMo performance summary", "torchtitan H100 2024-12 Table 5",
-            "llm-foundry H100 tables", "Megatron-Bridge 25.11 DGX-H100")
+            "llm-foundry H100 tables", "Megatron-Bridge 25.11 DGX-H100", "Megatron-LM README H100")
 
 
 def split_of(parallel: dict) -> tuple[int, int, int, int]:
