@@ -250,8 +250,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # the zigzag ring and the zigzag all-gather)
     executed = attention_executed(dims.cp, p.cp_method)
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
-    # LoRA under fp8 (its targets stay bf16 beside Float8 bases): v1's compute (plan/loratime.py)
-    v2 = recipe.cluster.time_model == "v2" and not (lk is not None and t.precision == "fp8")
+    v2 = v2_priced(recipe)
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
     # v2: the step waits for the slowest of its GPUs (plan/stragglers.py; v1's constant was fitted on real runs)
     slow = straggler_factor(dims.world_size, recipe.cluster.gpu_variability) if v2 else 1.0
@@ -359,6 +358,12 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
 
         cm.hints = memory_hints(recipe, placement, cm)
     return cm
+
+
+def v2_priced(recipe: Recipe) -> bool:
+    """Whether time model v2 prices this recipe's compute per operation (and its stragglers): v2,
+    except LoRA under fp8, whose targets stay bf16 beside Float8 bases (v1's compute; plan/loratime.py)."""
+    return recipe.cluster.time_model == "v2" and not (recipe.train.lora is not None and recipe.train.precision == "fp8")
 
 
 def recompute_again(recipe: Recipe, dims: ParallelDims, stages, microbatches: int) -> dict[int, float]:

@@ -33,7 +33,7 @@ from math import gcd
 
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
+from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks, v2_priced
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token, fp8_matmul_fraction
 from llmtrain.plan.hier import shard_replicas
@@ -52,6 +52,7 @@ from llmtrain.plan.search_bounds import (
 from llmtrain.plan.search_keep import allowed
 from llmtrain.plan.search_render import explain, format_result, layout_label, set_flags  # noqa: F401 (the CLI imports these from here)
 from llmtrain.plan.steptime import efficiency, matmul_peak
+from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.validate import SELECTIVE, divisors, validate
 from llmtrain.recipe.gpus import cluster_gpu
 from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, Recipe
@@ -182,6 +183,8 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
         from llmtrain.plan.ops import MAMF  # noqa: PLC0415
 
         rate = matmul_peak(gpu, t.precision, fp8) * max(efficiency(gpu), MAMF.get(gpu.rates_key, 1.0))
+        if v2_priced(recipe):  # every rank's compute runs at the slowest GPU's pace (plan/stragglers.py)
+            rate /= straggler_factor(world, recipe.cluster.gpu_variability)
     tokens_gpu = gbs * t.seq_len / world
     moe_tok = moe_flops_per_token(m, t.seq_len)
     dense_tok = flops_per_token(m, t.seq_len, t.lora) - moe_tok  # LoRA: fewer FLOPs, the floor must stay a lower bound
