@@ -11,36 +11,32 @@ docs/planner.md):
 - FLOPs: :mod:`llmtrain.plan.flops`; communication: :mod:`llmtrain.plan.comm`; bubble:
   :mod:`llmtrain.plan.bubble`; step time and MFU: :mod:`llmtrain.plan.steptime`.
 
-Memory is evaluated for every pipeline rank at its largest data-parallel shard (FSDP index 0,
-the most loaded ZeRO-1 owner) and its smallest, at two moments: the start of the last
-backward (states + activations in flight + working buffers) and the optimizer step (states +
-foreach temporaries); the peak is the larger. A fixed framework reserve (CUDA context, NCCL
-buffers) and allocator fragmentation are added on GPUs (:data:`RESERVE_BYTES`,
-:data:`FRAGMENTATION`).
+Memory per rank is :mod:`llmtrain.plan.rankmem` (re-exported here: :class:`RankMemory`,
+:func:`rank_memory`, :func:`peak_bytes`, :func:`probe_ranks`, :func:`act_shape`), evaluated for
+every pipeline rank at its largest data-parallel shard and its smallest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmtrain.plan import activations as act
 from llmtrain.plan import commtime, fp8time, ops
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import the memory side from here)
+    DEFAULT_RESERVE, FRAGMENTATION, GIB, RESERVE_BYTES, RankMemory, act_shape, peak_bytes, probe_ranks, rank_memory,
+)
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
     attention_counted, attention_executed,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
-from llmtrain.plan.inflight import inflight, split_backwards
-from llmtrain.plan.memory import (
-    DPMode, best_dp_index, compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, model_state_bytes,
-    optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
-)
+from llmtrain.plan.inflight import split_backwards
+from llmtrain.plan.memory import DPMode, best_dp_index, compute_bytes, dp_mode, model_state_bytes, worst_dp_index
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.ringtime import apply_ring_overlap, forward_passes, ring_grad_units
 from llmtrain.plan.schedule import gradient_ready
@@ -49,32 +45,6 @@ from llmtrain.plan.assumptions import planner_assumptions
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
 from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, Recipe
-
-GIB = float(1 << 30)
-RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
-DEFAULT_RESERVE = int(1.5 * GIB)  # CUDA context (~0.5 GiB) + NCCL communicators and buffers (~1 GiB)
-FRAGMENTATION = 0.05  # caching-allocator fragmentation on GPUs, as a share of the allocated bytes
-
-
-@dataclass
-class RankMemory:
-    pp_rank: int
-    dp_index: int
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    other: int
-    phase: str  # "backward" or "optimizer step": when the peak happens
-    other_detail: dict[str, int] = field(default_factory=dict)
-    activation_detail: dict[str, int] = field(default_factory=dict)
-    trainable_params: int = 0  # parameters with gradients on this rank (TP/PP-local, before DP sharding)
-    saved_detail: dict[str, int] = field(default_factory=dict)  # what backward holds, whichever phase peaks
-
-    @property
-    def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
-
 
 @dataclass
 class CostModel:
@@ -96,92 +66,6 @@ class CostModel:
         return self.worst.peak <= self.gpu.memory_bytes
 
 
-def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
-    m, t = recipe.model, recipe.train
-    e = compute_bytes(t.precision)
-    return act.ActShape(
-        b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
-        ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
-        e=e, fused_norm=gpu.name != "cpu",
-        experts=m.moe.num_experts, top_k=m.moe.top_k, expert_ffn=m.expert_ffn,
-        shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
-        hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
-        chunked_loss=recipe.planner.loss == "engine", compiled_loss=recipe.planner.loss == "compiled")
-
-
-def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
-                gpu: GPUSpec | None = None, stages: list[list[int]] | None = None) -> RankMemory:
-    """Memory of pipeline rank ``pp_rank`` at ``dp_cp`` index ``dp_index`` (None: the most loaded one)."""
-    m, p, t = recipe.model, recipe.parallel, recipe.train
-    gpu = gpu or cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)
-    mode = dp_mode(p.zero, dims)
-    v = p.pp_virtual_stages if dims.pp > 1 else 1
-    stages = stages or stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
-    held = rank_stages(pp_rank, dims.pp, v, p.pp_schedule)
-    inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
-    index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
-    state = model_state_bytes(inv.params, mode, index, t.optimizer.states)
-    x = act_shape(recipe, dims, gpu)
-    recompute = t.activation_checkpointing
-    counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
-    detail: dict[str, int] = {}
-    last = len(stages) - 1
-    # the rank's CP coordinate (the dp_cp mesh is (dp_replicate, dp_shard, cp), cp fastest); None: the most loaded
-    cp_index = None if dp_index is None else dp_index % dims.cp
-    kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
-    for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
-        parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x), 1)]
-        if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
-            parts[0] = (kinds[False], n_layers - n_moe - 1)
-            parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))
-        if chunk == 0:
-            parts.append((act.first_stage_terms(x), 1))
-        if chunk == last:
-            parts.append((act.last_stage_terms(x), 1))
-        for terms, n in parts:
-            for k, val in terms.items():
-                if n:
-                    detail[k] = detail.get(k, 0) + count * n * val
-    working = max(act.recompute_working_bytes(x, inv.moe_layers > 0, recompute),
-                  act.recompute_working_bytes(x, False, recompute) if len(inv.layers) > inv.moe_layers else 0)
-    if working:
-        detail["recompute_working_set"] = working
-    activations, saved = sum(detail.values()), detail  # saved: kept whichever phase peaks (detail is rebound below)
-
-    # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
-    head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
-                 and not (m.tie_embeddings and inv.first) else 0)
-    other = {
-        "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
-                                             inv.largest_block, inv.root, recompute,
-                                             fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0)),
-        "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,
-                                          int(p.dp_bucket_mb * 2**20), pp=dims.pp,
-                                          reduce_each=p.fsdp_reduce_each_microbatch),
-    }
-    if inv.last:
-        other["logits"] = counts[held.index(last)] * act.logits_bytes(x) + act.loss_backward_bytes(x)
-    if dims.cp > 1:
-        other["cp_attention"] = act.cp_transient_bytes(x)
-    if inv.moe_layers:
-        other["moe_buffers"] = 8 * m.moe.num_experts * inv.moe_layers
-        if dims.ep > 1:
-            other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
-    states = state.params + state.grads + state.optimizer
-    step_extra = optimizer_step_bytes(state.stepped, mode, state.trainable)
-    backward = states + activations + sum(other.values())
-    reserve = RESERVE_BYTES.get(gpu.name, DEFAULT_RESERVE)
-    if backward >= states + step_extra:
-        phase, acts = "backward", activations
-    else:
-        phase, acts, other, detail = "optimizer step", 0, {"optimizer_step_temporaries": step_extra}, {}
-    if reserve:
-        other["framework_reserve"] = reserve
-        other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
-    return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
-                      other, detail, state.trainable, saved)
-
-
 def grad_shapes(inv) -> tuple[tuple, tuple]:
     """(dense, expert) local gradient shapes of the rank's trainable parameters, for the compressed
     DP averaging (plan/comm.py)."""
@@ -190,22 +74,6 @@ def grad_shapes(inv) -> tuple[tuple, tuple]:
         if q.trainable:
             shapes[q.kind == "expert"].append(q.shape)
     return tuple(shapes[0]), tuple(shapes[1])
-
-
-def probe_ranks(pp: int) -> list[int]:
-    """Pipeline ranks the search prices (fast mode): the first two (most micro batches in flight,
-    the embedding), the last two (logits) and one in the middle; the final top K are re-priced
-    on every rank."""
-    return sorted({0, min(1, pp - 1), pp // 2, max(0, pp - 2), pp - 1})
-
-
-def peak_bytes(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_ranks: list[int] | None = None) -> int:
-    """The largest peak memory over ``pp_ranks`` (default: all): a memory-only check for the search."""
-    m, p = recipe.model, recipe.parallel
-    v = p.pp_virtual_stages if dims.pp > 1 else 1
-    stages = stage_layers(m.layers, dims.pp, v, p.pp_layers_per_stage)
-    ranks = range(dims.pp) if pp_ranks is None else pp_ranks
-    return max(rank_memory(recipe, dims, batch, r, None, None, stages).peak for r in ranks)
 
 
 def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
