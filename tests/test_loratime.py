@@ -54,7 +54,7 @@ def test_priced_gemms_are_the_counted_gemm_flops(targets, first):
     x = _shape(m, targets, first=first)
     tok, h, seq, rank = x.b * x.s, m.hidden, x.seq, 8
     layer = 0 if first else 1
-    fwd, bwd, attn_grad, again = loratime.block_gemms(x, first)
+    fwd, bwd, attn_grad, again, _ = loratime.block_gemms(x, first)
     q, k, v, r_grad = _needs(targets, first)
     # forward: flops.py's forward less the two norms (2h each) and the scores and values (4 h s)
     f_split, f_rep = flops.forward_flops_per_token(m, layer, seq, (rank, tuple(targets)))
@@ -80,6 +80,20 @@ def test_tp_splits_the_base_and_one_adapter_matrix():
     gemm_split = split - 2 * 2 * m.hidden - 4 * m.hidden * x1.seq
     assert _flops(loratime.block_gemms(x1, False)[0]) == pytest.approx(tok * (gemm_split + rep), rel=1e-12)
     assert _flops(loratime.block_gemms(x2, False)[0]) == pytest.approx(tok * (gemm_split / 2 + rep), rel=1e-12)
+
+
+def test_adapter_dropout_backward_follows_each_input_gradient():
+    """Block 0 with adapters on wo and w1 only: q, k, v need no gradient, so wo's input needs none
+    (no dropout backward there), but wo's adapter makes the residual need one, so w1's input does.
+    Forward: scale + add (5e per output element) and dropout (2e + 1 per input element) on both."""
+    m = _model()
+    x = dataclasses.replace(_shape(m, ("wo", "w1"), first=True), lora=(8, ("wo", "w1"), True))
+    needs = loratime.block_gemms(x, True).input_grad
+    assert needs == {"wq": False, "wk": False, "wv": False, "wo": False, "w1": True, "w3": True, "w2": True}
+    tok, e, h, f = x.b * x.s, x.e, m.hidden, m.ffn_hidden
+    fwd, bwd = loratime.adapter_bytes(x, needs)
+    assert fwd == tok * (5 * e * (h + f) + (2 * e + 1) * (h + h))
+    assert bwd == tok * (2 * e * (h + f) + (2 * e + 1) * h)
 
 
 def test_lora_block_skips_the_weight_gradients_and_block_0_more():

@@ -30,11 +30,12 @@ wo (the adapters' outputs stay saved). ``train.precision: fp8`` with LoRA is not
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from llmtrain.recipe.gpus import GPUSpec
 
 from llmtrain.plan.gemmtime import gemm_seconds, membound_seconds
 
-COLUMN_WISE = ("wq", "wk", "wv", "w1", "w3")
 # Kernels one adapted projection launches (forward: A, B, the scale, the add; backward: B's and A's
 # weight and input gradients, the scale's gradient); dropout adds one each way
 LORA_KERNELS = (4, 5)
@@ -51,20 +52,31 @@ def lora_projection(m: float, n: float, k: float, rank: int, adapted: bool,
     return fwd, bwd
 
 
-def block_gemms(x, first: bool) -> tuple[list[tuple], list[tuple], bool, tuple]:
-    """A dense block's GEMMs under LoRA for :class:`~llmtrain.plan.ops.BlockShape` ``x``: (forward,
-    backward, whether attention needs a backward, the full-recomputation GEMMs). Shapes are
-    ``(m, n, k)`` per rank; the first block's input needs no gradient."""
+class BlockGemms(NamedTuple):
+    """A dense block's GEMMs ``(m, n, k)`` per rank under LoRA, and what autograd computes."""
+
+    fwd: list[tuple]
+    bwd: list[tuple]
+    attention_grad: bool  # whether any of q, k, v needs a gradient (the attention kernel's backward runs)
+    again: tuple  # the GEMMs full recomputation re-runs
+    input_grad: dict[str, bool]  # per projection: whether its input needs a gradient
+
+
+def block_gemms(x, first: bool) -> BlockGemms:
+    """A dense block's GEMMs under LoRA for :class:`~llmtrain.plan.ops.BlockShape` ``x``; the first
+    block's input needs no gradient."""
     rank, targets, _ = x.lora
     tok, t = x.b * x.s, x.tp
     q, kv, f = x.heads * x.hd / t, x.kv_heads * x.hd / t, x.ffn / t
     fwd: list[tuple] = []
     bwd: list[tuple] = []
+    needs: dict[str, bool] = {}
 
     def proj(name: str, n: float, k: float, input_grad: bool) -> bool:
         pf, pb = lora_projection(tok, n, k, rank, name in targets, input_grad)
         fwd.extend(pf)
         bwd.extend(pb)
+        needs[name] = input_grad
         return input_grad or name in targets
 
     x_grad = not first
@@ -76,12 +88,12 @@ def block_gemms(x, first: bool) -> tuple[list[tuple], list[tuple], bool, tuple]:
     proj("w2", x.h, f, g or u)
     # full recomputation stops before the block's last GEMM: w2's B with an adapter, else w2's
     # base; either is the last of the forward list
-    return fwd, bwd, attn, tuple(fwd[:-1])
+    return BlockGemms(fwd, bwd, attn, tuple(fwd[:-1]), needs)
 
 
-def adapter_bytes(x, first: bool) -> tuple[float, float]:
+def adapter_bytes(x, input_grad: dict[str, bool]) -> tuple[float, float]:
     """(forward, backward) HBM bytes of the adapters' element-wise ops (scale, add, dropout) per rank
-    and micro batch."""
+    and micro batch (``input_grad``: :attr:`BlockGemms.input_grad`)."""
     rank, targets, dropout = x.lora
     tok, t, e = x.b * x.s, x.tp, x.e
     shapes = {"wq": (x.heads * x.hd / t, x.h), "wk": (x.kv_heads * x.hd / t, x.h), "wv": (x.kv_heads * x.hd / t, x.h),
@@ -93,7 +105,7 @@ def adapter_bytes(x, first: bool) -> tuple[float, float]:
         bwd += tok * n * 2 * e  # scale's backward (the add passes its gradient through)
         if dropout:
             fwd += tok * k * (2 * e + 1)
-            bwd += 0.0 if first and name in COLUMN_WISE else tok * k * (2 * e + 1)
+            bwd += tok * k * (2 * e + 1) if input_grad[name] else 0.0
     return fwd, bwd
 
 
@@ -106,10 +118,10 @@ def lora_block_seconds(x, gpu: GPUSpec, first: bool, attention: tuple[float, flo
     """(forward, backward incl. recomputation) seconds of one dense block under LoRA (``attention``,
     ``elementwise``: the block's attention and element-wise (forward, backward) seconds as ops.py
     prices them without LoRA)."""
-    fwd_g, bwd_g, attn_grad, again = block_gemms(x, first)
+    fwd_g, bwd_g, attn_grad, again, input_grad = block_gemms(x, first)
     af, ab = attention
     ef, eb = elementwise
-    lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, first))
+    lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, input_grad))
     f_gemm = gemm_list_seconds(fwd_g, gpu, sms)
     fwd = f_gemm + af + ef + lf
     bwd = gemm_list_seconds(bwd_g, gpu, sms) + (ab if attn_grad else 0.0) + eb + lb
