@@ -84,3 +84,15 @@ def test_one_gpu_has_no_stragglers():
     plan = plan_recipe(one)
     est = estimate(one, plan.validation.dims, plan.validation.batch, plan.placement, hints=False)
     assert "stragglers" not in est.time.breakdown
+
+
+def test_plan_text_names_the_slowest_gpu_wait():
+    """``plan``'s Time line says what the stragglers term is (how many GPUs the ranks wait on, the
+    setting); with ``gpu_variability: 0`` it says nothing of it."""
+    from llmtrain.plan.report import plan_to_dict
+    from tests.helpers_plan import debug, plan_of, render_text
+
+    on = render_text(plan_to_dict(plan_of(debug(), nodes=1, gpus=4)))
+    assert "stragglers: every rank waits for the slowest of 4 GPUs (cluster.gpu_variability)" in on
+    off = render_text(plan_to_dict(plan_of(debug({"cluster": {"gpu_variability": 0}}), nodes=1, gpus=4)))
+    assert "stragglers" not in off and "Time" in off
