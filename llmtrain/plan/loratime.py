@@ -113,24 +113,15 @@ def gemm_list_seconds(gemms, gpu: GPUSpec, sms: int | None = None) -> float:
     return sum(gemm_seconds(m, n, k, gpu, sms=sms) for m, n, k in gemms)
 
 
-def lora_block_seconds(x, gpu: GPUSpec, first: bool, attention: tuple[float, float], elementwise: tuple[float, float],
-                       sms: int | None = None) -> tuple[float, float]:
-    """(forward, backward incl. recomputation) seconds of one dense block under LoRA (``attention``,
-    ``elementwise``: the block's attention and element-wise (forward, backward) seconds as ops.py
-    prices them without LoRA)."""
+def lora_pass_seconds(x, gpu: GPUSpec, first: bool, attention: tuple[float, float], elementwise: tuple[float, float],
+                      sms: int | None = None) -> tuple[float, float, float]:
+    """(forward, backward, what full recomputation re-runs) seconds of one dense block under LoRA
+    (``attention``, ``elementwise``: the block's attention and element-wise (forward, backward)
+    seconds as ops.py prices them without LoRA); ops.block_seconds adds the recomputation."""
     fwd_g, bwd_g, attn_grad, again, input_grad = block_gemms(x, first)
     af, ab = attention
     ef, eb = elementwise
     lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, input_grad))
-    f_gemm = gemm_list_seconds(fwd_g, gpu, sms)
-    fwd = f_gemm + af + ef + lf
+    fwd = gemm_list_seconds(fwd_g, gpu, sms) + af + ef + lf
     bwd = gemm_list_seconds(bwd_g, gpu, sms) + (ab if attn_grad else 0.0) + eb + lb
-    if x.recompute == "full":
-        bwd += gemm_list_seconds(again, gpu, sms) + af + ef + lf
-    elif x.recompute == "selective":
-        bwd += af if x.recompute_attention else ef
-    elif x.recompute == "selective_mm":
-        tok, kv = x.b * x.s, x.kv_heads * x.hd / x.tp
-        mm = [(tok, kv, x.h), (tok, x.ffn / x.tp, x.h)] + ([(tok, x.h, x.heads * x.hd)] if x.tp == 1 else [])
-        bwd += ef + gemm_list_seconds(mm, gpu, sms)
-    return fwd, bwd
+    return fwd, bwd, gemm_list_seconds(again, gpu, sms) + af + ef + lf

@@ -45,7 +45,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     attention_fractions, attention_seconds)
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
-from llmtrain.plan.loratime import LORA_KERNELS, lora_block_seconds
+from llmtrain.plan.loratime import LORA_KERNELS, lora_pass_seconds
 from llmtrain.recipe.gpus import GPUSpec
 
 # SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
@@ -149,36 +149,37 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     tok, t = x.b * x.s, x.tp
     lin = x.fp8_peak or None  # nn.Linear GEMMs under fp8 (MoE experts and the router stay bf16)
     q, kv = x.heads * x.hd / t, x.kv_heads * x.hd / t
-    # (m, n, k, peak, count, recomputed under full AC): wq, wk, wv, wo, then the MLP
-    gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
-             (tok, x.h, q, lin, 1, True)]
-    # selective_mm re-runs these forward GEMMs: wk, wo without TP (under TP its reduced output is
-    # saved), the dense MLP's w3 (below; an MoE block has none)
-    again_mm = gemm_seconds(tok, kv, x.h, gpu, lin, sms=sms) + (gemm_seconds(tok, x.h, q, gpu, lin, sms=sms) if t == 1 else 0.0)
-    if moe:
-        local = max(1, x.experts // max(1, x.ep))
-        per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
-        ef = x.expert_ffn / t
-        gemms += [(tok, x.experts, x.h, None, 1, True), (per, ef, x.h, None, 2 * local, True),
-                  (per, x.h, ef, None, local, True)]
-        if x.shared:  # the shared experts' w2 is the block's last GEMM (flops.py: not recomputed)
-            sf = x.shared * x.expert_ffn / t
-            gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
-    else:
-        gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
-        again_mm += gemm_seconds(tok, x.ffn / t, x.h, gpu, lin, sms=sms)
-    fwd = bwd = again = 0.0
-    for m, n, k, peak, count, recomputed in gemms:
-        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
-        fwd, bwd = fwd + count * f, bwd + count * b_
-        again += count * f if recomputed or x.recompute_whole else 0.0
     af, ab = layer_attention_seconds(x, gpu, sms)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
+    # selective_mm re-runs these forward GEMMs: wk, wo without TP (under TP its reduced output is
+    # saved), the dense MLP's w3 (an MoE block has none); under LoRA the frozen bases' (the same shapes)
+    again_mm = (gemm_seconds(tok, kv, x.h, gpu, lin, sms=sms) + (gemm_seconds(tok, x.h, q, gpu, lin, sms=sms) if t == 1 else 0.0)
+                + (0.0 if moe else gemm_seconds(tok, x.ffn / t, x.h, gpu, lin, sms=sms)))
     if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; validate refuses LoRA on MoE)
-        return lora_block_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
-    fwd, bwd = fwd + af + ef_s, bwd + ab + eb_s
+        fwd, bwd, again = lora_pass_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
+    else:
+        # (m, n, k, peak, count, recomputed under full AC): wq, wk, wv, wo, then the MLP
+        gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
+                 (tok, x.h, q, lin, 1, True)]
+        if moe:
+            local = max(1, x.experts // max(1, x.ep))
+            per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
+            ef = x.expert_ffn / t
+            gemms += [(tok, x.experts, x.h, None, 1, True), (per, ef, x.h, None, 2 * local, True),
+                      (per, x.h, ef, None, local, True)]
+            if x.shared:  # the shared experts' w2 is the block's last GEMM (flops.py: not recomputed)
+                sf = x.shared * x.expert_ffn / t
+                gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
+        else:
+            gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
+        fwd = bwd = again = 0.0
+        for m, n, k, peak, count, recomputed in gemms:
+            f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
+            fwd, bwd = fwd + count * f, bwd + count * b_
+            again += count * f if recomputed or x.recompute_whole else 0.0
+        fwd, bwd, again = fwd + af + ef_s, bwd + ab + eb_s, again + af + ef_s
     if x.recompute == "full":
-        bwd += again + af + ef_s
+        bwd += again
     elif x.recompute == "selective":  # the element-wise ops, or (core_attention) the attention kernel's forward
         bwd += af if x.recompute_attention else ef_s
     elif x.recompute == "selective_mm":

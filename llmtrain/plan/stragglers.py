@@ -18,7 +18,7 @@ the expected largest of ``n`` standard normal draws (Blom's approximation,
 ``1 / (1 - c_n sd)`` as long. The default ``sd`` is Bekman's node read as the expected range of 8
 draws: ``0.05 / (2 c_8) = 0.0175`` (Sinha et al.'s 8 % across whole clusters is the same order).
 Outliers (a GPU 1.5x slow) are not modelled: operators drain them. What it gives: 8 GPUs +2.6 %,
-64 +4.2 %, 512 +5.5 %, 16,384 +7.2 % compute time. One GPU: none.
+64 +4.2 %, 512 +5.6 %, 16,384 +7.4 % compute time. One GPU: none.
 """
 
 from __future__ import annotations
