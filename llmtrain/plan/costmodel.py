@@ -27,7 +27,7 @@ from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.comm import Comm, CommSpec, fp8_gather_numel, group_spans, powersgd_start, step_comms
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import the memory side from here)
-    DEFAULT_RESERVE, FRAGMENTATION, GIB, RESERVE_BYTES, RankMemory, act_shape, peak_bytes, probe_ranks, rank_memory,
+    GIB, RankMemory, act_shape, peak_bytes, probe_ranks, rank_memory,
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
