@@ -7,7 +7,7 @@ the same stack."""
 
 from __future__ import annotations
 
-from published_runs import MEGATRON_URL, gpt, recipe
+from published_runs import MEGATRON_URL, gpt, mcore_bucket_mb, recipe
 
 # Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473), Table 1: GPT on DGX A100 80GB, s = 2048,
 # V = 51200, activation recomputation, TFLOP/s per GPU counted with recomputation. What the table leaves
@@ -202,7 +202,7 @@ def megatron_h100_rows() -> list[dict]:
     out = []
     for name, heads, h, layers, tp, pp, gpus, batch, tflops, mfu in MEGATRON_H100:
         dp = gpus // (tp * pp)
-        par = dict(tp=tp, pp=pp, zero=1, dp_bucket_mb=round(4 * max(40_000_000, 1_000_000 * dp) / 2**20, 1))
+        par = dict(tp=tp, pp=pp, zero=1, dp_bucket_mb=mcore_bucket_mb(dp))
         first = name == MEGATRON_H100[0][0]
         out.append(dict(
             source="Megatron-LM README H100", url=MEGATRON_H100_URL, name=f"GPT {name}, {gpus} H100, TP {tp} PP {pp}",

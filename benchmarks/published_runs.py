@@ -77,6 +77,13 @@ def gpt(h: int, heads: int, layers: int, tp: int, vocab: int = 51200, seq: int =
                 max_seq_len=seq, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False)
 
 
+def mcore_bucket_mb(dp: int) -> float:
+    """Megatron-Core's default gradient bucket without ``--ddp-bucket-size``
+    (``distributed_data_parallel.py``: ``max(40000000, 1000000 * dp_size)`` parameters) in MiB of fp32
+    gradients (``parallel.dp_bucket_mb``)."""
+    return round(4 * max(40_000_000, 1_000_000 * dp) / 2**20, 1)
+
+
 def layers_of(model: dict) -> int:
     return model.get("layers") or PRESETS[model["preset"]]["layers"]
 
@@ -233,7 +240,7 @@ def bridge_rows() -> list[dict]:
         # (CommOverlapConfig(tp_comm_overlap=True, tp_comm_overlap_cfg=userbuffers_*_h100_h16384_tp8_cp2_... for
         # 405B, ..._h8192_tp4_... for 70B, ..._b200_h16384_tp4_cp2_... on B200): planner.tp_overlap
         par = dict(tp=tp, pp=pp, cp=cp, zero=3 if fsdp else 1, cp_method="ring") | (
-            {} if fsdp else dict(dp_bucket_mb=round(4 * max(40_000_000, 1_000_000 * gpus // (tp * pp * cp)) / 2**20, 1))) | (
+            {} if fsdp else dict(dp_bucket_mb=mcore_bucket_mb(gpus // (tp * pp * cp)))) | (
             dict(pp_schedule="interleaved-1f1b", pp_virtual_stages=vp) if pp > 1 else {})
         out.append(dict(
             source=f"Megatron-Bridge 25.11 {system}", url=BRIDGE,
