@@ -101,3 +101,47 @@ def test_bucketed_dp_exposure_without_and_with_pipeline_chunks():
     # zero-bubble, pp rank 1, no hooks: chunk 1's 0.5 s start 2 backwards (0.4 s) before the end and
     # end 0.1 s after it; chunk 0's 0.5 s follow: exposed 0.6
     assert bucketed_exposed(comm(gradient_ready("zero-bubble", 4, 1, 2)), 0.4) == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("schedule, pp, v, m", [
+    ("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 32), ("interleaved-1f1b", 4, 2, 8),
+    ("interleaved-1f1b", 4, 3, 16), ("zero-bubble", 4, 2, 8), ("zero-bubble", 4, 1, 8),
+])
+def test_cooldown_lead_is_the_simulated_schedule(schedule, pp, v, m):
+    """How long before the pipeline's end each rank's last op ends (plan/schedule.py cooldown_lead),
+    in single-chunk backwards (2 units), equals the simulated timeline exactly: 1F1B and interleaved
+    ranks finish one backward apart, zero-bubble's together (F = B = W). (V-shaped schedules get no
+    credit: which rank ends last in their greedy simulation depends on the micro-batch count.)"""
+    from llmtrain.plan.schedule import cooldown_lead
+
+    tl = simulate(schedule, pp, v, m)
+    ends = [max(s.end for s in tl.slots if s.rank == r) for r in range(pp)]
+    assert [cooldown_lead(schedule, pp, r) for r in range(pp)] == pytest.approx([(max(ends) - e) / 2 for e in ends])
+
+
+def test_end_of_step_reduction_hides_behind_the_earlier_stages_cooldown():
+    """Two 1F1B ranks, 0.3 s backward per micro batch each, gradients all-reduced after the schedule
+    (phase step): rank 0 has 0.1 s, rank 1 (the output layer's large gradient) 0.5 s. Rank 1 ends
+    one backward (0.3 s) before rank 0, so the step waits max(0.1, 0.5 - 0.3) = 0.2 s for them, not
+    0.5; ZeRO-1's parameter broadcast after the optimizer step gets no credit; zero-bubble ranks end
+    together (0.5 s). Hand-computed, exact."""
+    from llmtrain.plan.comm import Comm
+    from llmtrain.plan.steptime import RankWork, step_time
+    from llmtrain.recipe.gpus import GPUS
+
+    def ranks(after_step: bool = False) -> list[RankWork]:
+        out = []
+        for seconds in (0.1, 0.5):
+            c = Comm("dp", "broadcast" if after_step else "all-reduce", 2, 1e6, 1, "network", seconds, "step")
+            c.after_step = after_step
+            out.append(RankWork(0.0, 0.0, [c], fwd_s=0.15, bwd_s=0.3))
+        return out
+
+    def dp(schedule: str, after_step: bool = False) -> float:
+        st = step_time(ranks(after_step), GPUS["h100-sxm"], 4, 0.25, schedule, 1, 2, 1.0, 1.0, pp=2)
+        return st.breakdown["dp_comm"]
+
+    assert dp("1f1b") == pytest.approx(0.2)
+    assert dp("interleaved-1f1b") == pytest.approx(0.2)  # one chunk per rank here
+    assert dp("zero-bubble") == pytest.approx(0.5)
+    assert dp("1f1b", after_step=True) == pytest.approx(0.5)

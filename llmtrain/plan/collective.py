@@ -29,6 +29,7 @@ class Comm:
     ready: tuple = ()  # phase "step-overlap": per chunk (lead, hooked), plan/schedule.py gradient_ready
     exposed_share: float = 1.0  # phase "cp-ring": share on the critical path (plan/ringtime.py)
     units: int = 1  # separate collectives one message is issued as (FSDP units, DP buckets): v2 prices each one's latency
+    after_step: bool = False  # ZeRO-1's updated parameters: after the optimizer step, not the rank's backward
 
     def to_dict(self) -> dict:
         return {"dim": self.dim, "op": self.op, "group": self.group, "message_bytes": self.message_bytes,

@@ -272,15 +272,19 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             out.append(make("dp", "all-gather", dpcp, c.e * dense, 1, g, "step",
                             f"ZeRO-1 as a distributed optimizer: updated {c.e}-byte parameters all-gathered "
                             "(planner.dp_optimizer distributed)"))
+            out[-1].after_step = True
             if expert and d.dp_replicate * d.edp > 1:
                 out.append(make("dp", "all-gather", d.dp_replicate * d.edp, c.e * expert, 1, g, "step",
                                 "ZeRO-1 as a distributed optimizer: expert parameters over expert-DP"))
+                out[-1].after_step = True
         elif c.dp_kind == "zero1":  # the experts' owners among their expert-DP group (engine/dp_optimizer.py)
             out.append(make("dp", "broadcast", dpcp, 4 * dense, 1, g, "step",
                             "ZeRO-1: owners broadcast updated fp32 parameters"))
+            out[-1].after_step = True
             if expert and d.dp_replicate * d.edp > 1:
                 out.append(make("dp", "broadcast", d.dp_replicate * d.edp, 4 * expert, 1, g, "step",
                                 "ZeRO-1: expert owners broadcast over expert-DP"))
+                out[-1].after_step = True
 
     # -- tensor parallel -------------------------------------------------------------------------------
     if d.tp > 1:

@@ -277,3 +277,23 @@ def gradient_ready(schedule: str | None, pp: int, rank: int, virtual: int) -> tu
     v = virtual
     per = pp if schedule == "interleaved-1f1b" else pp / 2
     return tuple((float(k * per), schedule in HOOKED or rank + k * pp == 0) for k in reversed(range(v)))
+
+
+def cooldown_lead(schedule: str | None, pp: int, rank: int) -> int:
+    """How many single-chunk micro-batch backwards run on the pipeline ranks before ``rank``
+    after ``rank``'s last op: ``rank``'s end-of-step data-parallel reduction runs beside them.
+
+    In GPipe, 1F1B and interleaved 1F1B the last micro batch's backward walks back from the last
+    stage to stage 0, so rank ``r`` finishes ``r`` backwards (of stages ``r - 1 .. 0``; of their
+    chunk 0 when interleaved) before rank 0, whose end is the pipeline's; the step waits for the
+    last rank's reduction (the gradient-norm all-reduce and the optimizer step follow it on every
+    rank), not for each rank's as if it had ended with rank 0. The zero-bubble family fills that
+    cooldown with deferred weight passes: with the F = B = W units of plan/bubble.py every looped
+    zero-bubble rank ends together (0). V-shaped schedules (zbv, dualpipev) get 0 too, a lower bound:
+    in their greedy simulation the last rank, not the first, ends last, by an amount that depends on
+    the micro-batch count. Closed form of :func:`simulate` at its default units
+    (tests/test_costmodel_formulas.py).
+    """
+    if schedule in ("gpipe", "1f1b", "interleaved-1f1b") and pp > 1:
+        return rank
+    return 0

@@ -19,6 +19,9 @@ hiding behind the later chunks' backward (:func:`bucketed_exposed`); with the ze
 family's weight passes (no hooks) a chunk's buckets start after it, so on every pp rank but
 the first the last chunk's reduction is exposed whole. ZeRO-1's
 broadcast of the updated parameters runs after the optimizer step (exposed).
+The step waits for the pipeline rank whose end-of-step gradient reduction ends last: under GPipe,
+1F1B and interleaving rank ``r`` ends ``r`` chunk backwards before rank 0 (schedule.cooldown_lead),
+and its reduction runs beside them (:func:`cooldown_exposed`).
 ``dp_overlap=True`` (Megatron-style, used for the published-system comparisons in
 docs/planner.md; in a recipe ``planner.assume_dp_overlap``, and each collective priced so says
 it in its note) also overlaps the PP case and ZeRO-1's broadcast (with the next forward). FSDP2 prefetches the next
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 from llmtrain.plan.asynctp import async_tp_exposed_factor, tp_backward_exposed_factor
 from llmtrain.plan.comm import Comm
+from llmtrain.plan.schedule import cooldown_lead
 from llmtrain.recipe.gpus import GPUSpec
 
 COMPUTE_EFFICIENCY = {"h100-sxm": 0.62, "h200": 0.64, "a100-80g": 0.64, "b200": 0.55, "cpu": 0.5}
@@ -174,6 +178,19 @@ def bucketed_exposed(c: Comm, t_b: float) -> float:
     return max(0.0, finish)
 
 
+def cooldown_exposed(grads: list[Comm], window: float) -> None:
+    """Take ``window`` seconds (the backwards the pipeline ranks before this one still run after
+    its last op, :func:`llmtrain.plan.schedule.cooldown_lead`) off the exposed end-of-step
+    gradient reductions ``grads`` of one pipeline rank, the last-issued first: the step waits for
+    the rank whose reduction ends last, counted from rank 0's end (the pipeline's)."""
+    for c in reversed(grads):
+        take = min(c.exposed_s, window)
+        if take > 0:
+            c.exposed_s -= take
+            window -= take
+            c.note += f"; {take:.3g} s behind the earlier pipeline stages' last backwards"
+
+
 def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: float, schedule: str | None,
               tokens_per_step: int, world: int, model_flops_step: float, hw_flops_step: float,
               chunks_per_rank: int = 1, dp_overlap: bool = False, pp: int | None = None,
@@ -188,9 +205,10 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
     m = microbatches
     per_rank = []
     n_ranks = pp or len(ranks)
-    for w in ranks:
+    backwards = [straggler * (w.bwd_s if w.bwd_s is not None else w.bwd_flops / rate) for w in ranks]
+    for i, w in enumerate(ranks):
         t_f = straggler * (w.fwd_s if w.fwd_s is not None else w.fwd_flops / rate)
-        t_b = straggler * (w.bwd_s if w.bwd_s is not None else w.bwd_flops / rate)
+        t_b = backwards[i]
         fused = [c for c in w.comms if c.phase == "tp-overlap"]  # parallel.async_tp (comm.py)
         fused_factor = async_tp_exposed_factor(sum(c.seconds for c in fused), m * (t_f + t_b),
                                                fused[0].group) if fused else 1.0
@@ -220,8 +238,7 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 if dp_overlap or c.phase == "step-overlap":  # all but the last bucket hide behind the last backward
                     bucket = c.bucket_bytes or BUCKET_BYTES  # (dp_overlap: ZeRO-1's broadcast behind the next forward)
                     last = c.seconds * min(1.0, bucket / max(1.0, c.message_bytes))
-                    after = c.op in ("broadcast", "all-gather")  # ZeRO-1's parameters, behind the next forward
-                    c.exposed_s = last + max(0.0, c.seconds - last - (t_f if after else t_b))
+                    c.exposed_s = last + max(0.0, c.seconds - last - (t_f if c.after_step else t_b))
                 else:
                     c.exposed_s = c.seconds
             elif c.phase == "fsdp-gather":
@@ -233,9 +250,12 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 c.exposed_s = c.seconds
             elif c.dim == "pp":  # the sends along the fill and drain path
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
+        hidden = sum(c.seconds - c.exposed_s for c in w.comms if c.dim == "dp")  # beside this rank's compute
+        lead = cooldown_lead(schedule, n_ranks, i)
+        cooldown_exposed([c for c in w.comms if c.dim == "dp" and c.phase in ("step", "step-overlap")
+                          and not c.after_step], sum(backwards[i - lead:i]) / max(1, chunks_per_rank))
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
         optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, gpu.hbm_bytes_per_s or 2e12)
-        hidden = sum(c.seconds - c.exposed_s for c in w.comms if c.dim == "dp")
         per_rank.append(dict(compute=t_f + t_b, tp=by["tp"] / m, cp=by["cp"] / m, ep=by["ep"] / m, dp=by["dp"],
                              pp=by["pp"], optimizer=optimizer, overlap=max(0.0, hidden) * w.overlap_slowdown))
     slowest = max(range(len(per_rank)), key=lambda i: sum(per_rank[i][k] for k in ("compute", "tp", "cp", "ep")))
