@@ -16,6 +16,16 @@ from published_runs import NEMO, gpt, recipe
 DIST_OPT = "distributed"
 # optim.bucket_cap_mb of each model's 24.07 launcher config (the gradient buckets the optimizer reduce-scatters;
 # Nemotron-340B also grad_sync_dtype bf16)
+# model.cross_entropy_loss_fusion in each model's 24.07 launcher config: true for these (Megatron-Core's
+# fused_vocab_parallel_cross_entropy: planner.loss megatron_fused); the others do not set it and run
+# Megatron-Core's default, the unfused vocab_parallel_cross_entropy (planner.loss megatron)
+LOSS_FUSION = ("LLAMA3-8B", "LLAMA3-70B", "Nemotron-8B", "Nemotron-22B")
+
+
+def nemo_loss(name: str) -> str:
+    return "megatron_fused" if name in LOSS_FUSION else "megatron"
+
+
 BUCKET_MB = {"GPT3-5B": 400, "GPT3-20B": 220, "GPT3-175B": 220, "LLAMA2-7B": 125, "LLAMA2-13B": 125, "LLAMA2-70B": 125,
              "LLAMA3-8B": 125, "LLAMA3-70B": 125, "Nemotron-8B": 100, "Nemotron-22B": 100, "Nemotron-340B": 50}
 
@@ -45,7 +55,7 @@ def nemo_rows() -> list[dict]:
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
-                          dp_optimizer=DIST_OPT),
+                          dp_optimizer=DIST_OPT, loss=nemo_loss(name)),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
                   "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
                   "fp8 cast-transpose kernels (planner.fp8_casts fused); distributed_fused_adam: gradients "
@@ -108,7 +118,8 @@ def nemo_more_rows() -> list[dict]:
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing=ac, precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
-                          selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT),
+                          selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT,
+                          loss=nemo_loss(name)),
             note=("FP8; the table's layout, the rest from NeMo-Framework-Launcher 24.07's config for the model "
                   "(launcher_scripts/conf/training/...): distributed_fused_adam with overlapped gradient and parameter "
                   "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap) in its bucket_cap_mb "

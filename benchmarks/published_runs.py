@@ -249,12 +249,14 @@ def bridge_rows() -> list[dict]:
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
                           attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1,
-                          dp_optimizer=None if fsdp else "distributed"),
+                          dp_optimizer=None if fsdp else "distributed", loss="megatron_fused"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
                   "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
                   "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed) in Megatron-Core's "
                   "default buckets (max(40M, 1M x dp) parameters: parallel.dp_bucket_mb), ring CP, no "
-                  "recomputation (Megatron-Core's default: the table does not say); Transformer Engine's cuDNN attention "
+                  "recomputation (Megatron-Core's default: the table does not say); the fused vocabulary-parallel "
+                  "cross-entropy (GPTModelProvider's cross_entropy_loss_fusion True: planner.loss megatron_fused); "
+                  "Transformer Engine's cuDNN attention "
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "
                   "TP, which leaves 2 of 12 SP collectives per layer exposed that Megatron's bulk overlap also hides)"

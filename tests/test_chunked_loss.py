@@ -153,6 +153,12 @@ def test_planner_chunk_rule_and_loss_terms():
     assert act.loss_chunk_tokens(8192, 128256) == 256
     assert act.loss_chunk_tokens(8192, 151936) == 128  # floor
     assert act.loss_chunk_tokens(100, 512) == 100  # never more than the tokens
+    # at least half the hidden size (the weight gradient's accumulation per chunk, plan/losstime.py)
+    assert act.loss_chunk_tokens(8192, 128256, 4096) == 2048  # Llama 3 8B
+    assert act.loss_chunk_tokens(8192, 32768, 2048) == 1024  # the memory rule already gives as many
+    assert act.loss_chunk_tokens(8192, 128256, 300) == 256  # 150 rounds up to 256 = the memory rule
+    assert act.loss_chunk_tokens(8192, 16032, 16384) == 8192  # 405B under TP 8
+    assert act.loss_chunk_tokens(8192, 129280, 7168) == 2048  # DeepSeek-V3: the 1 GiB cap, not 3584
     x = act.ActShape(b=4, s=2048, h=128, heads=8, kv_heads=4, ffn=352, vocab=32768, e=4)
     old = act.ActShape(**{**{k: getattr(x, k) for k in x.__dataclass_fields__}, "chunked_loss": False})
     terms, old_terms = act.last_stage_terms(x), act.last_stage_terms(old)

@@ -18,6 +18,7 @@ import pytest
 from llmtrain.plan import fp8time, ops
 from llmtrain.plan.api import plan_recipe
 from llmtrain.plan.costmodel import estimate
+from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.recipe.gpus import ASSUMED, GPUS, SOURCES
 from llmtrain.recipe.load import validate_recipe_dict
 
@@ -153,14 +154,21 @@ def test_whole_block_recompute_reruns_the_last_gemm_and_counts_its_flops():
     assert sel_whole.time.step_s == sel.time.step_s and not sel_whole.assumptions
 
 
-def test_unchunked_loss_holds_the_full_fp32_logits_and_changes_no_time():
+def _head_loss(kind: str) -> float:
+    """Forward + backward seconds of the 8B recipe's output layer and loss (one micro batch of 16,384 tokens)."""
+    return sum(head_loss_seconds(kind, 16384, 128256, 4096, 2, GPUS["h100-sxm"]))
+
+
+def test_unchunked_loss_holds_the_full_fp32_logits_and_is_priced_as_torch_runs_it():
     """planner.loss unchunked: the last stage keeps the [b s, V] fp32 log-probabilities (4 bytes) and
-    the bf16 logits through the backward; memory only. 8B: V = 128,256, b s = 16,384."""
+    the bf16 logits through the backward; its compute is the engine's less exactly the difference of
+    the two losses' prices (plan/losstime.py; one micro batch per rank). 8B: V = 128,256, b s = 16,384."""
     chunked = _plan(_recipe(train__precision="bf16"))
     unchunked = _plan(_recipe(train__precision="bf16", planner__loss="unchunked"))
     log_probs = 4 * 16384 * 128256
     assert unchunked.worst.peak - chunked.worst.peak >= log_probs
-    assert unchunked.time.step_s == chunked.time.step_s
+    assert chunked.time.breakdown["compute"] - unchunked.time.breakdown["compute"] == pytest.approx(
+        _head_loss("engine") - _head_loss("unchunked"), rel=1e-9)
     assert "planner.loss unchunked" in unchunked.assumptions
 
 
@@ -168,7 +176,8 @@ def test_compiled_loss_keeps_the_lse_not_the_fp32_log_probs():
     """planner.loss compiled (torchtitan's loss under torch.compile): the last stage saves the fp32
     log-sum-exp per token (4 b s bytes) instead of the fp32 log-probabilities (4 b s V), and the
     loss backward writes one bf16 gradient of the logits (2 b s V) instead of two fp32 ones
-    (8 b s V); memory only. 8B: V = 128,256, b s = 16,384."""
+    (8 b s V); its time is Inductor's two passes over the bf16 logits (plan/losstime.py). 8B: V = 128,256,
+    b s = 16,384."""
     unchunked = _plan(_recipe(train__precision="bf16", planner__loss="unchunked"))
     compiled = _plan(_recipe(train__precision="bf16", planner__loss="compiled"))
     tokens, vocab = 16384, 128256
@@ -176,7 +185,8 @@ def test_compiled_loss_keeps_the_lse_not_the_fp32_log_probs():
     assert act_u["log_probs"] == 4 * tokens * vocab and "log_probs" not in act_c
     assert act_c["loss_lse"] == 4 * tokens
     assert unchunked.worst.peak - compiled.worst.peak >= 4 * tokens * vocab
-    assert compiled.time.step_s == unchunked.time.step_s
+    assert unchunked.time.breakdown["compute"] - compiled.time.breakdown["compute"] == pytest.approx(
+        _head_loss("unchunked") - _head_loss("compiled"), rel=1e-9)
     assert "planner.loss compiled" in compiled.assumptions
 
 

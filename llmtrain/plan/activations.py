@@ -57,7 +57,10 @@ output, ``engine/models/llama.py``), ``n`` =
   head trains, the fp32 ``dL/dW`` of its vocabulary shard, instead of the head's input, the
   ``[b, s, vocab/tp]`` logits and log-probabilities; one chunk's fp32 logits are the transient.
   ``ActShape.chunked_loss=False`` models the unchunked loss (``F.cross_entropy`` over full
-  logits) for comparisons.
+  logits) for comparisons; ``compiled_loss`` that loss under torch.compile and the one-kernel fused
+  losses (``planner.loss: fused``, which keep the logits and a log-sum-exp per token);
+  ``megatron_loss`` Megatron's (``planner.loss: megatron`` / ``megatron_fused``: the fp32 softmax kept,
+  the low-precision logits freed after the upcast).
 """
 
 from __future__ import annotations
@@ -69,16 +72,28 @@ from llmtrain.plan.cp_transient import cp_transient_bytes, ring_transient_bytes 
 
 LSE = 4  # fp32 log-sum-exp / rstd bytes
 LOSS_CHUNK_BYTES = 128 << 20  # fp32 logits of one loss chunk, per rank
+LOSS_CHUNK_MAX_BYTES = 1 << 30  # ... and the most that the half-hidden floor may take (loss_chunk_tokens)
 LOSS_CHUNK_ALIGN = 128  # tokens: chunk sizes are multiples of this (matmul tiles), and at least this
 
 
-def loss_chunk_tokens(tokens: int, vocab_local: int) -> int:
+def loss_chunk_tokens(tokens: int, vocab_local: int, hidden: int = 0) -> int:
     """Tokens per chunk of the chunked cross-entropy (``engine/parallel/loss.py``), shared by the
     engine and the planner: as many as keep one chunk's fp32 logits ``[chunk, vocab_local]`` within
-    ``LOSS_CHUNK_BYTES`` (128 MiB), rounded down to a multiple of 128, at least 128, at most
-    ``tokens``. 1024 tokens at a 32K local vocabulary, 256 at Llama 3's 128K, 128 at Qwen's 152K."""
+    ``LOSS_CHUNK_BYTES`` (128 MiB), rounded down to a multiple of 128, but at least half the hidden
+    size ``hidden`` (rounded up to a multiple of 128) as far as ``LOSS_CHUNK_MAX_BYTES`` (1 GiB of
+    fp32 logits) allows, at least 128, at most ``tokens``.
+
+    The floor at ``hidden / 2`` is for time: each chunk also adds its ``[vocab_local, hidden]``
+    weight-gradient product to the fp32 accumulator (in a bf16 compute dtype written, upcast and
+    added: 20 bytes per weight element) against 44 bytes per logit of the chunk's own loss
+    (plan/losstime.py), so chunks of fewer than ``~hidden / 2`` tokens spend more HBM traffic on
+    the accumulator than on the loss. 1024 tokens at a 32K local vocabulary and hidden <= 2048; at
+    Llama 3's 128K, 256 for hidden <= 512 and 2048 for 8B's 4096 (1 GiB of fp32 logits: the price
+    of 166 -> 67 ms per 8K-token micro batch on an H100, planned; DeepSeek-V3's 129K x 7168: 2048)."""
     fit = LOSS_CHUNK_BYTES // (4 * max(1, vocab_local)) // LOSS_CHUNK_ALIGN * LOSS_CHUNK_ALIGN
-    return max(1, min(tokens, max(LOSS_CHUNK_ALIGN, fit)))
+    most = LOSS_CHUNK_MAX_BYTES // (4 * max(1, vocab_local)) // LOSS_CHUNK_ALIGN * LOSS_CHUNK_ALIGN
+    wide = min(most, -(-(hidden // 2) // LOSS_CHUNK_ALIGN) * LOSS_CHUNK_ALIGN)
+    return max(1, min(tokens, max(LOSS_CHUNK_ALIGN, fit, wide)))
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -117,6 +132,10 @@ class ActShape:
     lora: tuple | None = None  # (rank, target names, dropout > 0) of train.lora; None: full training
     chunked_loss: bool = True  # the engine's chunked cross-entropy; False: F.cross_entropy over full logits
     compiled_loss: bool = False  # with chunked_loss False: that loss under torch.compile (no fp32 [b, s, V] tensors)
+    # with chunked_loss False: Megatron's vocab_parallel_cross_entropy (planner.loss megatron, megatron_fused):
+    # its fp32 softmax saved like the log-probabilities, the low-precision logits freed after the upcast,
+    # the backward turning the softmax into the gradient in place and casting it
+    megatron_loss: bool = False
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -136,7 +155,7 @@ class ActShape:
     @property
     def loss_chunk(self) -> int:
         """Tokens per chunk of the chunked loss (one micro batch: ``b x s`` tokens on each TP rank)."""
-        return loss_chunk_tokens(self.b * self.s, self.vocab // self.tp)
+        return loss_chunk_tokens(self.b * self.s, self.vocab // self.tp, self.h)
 
 
 def _norm_bytes(x: ActShape) -> int:
@@ -377,7 +396,7 @@ def logits_bytes(x: ActShape) -> int:
     """Logits alive from the forward to the end of backward (``[b, s, vocab/tp]`` in compute dtype).
     With TP in fp32 the vocabulary-parallel loss keeps the logits themselves: nothing extra. The
     chunked loss keeps none."""
-    if x.chunked_loss or (x.tp > 1 and x.e == 4):
+    if x.chunked_loss or x.megatron_loss or (x.tp > 1 and x.e == 4):
         return 0
     return x.b * x.s * x.vocab // x.tp * x.e
 
@@ -388,7 +407,7 @@ def loss_backward_bytes(x: ActShape) -> int:
     gradient in place), in bf16 also the matmul's output and the gradient's cast, and the bf16
     weight-gradient product of a chunk before its fp32 accumulation."""
     v = x.vocab // x.tp
-    if not x.chunked_loss:  # compiled: one fused kernel writes the logits' gradient in their dtype
-        return x.b * x.s * v * x.e if x.compiled_loss else 2 * 4 * x.b * x.s * v
+    if not x.chunked_loss:  # compiled (and Megatron's, in place): the logits' gradient written in their dtype
+        return x.b * x.s * v * x.e if x.compiled_loss or x.megatron_loss else 2 * 4 * x.b * x.s * v
     low = x.e != 4
     return x.loss_chunk * v * (4 + 2 * x.e * low) + (v * x.h * x.e if low and x.lora is None else 0)

@@ -18,7 +18,7 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   forward (the kernels recompute the scores: the papers' own FLOP convention for the backward
   rate), halved when the part the kernels execute (``flops.attention_executed``: 1/2 for causal
   SDPA, Ulysses and the zigzag ring and all-gather).
-- **Memory-bound ops** (RMSNorm: fused, or ``planner.norm: unfused`` by :func:`norm_bytes`, RoPE, SwiGLU, residual adds, the loss, FSDP2's copy-in/out of
+- **Memory-bound ops** (RMSNorm: fused, or ``planner.norm: unfused`` by :func:`norm_bytes`, RoPE, SwiGLU, residual adds, the cross-entropy as ``planner.loss``'s stack runs it (``losstime.py``), FSDP2's copy-in/out of
   gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
   datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
 - **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
@@ -46,6 +46,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
 from llmtrain.plan.loratime import LORA_KERNELS, lora_pass_seconds
+from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.recipe.gpus import GPUSpec
 
 # SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
@@ -95,6 +96,7 @@ class BlockShape:
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
     lora: tuple | None = None  # train.lora: (rank, target names, dropout on) (plan/loratime.py)
     lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
+    loss: str = "engine"  # planner.loss: the cross-entropy's kernels (plan/losstime.py)
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -196,18 +198,13 @@ def recompute_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers
 
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
 def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
-    """Final norm, output GEMM (vocabulary split over TP) and the fp32 cross-entropy."""
+    """Final norm, the output layer (vocabulary split over TP) and the cross-entropy as
+    ``planner.loss``'s stack runs them (plan/losstime.py; a frozen output layer under LoRA: its
+    input's gradient only)."""
     tok = x.b * x.s
-    f, b_ = gemm_fwd_bwd(tok, x.vocab / x.tp, x.h, gpu, sms=sms)
-    if x.lora is not None:  # the frozen output layer: its input's gradient only
-        b_ = gemm_seconds(tok, x.h, x.vocab / x.tp, gpu, sms=sms)
-    logits = x.vocab / x.tp * tok
-    # upcast to fp32 (read e, write 4), log-softmax (read 4, write 4) forward; backward read 4 and
-    # write the e-byte gradient of the logits, plus the final norm (norm_bytes)
+    f, b_ = head_loss_seconds(x.loss, tok, x.vocab / x.tp, x.h, x.e, gpu, weight_trains=x.lora is None, sms=sms)
     nf, nb = norm_bytes(x.e, x.norm_unfused)
-    f += membound_seconds(logits * (x.e + 12) + nf * x.h * tok, gpu)
-    b_ += membound_seconds(logits * (4 + x.e) + nb * x.h * tok, gpu)
-    return f, b_
+    return f + membound_seconds(nf * x.h * tok, gpu), b_ + membound_seconds(nb * x.h * tok, gpu)
 
 
 def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu: GPUSpec, e: int,
@@ -233,7 +230,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0,
-                      lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0))
+                      lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
+                      loss=recipe.planner.loss)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

@@ -35,13 +35,17 @@ class PlannerConfig(Strict):
                               "attn_impl triton), materialized (scores in HBM "
                               "with a fused softmax and dropout, as Megatron-LM before FlashAttention). "
                               "docs/planner.md section 9.")
-    loss: Literal["engine", "unchunked", "compiled"] = Field(
-        "engine", description="Planner only (memory); the bundled engine always runs its chunked cross-entropy. The "
-                              "loss to count: engine (chunked, one chunk's fp32 logits at a time), unchunked "
-                              "(F.cross_entropy over the whole [b, s, vocab/tp] logits upcast to fp32, as torchtitan "
-                              "2024 and other stacks that do not chunk), compiled (that loss under torch.compile, as "
-                              "torchtitan from April 2025 with training.compile: fused, no fp32 [b, s, vocab/tp] "
-                              "tensors). docs/planner.md section 7.")
+    loss: Literal["engine", "unchunked", "compiled", "megatron", "megatron_fused", "fused"] = Field(
+        "engine", description="Planner only (memory, and time model v2's time); the bundled engine always runs its "
+                              "chunked cross-entropy. The loss to count: engine (chunked, one chunk's fp32 logits at a "
+                              "time), unchunked (F.cross_entropy over the whole [b, s, vocab/tp] logits upcast to fp32, "
+                              "as torchtitan 2024 and other stacks that do not chunk), compiled (that loss under "
+                              "torch.compile, as torchtitan from April 2025 with training.compile: fused, no fp32 "
+                              "[b, s, vocab/tp] tensors), megatron (Megatron's vocab_parallel_cross_entropy: an fp32 "
+                              "copy turned into the softmax in place), megatron_fused (the same with "
+                              "cross_entropy_loss_fusion, as NeMo and Megatron-Bridge run it), fused (one fused kernel "
+                              "over the low-precision logits, e.g. flash-attn's CrossEntropyLoss as llm-foundry runs "
+                              "it). plan/losstime.py; docs/planner.md sections 7 and 9.")
     fp8_casts: Literal["engine", "fused"] = Field(
         "engine", description="Planner only (time model v2, train.precision fp8); the bundled engine runs torchao's "
                               "casts. How to price the fp8 scaling casts beside the FP8 GEMMs: engine (torchao "

@@ -37,7 +37,11 @@ Decisions:
   DTensor of logits, and its backward needs the chunk's logits again.
 * **Chunk size** (:func:`llmtrain.plan.activations.loss_chunk_tokens`, shared with the planner):
   as many tokens as keep one chunk's fp32 logits at most 128 MiB per rank, a multiple of 128
-  tokens and at least 128: 1024 tokens at a 32K local vocabulary, 256 at Llama 3's 128K.
+  tokens and at least 128, but never fewer than half the hidden size: each chunk also adds its
+  ``[V_local, H]`` weight-gradient product to the fp32 accumulator, which in bf16 moves ~20 bytes
+  per weight element against ~44 per logit of the chunk's loss, so smaller chunks would spend more
+  time on the accumulator than on the loss (plan/losstime.py). 1024 tokens at a 32K local
+  vocabulary and hidden <= 2048, 2048 at Llama 3 8B's 128K and 4096.
 * **FSDP:** the weight is read from the module after the model's forward, when FSDP2 has it
   unsharded (the root is never resharded after forward, :mod:`.data_parallel`); the gradient
   lands in the unsharded parameter's ``.grad`` like any other and FSDP reduce-scatters it.
@@ -180,7 +184,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.T
     y = labels.reshape(-1)
     if y.shape[0] != h2.shape[0]:
         raise ValueError(f"chunked cross-entropy: {h2.shape[0]} hidden rows but {y.shape[0]} labels")
-    chunk = chunk_tokens or loss_chunk_tokens(h2.shape[0], w_local.shape[0])
+    chunk = chunk_tokens or loss_chunk_tokens(h2.shape[0], w_local.shape[0], h2.shape[1])
     cdtype = _compute_dtype(w_local)
     if reduction == "none" or not torch.is_grad_enabled():
         with torch.no_grad(), torch.autocast(h2.device.type, enabled=False):
