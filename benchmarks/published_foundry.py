@@ -36,7 +36,8 @@ def foundry_rows() -> list[dict]:
         first = (size, gpus, gpu) in (("7b", 8, "h100-sxm"), ("3b", 128, "h100-sxm"), ("7b", 8, "a100-80g"))
         note = ("seq 2,048; ALiBi and GeLU MLP modelled as RoPE + SwiGLU of equal FLOPs; gradients reduce-scattered "
                 "after every micro batch (composer runs FSDP without no_sync: parallel.fsdp_reduce_each_microbatch); "
-                "flash-attn's fused CrossEntropyLoss (MPT's default loss_fn fused_crossentropy: planner.loss fused); " +
+                "flash-attn's fused CrossEntropyLoss (MPT's default loss_fn fused_crossentropy: planner.loss fused); "
+                "MPT's one Wqkv GEMM, ALiBi (no RoPE: priced as a fused one) and GeLU MLP (planner.block_kernels fused); " +
                 ("flash-attn 2.4.2 (attn_impl flash: the engine's FA2)" if large else
                  "the Triton FlashAttention of llm-foundry 0.3 (attn_impl triton: planner.attention_kernel fa1)"))
         out.append(dict(
@@ -47,6 +48,6 @@ def foundry_rows() -> list[dict]:
                           dict(zero=3 if shard == "FULL_SHARD" else 2, fsdp_reduce_each_microbatch=True),
                           dict(seq_len=2048, micro_batch_size=mb, global_batch_size=gbs,
                                activation_checkpointing="full" if ac else "none"), gpus, gpu,
-                          attention=None if large else "fa1", loss="fused"),
+                          attention=None if large else "fa1", loss="fused", block_kernels="fused"),
             note=note if first else "as above"))
     return out

@@ -39,6 +39,10 @@ P2P = "blocking"
 # Megatron's cross-entropy: tensor_parallel/cross_entropy.py (mpu/cross_entropy.py in 2021-22) over the logits
 # upcast to fp32, unfused (Megatron-Core's --cross-entropy-loss-fusion is opt-in): plan/losstime.py
 LOSS = "megatron"
+# Megatron's fused block kernels: one QKV and one fc1 GEMM, fused bias-GeLU / SwiGLU and RoPE (GPT's learned
+# positions have none: priced as a fused RoPE, 2 bytes per q / k element each way), attention that takes the
+# K/V heads as they are (planner.block_kernels fused, plan/ops.py)
+KERNELS = "fused"
 TORCH_DDP_BUCKET_MB = 25  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb default (Megatron passed none)
 
 # what Megatron-LM could run at the paper's commit (aed2f75), beyond its zero and SP (benchmarks/search_rank.py
@@ -81,14 +85,15 @@ def megatron_rows() -> list[dict]:
             recipe=recipe(gpt(h, heads, layers, tp), par,
                           dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing="full"),
                           gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE,
-                          pp_p2p=P2P, loss=LOSS),
+                          pp_p2p=P2P, loss=LOSS, block_kernels=KERNELS),
             stack=MEGATRON_2021_STACK,
             note=(f"micro batch {mbs}, {schedule}, full recomputation, zero 0, {ddp_note}; attention with the scores in "
                   "HBM (2021, before FlashAttention: planner.attention_kernel materialized); micro batch, DDP and virtual "
                   f"stages from {SC21_SCRIPT}; Megatron-LM's CheckpointFunction re-runs whole layers (planner.full_recompute "
                   "whole_block); pipeline sends that wait, 1/tp per TP rank gathered after the receive (Megatron-LM "
                   "p2p_communication: planner.pp_p2p blocking, also what the search prices for this stack); "
-                  "mpu.vocab_parallel_cross_entropy over the fp32 logits (planner.loss megatron); predicted = the paper's FLOPs per step "
+                  "mpu.vocab_parallel_cross_entropy over the fp32 logits (planner.loss megatron); fused QKV and "
+                  "bias-GeLU kernels (planner.block_kernels fused); predicted = the paper's FLOPs per step "
                   "(its eq. 3) / predicted step time"
                   if first else f"micro batch {mbs}, {schedule}, {ddp} DDP; the rest as the 1.7B row")))
     return out
@@ -140,14 +145,15 @@ def megatron_2022_rows() -> list[dict]:
                               gpus, "a100-80g", attention="materialized", dp_overlap=False,
                               full_recompute=WHOLE if ac == "full" else None, pp_p2p=P2P,
                               selective_recompute="core_attention" if ac == "selective" else None,
-                              tp_backward_overlap=True, loss=LOSS),
+                              tp_backward_overlap=True, loss=LOSS, block_kernels=KERNELS),
                 note=(f"published as {seconds:.2f} s per iteration (batch {batch} x 2,048 tokens on {gpus} GPUs); micro batch "
                       f"{mbs}, {schedule}, {what}, data parallel 1; Megatron-LM d898a89 (2022-05): whole-layer "
                       "recomputation (planner.full_recompute whole_block), selective = the core attention "
                       "(planner.selective_recompute core_attention), the column-parallel inputs' backward collectives "
                       "beside the gradient GEMMs (planner.tp_backward_overlap), blocking pipeline sends (planner.pp_p2p "
                       "blocking), scores in HBM (planner.attention_kernel materialized), the unfused vocabulary-parallel "
-                      "cross-entropy (planner.loss megatron); layouts as Calculon's validation "
+                      "cross-entropy (planner.loss megatron) and fused block kernels (planner.block_kernels fused); "
+                      "layouts as Calculon's validation "
                       "files rebuild them"
                       if first else f"published as {seconds:.2f} s per iteration; micro batch {mbs}, {schedule}; the rest "
                       "as the 22B row")))
@@ -216,13 +222,14 @@ def megatron_h100_rows() -> list[dict]:
             recipe=recipe(gpt(h, heads, layers, tp, vocab=131072, seq=4096), par,
                           dict(seq_len=4096, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="none"),
                           gpus, "h100-sxm", attention="cudnn", tp_overlap=tp > 1, dp_optimizer="distributed",
-                          pp_p2p=P2P if pp > 1 else None, loss=LOSS),
+                          pp_p2p=P2P if pp > 1 else None, loss=LOSS, block_kernels=KERNELS),
             note=("bf16, data parallel 48; Megatron-Core r0.8.0 with the README's flags: distributed optimizer with "
                   "overlapped gradient reduce-scatter and parameter all-gather (zero 1, planner.dp_optimizer distributed, "
                   "planner.assume_dp_overlap) in fp32 and Megatron-Core's default buckets (max(40M, 1M x dp) parameters), "
                   "TP comm overlap with SP (planner.tp_overlap), 1F1B sends that end in torch.cuda.synchronize() "
                   "(planner.pp_p2p blocking), cuDNN attention (planner.attention_kernel cudnn), the unfused "
-                  "vocab_parallel_cross_entropy (--cross-entropy-loss-fusion is off by default: planner.loss megatron); not in the table: micro "
+                  "vocab_parallel_cross_entropy (--cross-entropy-loss-fusion is off by default: planner.loss megatron), "
+                  "Megatron-Core's fused block kernels (planner.block_kernels fused); not in the table: micro "
                   "batch 1, no recomputation, no virtual stages (Megatron's defaults); predicted = Megatron's FLOP count "
                   "(training.py num_floating_point_operations) / predicted step time"
                   if first else "as the 1.7B row")))

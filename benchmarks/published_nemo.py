@@ -55,9 +55,11 @@ def nemo_rows() -> list[dict]:
             recipe=recipe(model, par, dict(seq_len=seq, micro_batch_size=mbs, global_batch_size=gbs,
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
-                          dp_optimizer=DIST_OPT, loss=nemo_loss(name)),
+                          dp_optimizer=DIST_OPT, loss=nemo_loss(name), block_kernels="fused"),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
-                  "does not say); Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
+                  "does not say); Megatron-Core's fused block kernels (planner.block_kernels fused) and the launcher "
+                  "config's cross-entropy (cross_entropy_loss_fusion: planner.loss megatron_fused, else megatron); "
+                  "Transformer Engine's cuDNN attention (planner.attention_kernel cudnn) and fused "
                   "fp8 cast-transpose kernels (planner.fp8_casts fused); distributed_fused_adam: gradients "
                   "reduce-scattered in the config's bucket_cap_mb (parallel.dp_bucket_mb), bf16 parameters all-gathered "
                   "(planner.dp_optimizer distributed); TP comm overlap as "
@@ -119,7 +121,7 @@ def nemo_more_rows() -> list[dict]:
                                            activation_checkpointing=ac, precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
                           selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT,
-                          loss=nemo_loss(name)),
+                          loss=nemo_loss(name), block_kernels="fused"),
             note=("FP8; the table's layout, the rest from NeMo-Framework-Launcher 24.07's config for the model "
                   "(launcher_scripts/conf/training/...): distributed_fused_adam with overlapped gradient and parameter "
                   "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap) in its bucket_cap_mb "

@@ -104,14 +104,14 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
-           dp_optimizer: str | None = None) -> dict:
+           dp_optimizer: str | None = None, block_kernels: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
     planner = {"assume_dp_overlap": True} if overlapped else {}  # (module docstring)
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
-                tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer)
+                tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -249,13 +249,14 @@ def bridge_rows() -> list[dict]:
             recipe=recipe(dict(preset=preset), par, dict(seq_len=8192, micro_batch_size=mbs, global_batch_size=gbs,
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
                           attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1,
-                          dp_optimizer=None if fsdp else "distributed", loss="megatron_fused"),
+                          dp_optimizer=None if fsdp else "distributed", loss="megatron_fused", block_kernels="fused"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
                   "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
                   "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed) in Megatron-Core's "
                   "default buckets (max(40M, 1M x dp) parameters: parallel.dp_bucket_mb), ring CP, no "
                   "recomputation (Megatron-Core's default: the table does not say); the fused vocabulary-parallel "
-                  "cross-entropy (GPTModelProvider's cross_entropy_loss_fusion True: planner.loss megatron_fused); "
+                  "cross-entropy (GPTModelProvider's cross_entropy_loss_fusion True: planner.loss megatron_fused), "
+                  "Megatron-Core's fused block kernels (fused QKV and fc1, RoPE and SwiGLU fusions: planner.block_kernels fused); "
                   "Transformer Engine's cuDNN attention "
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "

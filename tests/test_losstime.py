@@ -4,35 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtrain.engine.parallel.loss import chunked_cross_entropy
 from llmtrain.plan.gemmtime import gemm_fwd_bwd, gemm_seconds, membound_seconds
 from llmtrain.plan.losstime import engine_loss_bytes, head_loss_seconds, logit_bytes
 from llmtrain.recipe.gpus import GPUS
-
-GEMMS = {"mm", "addmm", "addmm_"}
-# views, allocations and the per-token index ops (a few elements of the [chunk, vocab] tensor each)
-NOT_TRAFFIC = {"t", "view", "_unsafe_view", "reshape", "slice", "select", "unsqueeze", "squeeze", "expand",
-               "detach", "alias", "as_strided", "index", "index_put_", "index_put", "gather", "nonzero", "clamp",
-               "arange", "empty", "zeros", "empty_like", "zeros_like", "ones_like", "lift_fresh",
-               "_local_scalar_dense", "promote_types"}
-
-
-class _Traffic(TorchDispatchMode):
-    """Bytes every non-GEMM op reads and writes: its tensor inputs and outputs (an in-place op's
-    tensor counted as read and written)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func._overloadpacket.__name__ not in GEMMS | NOT_TRAFFIC:
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
-            self.bytes += sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
-        return out
+from tests.traffic import Traffic
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,7 +23,7 @@ def test_engine_loss_bytes_are_the_engines_ops(dtype):
     h = torch.randn(n, hidden, dtype=dtype, requires_grad=True)
     w = torch.randn(vocab, hidden, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (n,))
-    with _Traffic() as traffic:
+    with Traffic() as traffic:
         chunked_cross_entropy(h, w, labels, reduction="sum", chunk_tokens=chunk).backward()
     fwd, bwd = engine_loss_bytes(n, vocab, hidden, h.element_size(), chunk)
     assert traffic.bytes == pytest.approx(fwd + bwd, rel=0.01)

@@ -29,6 +29,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.selective_recompute {pl.selective_recompute}")
     if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:
         out.append(f"planner.norm {pl.norm}")
+    if pl.block_kernels != "engine" and recipe.cluster.time_model == "v2":
+        out.append(f"planner.block_kernels {pl.block_kernels}")
     if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":
         out.append(f"planner.full_recompute {pl.full_recompute}")
     if pl.loss != "engine":

@@ -97,6 +97,7 @@ class BlockShape:
     lora: tuple | None = None  # train.lora: (rank, target names, dropout on) (plan/loratime.py)
     lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
     loss: str = "engine"  # planner.loss: the cross-entropy's kernels (plan/losstime.py)
+    kernels: str = "engine"  # planner.block_kernels: the block's element-wise kernels (_elementwise)
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -126,13 +127,26 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     qk = (x.heads + x.kv_heads) * x.hd * tok / t
     width = (x.top_k + x.shared) * x.expert_ffn if moe else x.ffn
     act = width * tok / t
-    # 2 norms (fused, or planner.norm unfused: norm_bytes); RoPE as engine/models/rope.py runs it (cast to fp32, complex multiply, cast back:
-    # 2e + 16 bytes per element each way); SwiGLU as two eager kernels (silu, then the product: 5e
-    # forward, 8e backward); 2 residual adds
-    rope = (2 * e + 16) * qk
+    # 2 norms (fused, or planner.norm unfused: norm_bytes) and 2 residual adds (3e each way). The
+    # engine (tests/test_block_traffic.py counts its ops): RoPE as engine/models/rope.py runs it (cast
+    # to fp32, complex multiply, cast back: 2e + 16 bytes per element each way); SwiGLU as
+    # engine/models/swiglu.py runs it (silu, then the product: 5e forward; backward grad * up,
+    # silu_backward, silu again, grad * silu: 11e); with GQA the K/V heads repeated to the query heads
+    # (repeat_interleave: read kv, write heads) and summed back in backward; in backward autograd's sums
+    # of the input gradients of wq, wk and wv (2) and of the dense MLP's w1 and w3 (1), each on the
+    # projections' full [tokens, hidden] input. planner.block_kernels fused: a fused RoPE (2e), a fused
+    # activation (read gate and up, write the product: 3e; backward 5e), no repeat, one QKV and one fc1
+    # GEMM (no sums).
     nf, nb = norm_bytes(e, x.norm_unfused)
-    fwd = 2 * nf * hdim + rope + 5 * e * act + 2 * 3 * e * hdim
-    bwd = 2 * nb * hdim + rope + 8 * e * act + 2 * 3 * e * hdim
+    base_f, base_b = 2 * nf * hdim + 2 * 3 * e * hdim, 2 * nb * hdim + 2 * 3 * e * hdim
+    if x.kernels == "fused":
+        fwd, bwd = base_f + 2 * e * qk + 3 * e * act, base_b + 2 * e * qk + 5 * e * act
+    else:
+        rope = (2 * e + 16) * qk
+        repeat = 2 * e * (x.heads + x.kv_heads) * x.hd * tok / t if x.heads > x.kv_heads else 0.0
+        sums = (2 + (0 if moe else 1)) * 3 * e * x.h * tok
+        fwd = base_f + rope + 5 * e * act + repeat
+        bwd = base_b + rope + 11 * e * act + repeat + sums
     if moe:  # dispatch gather and combine scatter of the routed copies (read + write each way)
         fwd += 2 * 2 * e * x.top_k * x.h * tok
         bwd += 2 * 2 * e * x.top_k * x.h * tok
@@ -231,7 +245,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0,
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
-                      loss=recipe.planner.loss)
+                      loss=recipe.planner.loss, kernels=recipe.planner.block_kernels)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

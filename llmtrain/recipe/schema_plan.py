@@ -65,6 +65,14 @@ class PlannerConfig(Strict):
                               "composite RMSNorm of torchtitan 2024's norm_type rmsnorm: x.float(), pow, mean, rsqrt, "
                               "mul, type_as, mul by the weight, each its own kernel, and their autograd backward; "
                               "fused again under train.compile). plan/ops.py.")
+    block_kernels: Literal["engine", "fused"] = Field(
+        "engine", description="Planner only (time model v2); the bundled engine runs eager kernels. How to price a "
+                              "block's element-wise work besides its norms: engine (the engine's eager ops: RoPE as an fp32 "
+                              "complex multiply, SwiGLU with its SiLU recomputed in backward, GQA's K/V repeated to the "
+                              "query heads, autograd's sums of the separate q/k/v and w1/w3 input gradients), fused (the "
+                              "fused kernels of Megatron-LM / Megatron-Core with Transformer Engine and of llm-foundry's "
+                              "MPT: one QKV and one fc1 GEMM, so no such sums, a fused RoPE and a fused activation, "
+                              "attention that takes the K/V heads as they are). plan/ops.py.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
                               "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
