@@ -6,7 +6,7 @@ upcast to fp32 reads ``e`` and writes 4, and so does the cast of the fp32 gradie
 below; both vanish when the logits are already fp32):
 
 - ``engine`` (``engine/parallel/loss.py``): the head's matmul and the loss run one chunk of
-  :func:`llmtrain.plan.activations.loss_chunk_tokens` tokens at a time, the gradients computed in
+  :func:`llmtrain.plan.losschunk.loss_chunk_tokens` tokens at a time, the gradients computed in
   the forward. Per logit: upcast, ``amax`` 4, ``sub_`` 8, ``exp_`` 8, ``sum`` 4, the softmax's
   ``mul_`` 8 and the gradient's cast to the compute dtype: ``32 + 2 cast`` forward, nothing in
   the backward. Per chunk three GEMMs (logits; ``dL/dh`` of the chunk's rows; ``dL/dW`` with the
@@ -43,7 +43,7 @@ row in registers moves less.
 
 from __future__ import annotations
 
-from llmtrain.plan.activations import loss_chunk_tokens
+from llmtrain.plan.losschunk import loss_chunk_tokens
 from llmtrain.plan.gemmtime import gemm_fwd_bwd, gemm_seconds, membound_seconds
 from llmtrain.recipe.gpus import GPUSpec
 

@@ -35,7 +35,7 @@ Decisions:
   floats) and merged exactly (``logsumexp`` over ranks); the target logits are summed over the
   group once after the loop. ``loss_parallel`` is not used: per chunk it would redistribute a
   DTensor of logits, and its backward needs the chunk's logits again.
-* **Chunk size** (:func:`llmtrain.plan.activations.loss_chunk_tokens`, shared with the planner):
+* **Chunk size** (:func:`llmtrain.plan.losschunk.loss_chunk_tokens`, shared with the planner):
   as many tokens as keep one chunk's fp32 logits at most 128 MiB per rank, a multiple of 128
   tokens and at least 128, but never fewer than half the hidden size: each chunk also adds its
   ``[V_local, H]`` weight-gradient product to the fp32 accumulator, which in bf16 moves ~20 bytes
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from llmtrain.plan.activations import loss_chunk_tokens
+from llmtrain.plan.losschunk import loss_chunk_tokens
 
 IGNORE = -100  # label of a token that carries no loss (prompt, padding): F.cross_entropy's ignore_index
 
@@ -175,7 +175,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.T
     DTensor under TP), ``labels`` [b, s]. ``reduction``: ``"mean"`` over non-ignored tokens (as
     ``F.cross_entropy``; NaN when all are ignored), ``"sum"``, or ``"none"`` (per-token losses
     [b, s], computed without gradients). ``chunk_tokens``: tokens per chunk (default: the shared
-    rule :func:`~llmtrain.plan.activations.loss_chunk_tokens`). Returns a plain fp32 tensor, the
+    rule :func:`~llmtrain.plan.losschunk.loss_chunk_tokens`). Returns a plain fp32 tensor, the
     same on every TP rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, not {reduction!r}")
