@@ -229,6 +229,72 @@ def kernel_rates(ctx) -> dict:
     return out
 
 
+# (tokens, vocabulary, hidden) of the output layer and its loss: Llama 3 8B's, one micro batch of 8,192 tokens
+LOSS_SHAPE = (8192, 128256, 4096)
+TINY_LOSS_SHAPE = (256, 512, 64)
+OLD_LOSS_CHUNK = 256  # the chunk the 128 MiB rule alone gave at a 128K vocabulary, before the twenty-fourth session
+
+
+@step("loss_rates", est_s=10, group="options")
+def loss_rates(ctx) -> dict:
+    """The output layer and its cross-entropy at Llama 3 8B's shape (``LOSS_SHAPE``), forward and
+    backward as the engine runs them: its chunked loss at the chunk its rule gives now
+    (plan/losschunk.py: at least half the hidden size) and at the 256 tokens it gave before, and
+    torch's ``F.cross_entropy`` over the whole fp32 logits, each beside time model v2's price
+    (plan/losstime.py; the twenty-fourth session planned 166 / 67 / 52 ms on an H100). Checks: the
+    three losses agree (relative 1e-2: bf16 GEMMs, fp32 loss math; 1e-5 in fp32 on CPU) and no
+    rate exceeds the datasheet peak."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.engine.parallel.loss import chunked_cross_entropy
+    from llmtrain.plan.losschunk import loss_chunk_tokens
+    from llmtrain.plan.losstime import head_loss_seconds
+    from llmtrain.recipe.gpus import GPUS
+
+    gpu = GPUS[ctx.gpu_key]
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    tokens, vocab, hidden = TINY_LOSS_SHAPE if ctx.tiny else LOSS_SHAPE
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, hidden, generator=g).to(ctx.device, dtype).requires_grad_()
+    w = (0.02 * torch.randn(vocab, hidden, generator=g)).to(ctx.device, dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(ctx.device)
+    losses = {}
+
+    def engine(chunk):
+        def run():
+            loss = chunked_cross_entropy(h, w, labels, reduction="sum", chunk_tokens=chunk)
+            torch.autograd.grad(loss, (h, w))
+            losses[f"engine_{chunk}"] = float(loss.detach())
+        return run
+
+    def unchunked():
+        loss = F.cross_entropy(F.linear(h, w).float(), labels, reduction="sum")
+        torch.autograd.grad(loss, (h, w))
+        losses["unchunked"] = float(loss.detach())
+
+    now = loss_chunk_tokens(tokens, vocab, hidden)
+    old = min(OLD_LOSS_CHUNK, tokens) if not ctx.tiny else max(1, now // 2)
+    reps, e = (5 if ctx.cuda else 2), h.element_size()
+    rows, flops = {}, 6.0 * tokens * vocab * hidden
+    for name, fn, kind, chunk in ((f"engine_{now}", engine(now), "engine", now), (f"engine_{old}", engine(old), "engine", old),
+                                  ("unchunked", unchunked, "unchunked", None)):
+        seconds = _timed(fn, reps, ctx.cuda)
+        planned = sum(head_loss_seconds(kind, tokens, vocab, hidden, e, gpu, chunk=chunk))
+        rows[name] = {"seconds": seconds, "v2_seconds": planned, "v2_vs_measured": planned / seconds,
+                      "tflops": flops / seconds / 1e12}
+    spread = max(losses.values()) / min(losses.values()) - 1
+    tol = 1e-2 if ctx.cuda else 1e-5
+    out = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shape": {"tokens": tokens, "vocab": vocab, "hidden": hidden},
+           "chunk_now": now, "chunk_before": old, "rows": rows, "loss_spread": spread, "tolerance": tol}
+    if not spread <= tol:
+        raise CheckFailed(f"the losses disagree: {losses} (relative spread {spread:.2e}, tolerance {tol})")
+    fastest = max(r["tflops"] for r in rows.values())
+    if ctx.cuda and fastest > 1.02 * ctx.peak_flops / 1e12:
+        raise CheckFailed(f"the head ran at {fastest:.0f} TFLOP/s, above the {ctx.peak_flops / 1e12:.0f} peak")
+    return out
+
+
 # Every matrix of this model is [128, 128] (MHA, ffn = hidden = vocab): torchao compiles its AdamW
 # kernel once per parameter shape on CUDA (seconds each), so two shapes (matrices, norms) keep
 # the step short; 128 x 128 = 16384 elements, a multiple of 256: the 8-bit path quantizes them.

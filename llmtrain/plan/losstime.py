@@ -67,10 +67,11 @@ def logit_bytes(kind: str, e: int) -> tuple[int, int]:
 
 
 def head_loss_seconds(kind: str, tokens: int, vocab_local: float, hidden: int, e: int, gpu: GPUSpec,
-                      weight_trains: bool = True, sms: int | None = None) -> tuple[float, float]:
+                      weight_trains: bool = True, sms: int | None = None, chunk: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer's GEMMs and the loss ``kind`` for ``tokens``
     tokens on one rank (its ``vocab_local`` rows of the output weight). ``weight_trains``: False
-    when the output layer is frozen (LoRA): no weight gradient, only the input's."""
+    when the output layer is frozen (LoRA): no weight gradient, only the input's. ``chunk``: the
+    engine's tokens per chunk (default: its rule, :func:`loss_chunk_tokens`)."""
     fwd_b, bwd_b = logit_bytes(kind, e)
     logits = tokens * vocab_local
     if kind != "engine":
@@ -78,7 +79,7 @@ def head_loss_seconds(kind: str, tokens: int, vocab_local: float, hidden: int, e
         if not weight_trains:
             b = gemm_seconds(tokens, hidden, vocab_local, gpu, sms=sms)
         return f + membound_seconds(logits * fwd_b, gpu), b + membound_seconds(logits * bwd_b, gpu)
-    chunk = loss_chunk_tokens(tokens, int(vocab_local), hidden)
+    chunk = chunk or loss_chunk_tokens(tokens, int(vocab_local), hidden)
     f = gemm_seconds(tokens, vocab_local, hidden, gpu, sms=sms)  # the logits, chunk by chunk (m = tokens)
     f += gemm_seconds(tokens, hidden, vocab_local, gpu, sms=sms)  # dL/dh of each chunk's rows
     if weight_trains:  # dL/dW, k = one chunk's tokens
