@@ -92,3 +92,21 @@ def test_recommit_of_same_step_replaces_it(tmp_path):
     write_tmp(tmp_path, 2, payload=b"z" * 5)
     store.commit(tmp_path, 2, {})
     assert json.loads((tmp_path / "step-2" / "metadata.json").read_text())["files"]["__0_0.distcp"]["bytes"] == 5
+
+
+def test_loaded_adamw_step_goes_where_torch_keeps_it():
+    """A loaded AdamW ``step`` (DCP fills a CPU scalar) moves to the parameter's device as fp32
+    when the group is fused or capturable, as torch.optim.Optimizer.load_state_dict does, and
+    stays put otherwise. On a GPU the fused kernel refused the CPU step after a resume (the GPU
+    check's dcp_async_resume, H100); here the meta device stands in for CUDA."""
+    import torch
+
+    from llmtrain.engine.checkpoint_state import step_where_torch_keeps_it
+
+    p = torch.empty(3, device="meta")
+    for flags, device in (({"fused": True}, "meta"), ({"capturable": True}, "meta"),
+                          ({"fused": False, "capturable": False}, "cpu"), ({}, "cpu")):
+        st = {"step": torch.tensor(5.0, dtype=torch.float64), "exp_avg": torch.zeros(3)}
+        step_where_torch_keeps_it(st, flags, p)
+        assert st["step"].device.type == device, flags
+        assert st["step"].dtype == (torch.float32 if device == "meta" else torch.float64)

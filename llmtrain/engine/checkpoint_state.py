@@ -127,7 +127,20 @@ def load_optimizer_state(optimizer, names: dict[int, str], state: dict[str, dict
                     o.state[p] = import_moments(o, p, entry)
                 else:
                     o.state[p] = {k: v.clone() for k, v in entry.items()} if name in used else dict(entry)
+                step_where_torch_keeps_it(o.state[p], g, p)
                 used.add(name)
+
+
+def step_where_torch_keeps_it(st: dict, group: dict, p: torch.Tensor) -> None:
+    """Put a loaded ``step`` where torch's AdamW keeps it: on the parameter's device (fp32) when the
+    group is ``fused`` or ``capturable``, else where it is (the CPU scalar DCP loaded it into).
+    The template's step is a CPU scalar (quant_optim.moments_template), and the fused CUDA kernel
+    refuses it ("state_steps is on cpu, different from other tensors on cuda:0": the GPU check's
+    dcp_async_resume on an H100, twenty-fourth session; CPU runs have every tensor on the CPU).
+    The same rule as ``torch.optim.Optimizer.load_state_dict``, which this loader does not go through."""
+    step = st.get("step")
+    if isinstance(step, torch.Tensor) and (group.get("fused") or group.get("capturable")):
+        st["step"] = step.to(dtype=torch.float32, device=p.device)
 
 
 def full_state(parts, optimizer, adapters_only: bool = False) -> dict:
