@@ -27,7 +27,7 @@ def foundry_rows() -> list[dict]:
     ``--attn_impl``: submit_benchmarks.py's default ``triton``, the Triton FlashAttention copied from
     flash-attn 1.x, ``planner.attention_kernel: fa1``); the >= 128-GPU rows are the 2024-01 "Large
     Scale" table (5e85bd62d: sweep.py passes ``--attn_impl flash`` for 3b, 7b and 70b with flash-attn
-    2.4.2, the engine's FA2)."""
+    2.4.2: planner.attention_kernel fa2)."""
     out = []
     for size, gpu, gpus, mb, gbs, shard, ac, tps in FOUNDRY_ROWS:
         h, heads, layers = MPT[size]
@@ -38,7 +38,7 @@ def foundry_rows() -> list[dict]:
                 "after every micro batch (composer runs FSDP without no_sync: parallel.fsdp_reduce_each_microbatch); "
                 "flash-attn's fused CrossEntropyLoss (MPT's default loss_fn fused_crossentropy: planner.loss fused); "
                 "MPT's one Wqkv GEMM, ALiBi (no RoPE: priced as a fused one) and GeLU MLP (planner.block_kernels fused); " +
-                ("flash-attn 2.4.2 (attn_impl flash: the engine's FA2)" if large else
+                ("flash-attn 2.4.2 (attn_impl flash: planner.attention_kernel fa2)" if large else
                  "the Triton FlashAttention of llm-foundry 0.3 (attn_impl triton: planner.attention_kernel fa1)"))
         out.append(dict(
             source=f"llm-foundry {kind} tables", url=FOUNDRY,
@@ -48,6 +48,6 @@ def foundry_rows() -> list[dict]:
                           dict(zero=3 if shard == "FULL_SHARD" else 2, fsdp_reduce_each_microbatch=True),
                           dict(seq_len=2048, micro_batch_size=mb, global_batch_size=gbs,
                                activation_checkpointing="full" if ac else "none"), gpus, gpu,
-                          attention=None if large else "fa1", loss="fused", block_kernels="fused"),
+                          attention="fa2" if large else "fa1", loss="fused", block_kernels="fused"),
             note=note if first else "as above"))
     return out

@@ -30,11 +30,14 @@ model). Rules kept here:
   ZeRO-1's parameter gather with compute, which the bundled engine does not
   (llmtrain/recipe/schema_plan.py); FSDP rows do not need it (FSDP's prefetch is the engine's own);
   Megatron-LM 2021 did not overlap it (its local DDP all-reduced after the backward: ``megatron_rows``);
-- ``planner.attention_kernel`` (time model v2) where the stack's attention kernel is known and not the
-  engine's SDPA (FlashAttention-2): ``materialized`` for Megatron-LM 2021 (before FlashAttention), ``cudnn``
-  for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention, which it prefers on Hopper), ``fa1`` for llm-foundry's 2023
-  tables (its Triton FlashAttention, ``attn_impl: triton``); torchtitan (SDPA) and llm-foundry's 2024
-  large-scale table (flash-attn 2.4.2) are the engine's kernel; Llama 3 and DeepSeek-V3 do not say (engine's);
+- ``planner.attention_kernel`` (time model v2) on every row: ``materialized`` for Megatron-LM 2021 (before
+  FlashAttention), ``cudnn`` for NeMo and Megatron-Bridge (Transformer Engine's cuDNN fused attention, which it
+  prefers on Hopper), ``fa1`` for llm-foundry's 2023 tables (its Triton FlashAttention, ``attn_impl: triton``),
+  ``fa2`` for the rest (:func:`recipe`'s default): torchtitan's SDPA chose FlashAttention-2 on every GPU until
+  torch put cuDNN first on Hopper (torch 2.5.1 made cuDNN opt-in, pytorch PR 138522; torchtitan's PR 1000 of
+  2025-03 lists it only under CP, after FLASH), llm-foundry's 2024 large-scale table ran flash-attn 2.4.2, and
+  Llama 3 and DeepSeek-V3 do not say (FA2, as before). Not ``engine``: since the twenty-fifth session that is
+  the engine's own SDPA, cuDNN's on Hopper at the rate this project's GPU check measured;
 - ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
   casts into cast-transpose kernels and the norms before the GEMMs, where the engine runs torchao's;
 - ``planner.loss: unchunked`` for torchtitan 2024 (``F.cross_entropy`` over the whole fp32 logits; ``compiled`` for
@@ -100,7 +103,7 @@ def with_split(recipe: dict) -> dict:
 
 
 def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power: float | None = None,
-           attention: str | None = None, loss: str | None = None, fp8_casts: str | None = None,
+           attention: str | None = "fa2", loss: str | None = None, fp8_casts: str | None = None,
            norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,

@@ -73,6 +73,10 @@ def test_cpu_smoke_runs_every_step(tmp_path):
     assert not problems, problems
     assert rec["steps"]["env_nccl"]["result"]["backend"] == "gloo"
     assert rec["torch"] and rec["versions"]["torch"] == rec["torch"]
+    # the SDPA rows say which backend torch chose (what benchmarks/gpu_fit.py's SDPA_MEASURED is a rate of)
+    attention = rec["steps"]["kernel_rates"]["result"]["attention"]
+    assert attention and all(r["backend"] not in ("", "unknown", "ERROR") and r["fa2_fwd_bwd_tflops"] > 0
+                             for r in attention), attention
     rows = {r["config"]: r for r in rec["speed"]}
     assert {"dense_compiled", "dense_eager", "dense_compiled_fsdp1", "moe_compiled_fsdp1", "hf_llama_eager"} <= set(rows)
     for name in ("dense_compiled", "dense_eager", "moe_compiled_fsdp1", "moe_eager", "dense_compiled_fsdp1"):

@@ -148,3 +148,20 @@ def test_selective_mm_recomputes_wk_wo_w3_outputs(lora, monkeypatch):
     sel = sum(_stored_bytes(st) for st in _block_storages("selective", lora, monkeypatch))
     got = sum(_stored_bytes(st) for st in storages)
     assert sel - got == 2 * 64 * (64 + 128 + 352) * 4, (sel, got)
+
+
+def test_every_fused_attention_backend_is_saved():
+    """Whichever fused kernel ``F.scaled_dot_product_attention`` dispatches to (flash, efficient, cuDNN
+    on Hopper with torch >= 2.11, the CPU flash, an out-of-tree backend), its output is saved, not
+    recomputed: every forward ``_scaled_dot_product_*`` op aten registers is in the policy's save
+    set, and the policy says MUST_SAVE for it. cuDNN's was missing until a GPU check on an H100."""
+    import torch
+
+    forward = [name for name in dir(torch.ops.aten)
+               if name.startswith("_scaled_dot_product_") and not name.endswith("_backward")]
+    assert "_scaled_dot_product_cudnn_attention" in forward, forward
+    missing = [n for n in forward if getattr(torch.ops.aten, n).default not in ck._SAVE]
+    assert not missing, f"SDPA backends the selective policy would recompute: {missing}"
+    policy = ck._decide(ck._Region(), torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                        torch.empty(1))
+    assert policy == ck.CheckpointPolicy.MUST_SAVE, policy

@@ -157,9 +157,22 @@ def _sustained(ctx) -> dict:
     return out
 
 
+def _sdpa_backend(q) -> str:
+    """The backend ``F.scaled_dot_product_attention`` picks for causal ``q, q, q`` (torch's own choice
+    function; "unknown" where this torch lacks it)."""
+    import torch
+
+    try:
+        from torch.nn.attention import SDPBackend
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+    except Exception:  # noqa: BLE001 - a private function: a record without the name, not a failed step
+        return "unknown"
+
+
 def _attention_rows(ctx, dtype, reps: int) -> list[dict]:
-    """Causal SDPA forward and forward + backward per ``ATTENTION_SHAPES``, beside v2's price
-    (``plan.attentiontime.attention_seconds``, the engine's kernel: FA2's published curve)."""
+    """Causal SDPA forward and forward + backward per ``ATTENTION_SHAPES``, the backend SDPA chose,
+    beside v2's price of the engine's kernel (``plan.attentiontime.attention_seconds``: on Hopper the
+    rate this check measured before, ``SDPA_MEASURED``) and of FA2's published curve (``fa2_*``)."""
     import torch
     import torch.nn.functional as F
 
@@ -177,8 +190,11 @@ def _attention_rows(ctx, dtype, reps: int) -> list[dict]:
             torch.autograd.grad(out, (q, k, v), dout)
         total = _timed(both, reps, ctx.cuda)
         p_fwd, p_bwd = attention_seconds(b, s, s, h, d, 0.5, GPUS[ctx.gpu_key])
+        a_fwd, a_bwd = attention_seconds(b, s, s, h, d, 0.5, GPUS[ctx.gpu_key], kernel="fa2")
         flops = 4.0 * b * s * s * h * d * 0.5  # causal: half the scores (v2's convention)
-        rows.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "fwd_tflops": flops / fwd / 1e12,
+        rows.append({"batch": b, "heads": h, "seq": s, "head_dim": d, "backend": _sdpa_backend(q),
+                     "fa2_fwd_bwd_tflops": 3.5 * flops / (a_fwd + a_bwd) / 1e12,
+                     "fwd_tflops": flops / fwd / 1e12,
                      "fwd_bwd_tflops": 3.5 * flops / total / 1e12, "v2_fwd_tflops": flops / p_fwd / 1e12,
                      "v2_fwd_bwd_tflops": 3.5 * flops / (p_fwd + p_bwd) / 1e12, "fwd_vs_v2": p_fwd / fwd,
                      "fwd_bwd_vs_v2": (p_fwd + p_bwd) / total})
@@ -192,7 +208,7 @@ def kernel_rates(ctx) -> dict:
     the engine runs them (``F.linear`` forward; the input gradient ``dy W`` and the weight gradient
     ``dy^T x`` backward), beside time model v2's price of the same shape on this GPU
     (``plan.gemmtime.gemm_fwd_bwd``: the measured-best matmul fraction x tile/wave efficiency); the
-    same for causal SDPA (``ATTENTION_SHAPES``, v2: FA2's published curve); and on CUDA the rate held
+    same for causal SDPA (``ATTENTION_SHAPES``, v2: the engine's SDPA price, and FA2's curve beside it); and on CUDA the rate held
     over ``SUSTAIN_S`` of back-to-back GEMMs with nvidia-smi's SM clock and power. A record for
     calibration, not a target: the check is only that no rate exceeds the datasheet peak (a timing
     that does is broken)."""

@@ -1,9 +1,10 @@
 """Flash-attention kernel time for time model v2 (``ops.py`` calls :func:`attention_seconds`).
 
-Each kernel (the engine's SDPA = FlashAttention-2, or the stack's ``planner.attention_kernel``) runs
-at its published rate for the key length of one call (:data:`ATTENTION_MEASURED`), or, for
-``materialized`` (Megatron-LM before FlashAttention), as batched GEMMs plus the bytes of the scores
-through HBM. docs/planner.md section 9, term (g).
+Each kernel (the engine's SDPA, or the stack's ``planner.attention_kernel``) runs at its measured
+rate for the key length of one call (:data:`ATTENTION_MEASURED`; the engine's SDPA on Hopper and
+Blackwell: :data:`SDPA_MEASURED`, this project's own GPU record), or, for ``materialized``
+(Megatron-LM before FlashAttention), as batched GEMMs plus the bytes of the scores through HBM.
+docs/planner.md section 9, term (g), and 9.2.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from llmtrain.recipe.gpus import GPUSpec
 #   assets/flash2_h100_fwd_bwd_benchmark.png (H100 80GB SXM5, panel d) (Dao 2023, arXiv:2307.08691);
 # - FlashAttention-3 and cuDNN forward, causal, head dim 128: assets/flash3_fp16_fwd.png panel (d)
 #   (H100 SXM5; Shah et al. 2024, arXiv:2407.08608: the cuDNN of mid-2024; later releases may be faster).
-# ``fa2`` is the engine's kernel, SDPA's FLASH_ATTENTION backend (torch 2.13:
-# torch._C._get_sdp_priority_order() is [FLASH, EFFICIENT, MATH, CUDNN], _get_fa3_sdp_enabled() False);
+# ``fa2`` (``planner.attention_kernel: fa2``) is SDPA's FLASH_ATTENTION backend, what torch chose on
+# CUDA before cuDNN's attention became its first choice (torch 2.5.1 made cuDNN opt-in, pytorch PR
+# 138522, so torchtitan's 2024-2025 runs ran FA2: its PR 1000 only allows cuDNN under CP, after FLASH),
+# and what the engine's ring / all-gather CP blocks call explicitly (engine/parallel/context_blocks.py:
+# ``_scaled_dot_product_flash_attention``), and the engine's SDPA off Hopper / Blackwell (A100);
 # ``fa1`` (``planner.attention_kernel: fa1``) is flash-attn 1.x's CUDA kernel; llm-foundry 0.3's Triton
 # FlashAttention (``attn_impl: triton``) measures within 1-3 % of it at 2k-8k on A100 (the same figure's
 # "FlashAttention Triton" bars: 68, 74, 78 against 69, 76, 80) and has no H100 bar; ``fa3``
@@ -34,6 +38,19 @@ from llmtrain.recipe.gpus import GPUSpec
 # NVIDIA/NeMo docs/source/performance/memory_optimizations.rst, NeMo PR 9188).
 # Between the measured lengths the rate is interpolated in log2(length); outside, the nearest is kept.
 ATTENTION_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+# The engine's ``F.scaled_dot_product_attention`` on Hopper / Blackwell (``planner.attention_kernel:
+# engine`` there; off them it is ``fa2``): torch puts cuDNN's attention first on sm90 / sm100 when its
+# bundled cuDNN is newer than 9.15 (aten sdp_utils.cpp ``check_prefer_cudnn_attention``, in torch 2.10;
+# the bundled cuDNN crosses it from torch 2.11, and the engine needs torch >= 2.13). Measured, not
+# published: the GPU check's ``kernel_rates`` (benchmarks/results/gpu_check.json, one H100 SXM, torch
+# 2.11.0+cu130), causal, head dim 128, the rows with >= 8 heads (the 4-head row, 1 x 4 x 8192, ran at
+# 0.58x the 32-head rate: too few tiles to fill the SMs, an occupancy effect v2 does not model for any
+# kernel); backward from forward + backward as 3.5 / total = 1 / fwd + 2.5 / bwd. Fitted by
+# ``python benchmarks/gpu_fit.py`` (tests/test_gpu_fit.py checks these equal its fit of the record):
+# ``SDPA_MEASURED[family] = (key lengths, forward TFLOP/s, backward TFLOP/s, peak of that GPU)``.
+SDPA_MEASURED = {
+    "h100": ((2048, 8192, 32768), (443, 602, 627), (395, 526, 540), 989),
+}
 ATTENTION_MEASURED = {
     ("fa2", "a100"): ("fwd+bwd", (99, 133, 155, 173, 182, 189), 312),
     ("fa1", "a100"): ("fwd+bwd", (55, 62, 69, 76, 80, 83), 312),
@@ -62,10 +79,14 @@ MATERIALIZED_BYTES = (lambda e: 4 * e + 1, lambda e: 5 * e + 1)
 
 @lru_cache(maxsize=1024)
 def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float, float]:
-    """(forward, backward) fraction of the bf16 peak of flash ``kernel`` (``engine`` = ``fa2``) on
-    a GPU of ``rates_key`` for kernel calls over ``kv_len`` keys (:data:`ATTENTION_MEASURED`)."""
-    kernel = "fa2" if kernel == "engine" else kernel
+    """(forward, backward) fraction of the bf16 peak of flash ``kernel`` on a GPU of ``rates_key`` for
+    kernel calls over ``kv_len`` keys: ``engine`` (SDPA's choice) at :data:`SDPA_MEASURED` where that
+    GPU family was measured, else as ``fa2``; the others at :data:`ATTENTION_MEASURED`."""
     family = ATTENTION_FAMILY.get(rates_key)
+    if kernel == "engine" and family in SDPA_MEASURED:
+        lengths, fwd, bwd, peak = SDPA_MEASURED[family]
+        return _interpolated(lengths, fwd, kv_len) / peak, _interpolated(lengths, bwd, kv_len) / peak
+    kernel = "fa2" if kernel == "engine" else kernel
     if family is None:
         f, b = ATTENTION.get(rates_key, (0.5, 0.4))
         return (f / 2, b / 2) if kernel == "fa1" else (f, b)
@@ -80,12 +101,24 @@ def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float
     return fwd, r * fwd
 
 
+def _interpolated(lengths: tuple[int, ...], values: tuple[float, ...], x: int) -> float:
+    """``values`` at key length ``x``, linear in log2(length) between the measured ``lengths`` (the
+    nearest outside them)."""
+    if x <= lengths[0]:
+        return values[0]
+    for i in range(1, len(lengths)):
+        if x <= lengths[i]:
+            t = (log2(x) - log2(lengths[i - 1])) / (log2(lengths[i]) - log2(lengths[i - 1]))
+            return values[i - 1] + (values[i] - values[i - 1]) * t
+    return values[-1]
+
+
 def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed: float,
                       gpu: GPUSpec, sms: int | None = None, kernel: str = "engine", e: int = 2,
                       kv_len: int = 0) -> tuple[float, float]:
     """(forward, backward) seconds of attention over ``heads`` local heads (``sms``: on that many
     SMs; the kernel's rate scales with them). ``kernel`` (``planner.attention_kernel``): ``engine``
-    (SDPA's FA2), ``fa3``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
+    (SDPA: cuDNN on Hopper / Blackwell, else FA2), ``fa2``, ``fa3``, ``cudnn``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
     (default ``s_kv``; :func:`attention_fractions`), or ``materialized`` (two batched GEMMs
     forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
     :data:`MATERIALIZED_BYTES`)."""

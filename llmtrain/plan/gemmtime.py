@@ -25,6 +25,16 @@ from llmtrain.recipe.gpus import GPUSpec
 # thirteenth session h200 took GH200's 828.6 (a 900 W part).
 MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.803, "h200": 0.803,
         "b200": 0.776, "gb200": 0.729, "mi300x": 0.514, "cpu": 0.5}
+# What the GEMMs of the published rows' per-rank shapes reach on an H100 SXM, as a share of the price
+# above: this project's GPU check (``kernel_rates``, benchmarks/results/gpu_check.json: 14 shapes x
+# forward / backward, bf16, torch 2.11 + cuBLAS of CUDA 13.0, median of the 28 measured / priced rates;
+# 0.76-1.05 at n >= 1024, 0.52 / 0.61 at n = 128). Bekman's figure is the best shape's mean of 100
+# short iterations; at the rows' shapes cuBLAS reaches about an eighth less, and the same record's
+# 3 s of back-to-back 8192^3 GEMMs held 684 TFLOP/s at the 700 W limit (SM clock 1410 of 1980 MHz),
+# 0.86 of MAMF. Fitted by ``python benchmarks/gpu_fit.py`` (tests/test_gpu_fit.py checks it equals
+# the fit of the committed record); H100 PCIe and H200, whose MAMF is H100 SXM's, take it too;
+# bf16 only (no FP8 GEMM was measured: MAMF_FP8 stands), and no other GPU was measured.
+GEMM_FIT = {"h100-sxm": 0.884, "h100-pcie": 0.884, "h200": 0.884}
 # The same table's FP8 (float8_e4m3fn) rows, for GEMMs at the FP8 peak: H100 SXM 1402.6/1979, H200 SXM
 # 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
 MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}
@@ -52,11 +62,11 @@ def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> flo
 
 
 def mamf(gpu: GPUSpec, peak: float | None = None) -> float:
-    """Measured best matmul fraction of ``peak``: :data:`MAMF_FP8`'s where the GEMM runs at the FP8
-    peak (``train.precision: fp8``), else :data:`MAMF` (bf16)."""
+    """Measured matmul fraction of ``peak``: :data:`MAMF_FP8`'s where the GEMM runs at the FP8 peak
+    (``train.precision: fp8``), else :data:`MAMF` (bf16) x :data:`GEMM_FIT`."""
     if peak is not None and gpu.peak_flops_fp8 > 0 and peak >= gpu.peak_flops_fp8:
         return MAMF_FP8.get(gpu.rates_key, MAMF.get(gpu.rates_key, 0.75))
-    return MAMF.get(gpu.rates_key, 0.75)
+    return MAMF.get(gpu.rates_key, 0.75) * GEMM_FIT.get(gpu.rates_key, 1.0)
 
 
 def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None = None, e: int = 2,

@@ -11,10 +11,13 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   Matmul FLOPS comparison table"); the roofline caps small-``k`` / thin GEMMs at the bytes they
   move (``e (mk + kn + mn)``); the size curve is NVIDIA's tile and wave quantization (Matrix
   Multiplication Background User's Guide): output tiles (:data:`TILES`) over the GPU's SMs,
-  efficiency ``useful tile area / (waves x SMs x tile area)``. No constant is fitted to a published run.
+  efficiency ``useful tile area / (waves x SMs x tile area)``; on H100 / H200 times the rate this
+  project's GPU check measured at the published rows' shapes (``gemmtime.GEMM_FIT``). No constant
+  is fitted to a published run.
 - **Attention** (``attentiontime.py``) from the flash kernel's FLOPs at its published rate for the length of one call
   (:data:`ATTENTION_MEASURED`: the kernels' own benchmark figures, FA2 / FA1 on A100 and H100,
-  FA3 and cuDNN on H100, 512 to 16k tokens), forward ``4 s_q s_kv d`` per head, backward 2.5x the
+  FA3 and cuDNN on H100, 512 to 16k tokens; the engine's SDPA on Hopper / Blackwell at the GPU check's
+  measured rate, :data:`SDPA_MEASURED`), forward ``4 s_q s_kv d`` per head, backward 2.5x the
   forward (the kernels recompute the scores: the papers' own FLOP convention for the backward
   rate), halved when the part the kernels execute (``flops.attention_executed``: 1/2 for causal
   SDPA, Ulysses and the zigzag ring and all-gather).
@@ -28,7 +31,8 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
 
 Beside the kernels (docs/planner.md section 9): compute slowed while NCCL's CTAs hold SMs
 (:func:`overlap_slowdown`), eager launches bounding small passes (:func:`launch_seconds`), and
-the attention kernel of the stack (``planner.attention_kernel``: the engine's SDPA is FA2).
+the attention kernel of the stack (``planner.attention_kernel``: the engine's SDPA is cuDNN's on
+Hopper / Blackwell, FA2 elsewhere and in its ring / all-gather CP blocks).
 
 ``train.precision: fp8`` runs the blocks' nn.Linear GEMMs at the FP8 peak times the measured FP8
 matmul fraction (:data:`MAMF_FP8`). LoRA (``train.lora``): frozen bases and adapters as
@@ -89,7 +93,7 @@ class BlockShape:
     ep: int = 1
     recompute: str = "none"
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
-    attention: str = "engine"  # planner.attention_kernel: engine (SDPA, FA2), fa3, fa1, materialized
+    attention: str = "engine"  # planner.attention_kernel: engine (SDPA), fa2, fa3, cudnn, fa1, materialized
     norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
@@ -228,6 +232,15 @@ def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu
     return membound_seconds(unsharded_params * (gathers * 2 * e + reduces * 2 * reduce_bytes), gpu)
 
 
+def attention_kernel(recipe, dims) -> str:
+    """``planner.attention_kernel``, except that the engine's ring and all-gather CP call FA2's op
+    themselves (engine/parallel/context_blocks.py), whatever SDPA would have chosen."""
+    kernel = recipe.planner.attention_kernel
+    if kernel == "engine" and dims.cp > 1 and recipe.parallel.cp_method != "ulysses":
+        return "fa2"
+    return kernel
+
+
 def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     """The :class:`BlockShape` of a validated recipe's micro batch on one rank."""
     from llmtrain.plan.memory import compute_bytes  # noqa: PLC0415  (memory imports the schema)
@@ -239,7 +252,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
                       attn_executed=attn_executed, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
-                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=recipe.planner.attention_kernel,
+                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=attention_kernel(recipe, dims),
                       norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",

@@ -26,10 +26,13 @@ class PlannerConfig(Strict):
                            "engine's buckets), and ZeRO-1's parameter broadcast hidden behind the next forward (the "
                            "engine runs it after the optimizer step). For planning a published run; plan marks each "
                            "collective priced this way.")
-    attention_kernel: Literal["engine", "fa3", "cudnn", "fa1", "materialized"] = Field(
+    attention_kernel: Literal["engine", "fa2", "fa3", "cudnn", "fa1", "materialized"] = Field(
         "engine", description="Planner only (time model v2); the bundled engine always runs SDPA. The attention kernel "
-                              "to price, each at its published rate by sequence length: engine (SDPA's FlashAttention-2 "
-                              "backend, what the engine runs), fa3 (FlashAttention-3), cudnn (cuDNN's fused flash "
+                              "to price, each at its measured rate by sequence length: engine (what the engine's SDPA "
+                              "runs with torch >= 2.13: cuDNN's attention on Hopper and Blackwell, at the rate this "
+                              "project's GPU check measured; FlashAttention-2 elsewhere and in the ring / all-gather CP "
+                              "blocks), fa2 (SDPA's FlashAttention-2 backend, torch's choice on every GPU before cuDNN "
+                              "went first, e.g. torchtitan 2024-2025), fa3 (FlashAttention-3), cudnn (cuDNN's fused flash "
                               "attention, what Transformer Engine runs on Hopper, e.g. Megatron-Core / NeMo), fa1 "
                               "(FlashAttention-1 or flash-attn's Triton FlashAttention, e.g. llm-foundry 0.3's "
                               "attn_impl triton), materialized (scores in HBM "

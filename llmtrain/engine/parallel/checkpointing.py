@@ -82,13 +82,21 @@ try:  # torch's selective-checkpoint internals (2.13): see the module docstring
 except ImportError:  # pragma: no cover - other torch versions: plain SAC, partial sums saved
     _CachingTorchDispatchMode = None
 
+# Every fused SDPA backend's forward op (tests/test_checkpoint_policy.py enumerates aten's): which
+# one ``F.scaled_dot_product_attention`` dispatches to depends on the GPU and torch's cuDNN. cuDNN's
+# was missing until the GPU check ran on an H100, where torch >= 2.11 picks it first, so selective
+# recomputed the attention there (the record's selective row ran 1.11x its plan, the dense rows'
+# highest; how much of that this explains, the next GPU run shows).
 _SAVE = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_attention_math_for_mps.default,
 }
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _REDUCTIONS = {  # the row-parallel output's reduction under DTensor TP (functional collectives)

@@ -1,0 +1,117 @@
+"""Fit time model v2's measured constants from a GPU check record (issue 18 item 6).
+
+    python benchmarks/gpu_fit.py [RECORD.json]     # default: benchmarks/results/gpu_check.json
+
+Prints, from the record's ``kernel_rates`` step (no torch needed, no GPU):
+
+- ``GEMM_FIT``: the median, over every GEMM pass the record timed (the published rows' per-rank
+  shapes, forward and backward), of measured TFLOP/s / v2's price of the same shape *without* the
+  fit (Bekman's MAMF x tile and wave efficiency, the roofline), to 3 decimals;
+- ``SDPA_MEASURED``: causal SDPA's forward and backward TFLOP/s at each measured key length, the
+  rows with at least ``MIN_HEADS`` heads (fewer leave SMs idle, which v2 does not model for any
+  kernel), backward from forward + backward by v2's convention (backward 2.5x the forward FLOPs:
+  ``3.5 / total = 1 / fwd + 2.5 / bwd``), rounded to whole TFLOP/s;
+
+and then each engine step of the record replanned with the constants now in the code, beside what it
+measured: measured / planned then (the record's) and now. tests/test_gpu_fit.py checks the code's
+constants equal this fit of the committed record, so a constant cannot drift from its source.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+DEFAULT = ROOT / "benchmarks" / "results" / "gpu_check.json"
+MIN_HEADS = 8  # SDPA rows with fewer heads are left out of the fit (module docstring)
+FAMILY = {"h100-sxm": "h100"}  # attentiontime.ATTENTION_FAMILY of the GPUs a record may come from
+
+
+def gemm_fit(record: dict) -> float:
+    """Median measured / unfitted v2 rate over the record's GEMM passes (3 decimals)."""
+    from llmtrain.plan import gemmtime
+    from llmtrain.recipe.gpus import GPUS
+
+    rates = record["steps"]["kernel_rates"]["result"]
+    gpu = GPUS[rates["gpu"]]
+    saved = dict(gemmtime.GEMM_FIT)
+    gemmtime.GEMM_FIT.clear()  # v2's price without the fit this computes
+    try:
+        ratios = []
+        for g in rates["gemms"]:
+            fwd, bwd = gemmtime.gemm_fwd_bwd(g["m"], g["n"], g["k"], gpu)
+            flops = 2.0 * g["m"] * g["n"] * g["k"]
+            ratios += [g["fwd_tflops"] * 1e12 * fwd / flops, g["bwd_tflops"] * 1e12 * bwd / (2 * flops)]
+    finally:
+        gemmtime.GEMM_FIT.update(saved)
+    return round(statistics.median(ratios), 3)
+
+
+def sdpa_fit(record: dict) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
+    """(family, (lengths, forward TFLOP/s, backward TFLOP/s, peak TFLOP/s)) from the SDPA rows."""
+    from llmtrain.recipe.gpus import GPUS
+
+    rates = record["steps"]["kernel_rates"]["result"]
+    rows = sorted((r for r in rates["attention"] if r["heads"] >= MIN_HEADS), key=lambda r: r["seq"])
+    fwd = tuple(round(r["fwd_tflops"]) for r in rows)
+    bwd = tuple(round(2.5 / (3.5 / r["fwd_bwd_tflops"] - 1.0 / r["fwd_tflops"])) for r in rows)
+    peak = round(GPUS[rates["gpu"]].peak_flops_bf16 / 1e12)
+    return FAMILY[rates["gpu"]], (tuple(r["seq"] for r in rows), fwd, bwd, peak)
+
+
+def engine_rows(record: dict) -> list[dict]:
+    """The record's engine steps (those with a plan), replanned with the code's constants."""
+    import torch
+
+    from benchmarks.gpu_check_steps import planned, recipe
+    from benchmarks.gpu_check_steps.speed import DENSE, MOE
+
+    gpu = record["steps"]["kernel_rates"]["result"]["gpu"]
+    ctx = SimpleNamespace(device=torch.device("cuda"), gpu_key=gpu)
+    out = []
+    for name, s in record["steps"].items():
+        res = s.get("result") or {}
+        if s.get("status") != "ok" or "planned_step_s" not in res or name.startswith("hf_"):
+            continue
+        model = MOE if name.startswith("moe") else DENSE
+        r = recipe(ctx, model, precision=res.get("precision", "bf16"), seq=res.get("seq", 2048),
+                   micro=res.get("micro_batch", 4), steps=1, compile_=res.get("compile") is True,
+                   ac=res.get("activation_checkpointing", "none"))
+        now = planned(r)["planned_step_s"]
+        out.append({"config": name, "measured_s": res["step_s"], "planned_then_s": res["planned_step_s"],
+                    "planned_now_s": now, "then": res["step_s"] / res["planned_step_s"], "now": res["step_s"] / now})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    path = Path(argv[0]) if argv else DEFAULT
+    record = json.loads(path.read_text())
+    if record.get("steps", {}).get("kernel_rates", {}).get("status") != "ok":
+        print(f"{path}: no kernel_rates result to fit", file=sys.stderr)
+        return 1
+    from llmtrain.plan.attentiontime import SDPA_MEASURED
+    from llmtrain.plan.gemmtime import GEMM_FIT
+
+    gpu = record["steps"]["kernel_rates"]["result"]["gpu"]
+    fit = gemm_fit(record)
+    family, sdpa = sdpa_fit(record)
+    print(f"record: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({record.get('device')}, "
+          f"torch {record.get('torch')})")
+    print(f"GEMM_FIT[{gpu!r}] = {fit}   (code: {GEMM_FIT.get(gpu)})")
+    print(f"SDPA_MEASURED[{family!r}] = {sdpa}   (code: {SDPA_MEASURED.get(family)})")
+    print()
+    print("| engine step | measured s | planned s (record) | planned s (now) | measured / planned (record) | (now) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for row in engine_rows(record):
+        print(f"| {row['config']} | {row['measured_s']:.4f} | {row['planned_then_s']:.4f} | {row['planned_now_s']:.4f} "
+              f"| {row['then']:.2f} | {row['now']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
