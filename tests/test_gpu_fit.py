@@ -14,7 +14,7 @@ from tests.helpers_plan import REPO
 sys.path.insert(0, str(REPO))
 from benchmarks import gpu_fit  # noqa: E402
 from llmtrain.plan.attentiontime import SDPA_MEASURED  # noqa: E402
-from llmtrain.plan.gemmtime import GEMM_FIT, MAMF  # noqa: E402
+from llmtrain.plan.gemmtime import GEMM_FIT, GEMM_FIT_FP8, MAMF  # noqa: E402
 
 RECORD = json.loads(gpu_fit.DEFAULT.read_text())
 
@@ -31,6 +31,27 @@ def test_gemm_fit_is_the_records_median():
     assert GEMM_FIT[gpu] == fit
     assert all(GEMM_FIT[k] == fit for k in GEMM_FIT if MAMF[k] == MAMF[gpu])
     assert 0.8 < fit < 0.95  # "about an eighth less" than the burst figure, as docs/planner.md 9.2 says
+
+
+def test_fp8_fit_only_from_a_record_that_timed_fp8():
+    """GEMM_FIT_FP8 holds exactly the record's FP8 fit: empty while the committed record has no FP8
+    GEMMs (the first GPU check did not time them); a record with them fits them like the bf16 ones."""
+    fit = gpu_fit.gemm_fit(RECORD, fp8=True)
+    gpu = RECORD["steps"]["kernel_rates"]["result"]["gpu"]
+    assert GEMM_FIT_FP8 == ({} if fit is None else {gpu: fit})
+    with_fp8 = json.loads(json.dumps(RECORD))
+    rates = with_fp8["steps"]["kernel_rates"]["result"]
+    from llmtrain.plan.gemmtime import gemm_fwd_bwd
+    from llmtrain.recipe.gpus import GPUS
+
+    h100 = GPUS[gpu]
+    rates["fp8_gemms"] = []
+    for g in rates["gemms"][:4]:  # each at 0.9 of the unfitted FP8 price
+        fwd, bwd = gemm_fwd_bwd(g["m"], g["n"], g["k"], h100, peak=h100.peak_flops_fp8)
+        flops = 2.0 * g["m"] * g["n"] * g["k"]
+        rates["fp8_gemms"].append({**g, "fwd_tflops": 0.9 * flops / fwd / 1e12, "bwd_tflops": 0.9 * 2 * flops / bwd / 1e12})
+    if not GEMM_FIT_FP8:
+        assert gpu_fit.gemm_fit(with_fp8, fp8=True) == pytest.approx(0.9, abs=1e-3)
 
 
 def test_gemm_fit_moves_with_the_record():

@@ -8,6 +8,7 @@ in group (g), after the speed rows (``group="options"``)."""
 from __future__ import annotations
 
 from . import CheckFailed, Skip, recipe, step, train_run
+from .fp8_rates import fp8_rows
 
 
 @step("cp_attention_blocks", est_s=3)
@@ -202,13 +203,14 @@ def _attention_rows(ctx, dtype, reps: int) -> list[dict]:
     return rows
 
 
-@step("kernel_rates", est_s=15, group="options")
+@step("kernel_rates", est_s=20, group="options")
 def kernel_rates(ctx) -> dict:
     """Issue 18 item 6: bf16 GEMMs of the published rows' per-rank shapes (``GEMM_SHAPES``), timed as
     the engine runs them (``F.linear`` forward; the input gradient ``dy W`` and the weight gradient
     ``dy^T x`` backward), beside time model v2's price of the same shape on this GPU
     (``plan.gemmtime.gemm_fwd_bwd``: the measured-best matmul fraction x tile/wave efficiency); the
-    same for causal SDPA (``ATTENTION_SHAPES``, v2: the engine's SDPA price, and FA2's curve beside it); and on CUDA the rate held
+    same for causal SDPA (``ATTENTION_SHAPES``, v2: the engine's SDPA price, and FA2's curve beside it), and
+    for FP8 GEMMs of the same shapes on FP8 GPUs (fp8_rates.py); and on CUDA the rate held
     over ``SUSTAIN_S`` of back-to-back GEMMs with nvidia-smi's SM clock and power. A record for
     calibration, not a target: the check is only that no rate exceeds the datasheet peak (a timing
     that does is broken)."""
@@ -234,6 +236,7 @@ def kernel_rates(ctx) -> dict:
                      "fwd_vs_v2": p_fwd / fwd, "bwd_vs_v2": p_bwd / bwd})
         del x, w, dy
     out = {"gpu": ctx.gpu_key, "dtype": str(dtype), "gemms": rows, "attention": _attention_rows(ctx, dtype, reps)}
+    out |= fp8_rows(ctx, TINY_GEMM_SHAPES if ctx.tiny else GEMM_SHAPES, reps, _timed)
     if ctx.cuda:
         torch.cuda.empty_cache()
         out["sustained"] = _sustained(ctx)
@@ -242,6 +245,9 @@ def kernel_rates(ctx) -> dict:
         if fastest > 1.02 * ctx.peak_flops / 1e12:
             raise CheckFailed(f"a GEMM ran at {fastest:.0f} TFLOP/s, above the {ctx.peak_flops / 1e12:.0f} peak: "
                               "the timing is broken")
+        fp8 = [r[f] for r in out.get("fp8_gemms", []) for f in ("fwd_tflops", "bwd_tflops")]
+        if fp8 and max(fp8) > 1.02 * GPUS[ctx.gpu_key].peak_flops_fp8 / 1e12:
+            raise CheckFailed(f"an FP8 GEMM ran at {max(fp8):.0f} TFLOP/s, above the FP8 peak: the timing is broken")
     return out
 
 

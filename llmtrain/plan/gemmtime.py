@@ -35,6 +35,9 @@ MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.
 # the fit of the committed record); H100 PCIe and H200, whose MAMF is H100 SXM's, take it too;
 # bf16 only (no FP8 GEMM was measured: MAMF_FP8 stands), and no other GPU was measured.
 GEMM_FIT = {"h100-sxm": 0.884, "h100-pcie": 0.884, "h200": 0.884}
+# The same for FP8 GEMMs (``MAMF_FP8``): fitted by the same script from a record's ``fp8_gemms``
+# (the GPU check times them since the twenty-fifth session); empty until a record has them.
+GEMM_FIT_FP8: dict[str, float] = {}
 # The same table's FP8 (float8_e4m3fn) rows, for GEMMs at the FP8 peak: H100 SXM 1402.6/1979, H200 SXM
 # 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
 MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}
@@ -63,9 +66,9 @@ def wave_efficiency(m: int, n: int, gpu: GPUSpec, sms: int | None = None) -> flo
 
 def mamf(gpu: GPUSpec, peak: float | None = None) -> float:
     """Measured matmul fraction of ``peak``: :data:`MAMF_FP8`'s where the GEMM runs at the FP8 peak
-    (``train.precision: fp8``), else :data:`MAMF` (bf16) x :data:`GEMM_FIT`."""
+    (``train.precision: fp8``) x :data:`GEMM_FIT_FP8`, else :data:`MAMF` (bf16) x :data:`GEMM_FIT`."""
     if peak is not None and gpu.peak_flops_fp8 > 0 and peak >= gpu.peak_flops_fp8:
-        return MAMF_FP8.get(gpu.rates_key, MAMF.get(gpu.rates_key, 0.75))
+        return MAMF_FP8.get(gpu.rates_key, MAMF.get(gpu.rates_key, 0.75)) * GEMM_FIT_FP8.get(gpu.rates_key, 1.0)
     return MAMF.get(gpu.rates_key, 0.75) * GEMM_FIT.get(gpu.rates_key, 1.0)
 
 
