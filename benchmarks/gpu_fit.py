@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 DEFAULT = ROOT / "benchmarks" / "results" / "gpu_check.json"
 MIN_HEADS = 8  # SDPA rows with fewer heads are left out of the fit (module docstring)
-FAMILY = {"h100-sxm": "h100"}  # attentiontime.ATTENTION_FAMILY of the GPUs a record may come from
 
 
 def gemm_fit(record: dict, fp8: bool = False) -> float | None:
@@ -63,6 +62,7 @@ def gemm_fit(record: dict, fp8: bool = False) -> float | None:
 
 def sdpa_fit(record: dict) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int]]:
     """(family, (lengths, forward TFLOP/s, backward TFLOP/s, peak TFLOP/s)) from the SDPA rows."""
+    from llmtrain.plan.attentiontime import ATTENTION_FAMILY
     from llmtrain.recipe.gpus import GPUS
 
     rates = record["steps"]["kernel_rates"]["result"]
@@ -70,7 +70,7 @@ def sdpa_fit(record: dict) -> tuple[str, tuple[tuple[int, ...], tuple[int, ...],
     fwd = tuple(round(r["fwd_tflops"]) for r in rows)
     bwd = tuple(round(2.5 / (3.5 / r["fwd_bwd_tflops"] - 1.0 / r["fwd_tflops"])) for r in rows)
     peak = round(GPUS[rates["gpu"]].peak_flops_bf16 / 1e12)
-    return FAMILY[rates["gpu"]], (tuple(r["seq"] for r in rows), fwd, bwd, peak)
+    return ATTENTION_FAMILY[GPUS[rates["gpu"]].rates_key], (tuple(r["seq"] for r in rows), fwd, bwd, peak)
 
 
 def engine_rows(record: dict) -> list[dict]:

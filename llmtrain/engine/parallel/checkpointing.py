@@ -82,7 +82,7 @@ try:  # torch's selective-checkpoint internals (2.13): see the module docstring
 except ImportError:  # pragma: no cover - other torch versions: plain SAC, partial sums saved
     _CachingTorchDispatchMode = None
 
-# Every fused SDPA backend's forward op (tests/test_checkpoint_policy.py enumerates aten's): which
+# Every fused SDPA backend's forward op (tests/test_selective_ac.py enumerates aten's): which
 # one ``F.scaled_dot_product_attention`` dispatches to depends on the GPU and torch's cuDNN. cuDNN's
 # was missing until the GPU check ran on an H100, where torch >= 2.11 picks it first, so selective
 # recomputed the attention there (the record's selective row ran 1.11x its plan, the dense rows'
