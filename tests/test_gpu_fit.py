@@ -50,8 +50,8 @@ def test_fp8_fit_only_from_a_record_that_timed_fp8():
         fwd, bwd = gemm_fwd_bwd(g["m"], g["n"], g["k"], h100, peak=h100.peak_flops_fp8)
         flops = 2.0 * g["m"] * g["n"] * g["k"]
         rates["fp8_gemms"].append({**g, "fwd_tflops": 0.9 * flops / fwd / 1e12, "bwd_tflops": 0.9 * 2 * flops / bwd / 1e12})
-    if not GEMM_FIT_FP8:
-        assert gpu_fit.gemm_fit(with_fp8, fp8=True) == pytest.approx(0.9, abs=1e-3)
+    # the fit prices against the unfitted FP8 rate whatever GEMM_FIT_FP8 holds (it clears it meanwhile)
+    assert gpu_fit.gemm_fit(with_fp8, fp8=True) == pytest.approx(0.9, abs=1e-3)
 
 
 def test_gemm_fit_moves_with_the_record():
@@ -73,6 +73,7 @@ def test_sdpa_rates_are_the_records():
     rows = {r["seq"]: r for r in RECORD["steps"]["kernel_rates"]["result"]["attention"] if r["heads"] >= 8}
     for s, f, b in zip(lengths, fwd, bwd, strict=True):
         total = 3.5 / rows[s]["fwd_bwd_tflops"]
+        # 5e-3: the constants are the measured rates rounded to whole TFLOP/s (<= 0.13 % each at >= 395)
         assert 1 / f + 2.5 / b == pytest.approx(total, rel=5e-3)
 
 

@@ -34,8 +34,11 @@ def build(cfg, device, precision: str, compile_: bool, fsdp: bool = True):
     return model
 
 
-def train_fixed(model, cfg, device, steps: int, micro: int, seq: int, lr: float = 3e-3) -> tuple[list[float], list[float]]:
-    """``steps`` optimizer steps on one fixed batch (the loss must fall); returns (losses, step seconds)."""
+def train_fixed(model, cfg, device, steps: int, micro: int, seq: int, lr: float = 3e-3, autocast: bool = False,
+                after_step=None) -> tuple[list[float], list[float]]:
+    """``steps`` optimizer steps on one fixed batch (the loss must fall); returns (losses, step seconds).
+    ``autocast``: the forward under bf16 autocast (the trainer's path for fp32 weights without FSDP);
+    ``after_step``: called after each step, outside its timing (profiling.py steps its profiler)."""
     import torch
     import torch.nn.functional as F
 
@@ -49,11 +52,15 @@ def train_fixed(model, cfg, device, steps: int, micro: int, seq: int, lr: float 
     losses, times = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(0, 1))
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = model(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())  # syncs the device, as the engine's loop does every step
         times.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step()
     return losses, times

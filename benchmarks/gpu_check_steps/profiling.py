@@ -11,8 +11,6 @@ from the CPU ops, so the code runs in CI.
 
 from __future__ import annotations
 
-import time
-
 from . import planned, recipe, step
 
 STEPS, WARMUP = 4, 2
@@ -69,49 +67,26 @@ def summarize(averages, cuda: bool, steps: int, wall_s: float) -> dict:
 @step("moe_profile", est_s=25, group="options")
 def moe_profile(ctx) -> dict:
     import torch
-    import torch.nn.functional as F
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    from llmtrain.engine.optim import make_adamw
-    from llmtrain.recipe.schema import ModelConfig, TrainConfig
+    from llmtrain.recipe.schema import ModelConfig
 
-    from .fsdp1 import build
+    from .fsdp1 import build, train_fixed
     from .speed import FULL, MOE, TINY, TINY_MOE
 
     size, fields = (TINY, TINY_MOE) if ctx.tiny else (FULL, MOE)
     cfg = ModelConfig(**fields)
     plan = planned(recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1))
     model = build(cfg, ctx.device, "bf16", compile_=False, fsdp=False)  # fp32 weights, bf16 autocast: the trainer's
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, cfg.vocab_size, (size["micro"], size["seq"] + 1), generator=g).to(ctx.device)
-    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    opt = make_adamw(TrainConfig(optimizer={"lr": 3e-4, "weight_decay": 0.0}))([{"params": list(model.parameters())}])
-    autocast = torch.autocast(ctx.device.type, dtype=torch.bfloat16)
-
-    def train_step() -> float:
-        with autocast:
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(0, 1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.item()
-
-    for _ in range(WARMUP):
-        train_step()
-    if ctx.cuda:
-        torch.cuda.synchronize(ctx.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-    with profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        losses = [train_step() for _ in range(STEPS)]
-        if ctx.cuda:
-            torch.cuda.synchronize(ctx.device)
-        wall = time.perf_counter() - t0
+    # the first WARMUP steps unrecorded (the profiler's own warm-up is the last of them), then STEPS recorded
+    with profile(activities=activities, schedule=schedule(wait=WARMUP - 1, warmup=1, active=STEPS)) as prof:
+        losses, times = train_fixed(model, cfg, ctx.device, WARMUP + STEPS, size["micro"], size["seq"], lr=3e-4,
+                                    autocast=True, after_step=prof.step)
     out = {"config": "moe_eager (profiled)", "seq": size["seq"], "micro_batch": size["micro"], "steps": STEPS,
-           "loss_last": losses[-1], **summarize(prof.key_averages(), ctx.cuda, STEPS, wall), **plan,
+           "loss_last": losses[-1], **summarize(prof.key_averages(), ctx.cuda, STEPS, sum(times[WARMUP:])), **plan,
            "note": "wall includes the profiler's own overhead (a few % on CUDA); busy = kernel / wall"}
-    del model, opt
+    del model
     if ctx.cuda:
         torch.cuda.empty_cache()
     return out

@@ -93,9 +93,7 @@ def attention_fractions(kernel: str, rates_key: str, kv_len: int) -> tuple[float
     if (kernel, family) not in ATTENTION_MEASURED:
         kernel = "fa2"  # fa3 / cudnn where they were not measured (A100): the stack's FA2
     what, tflops, peak = ATTENTION_MEASURED[(kernel, family)]
-    x = log2(min(max(kv_len, ATTENTION_LENGTHS[0]), ATTENTION_LENGTHS[-1]))
-    i = min(int(x) - 9, len(ATTENTION_LENGTHS) - 2)  # ATTENTION_LENGTHS[i] = 2^(9 + i)
-    rate = (tflops[i] + (tflops[i + 1] - tflops[i]) * (x - 9 - i)) / peak
+    rate = _interpolated(ATTENTION_LENGTHS, tflops, kv_len) / peak
     r = ATTENTION_SPLIT[kernel]
     fwd = rate if what == "fwd" else rate * (1 + 2.5 / r) / 3.5  # 3.5 / rate = 1 / fwd + 2.5 / (r fwd)
     return fwd, r * fwd

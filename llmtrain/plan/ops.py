@@ -232,31 +232,26 @@ def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu
     return membound_seconds(unsharded_params * (gathers * 2 * e + reduces * 2 * reduce_bytes), gpu)
 
 
-def attention_kernel(recipe, dims) -> str:
-    """``planner.attention_kernel``, except that the engine's ring and all-gather CP call FA2's op
-    themselves (engine/parallel/context_blocks.py), whatever SDPA would have chosen."""
-    kernel = recipe.planner.attention_kernel
-    if kernel == "engine" and dims.cp > 1 and recipe.parallel.cp_method != "ulysses":
-        return "fa2"
-    return kernel
-
-
 def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     """The :class:`BlockShape` of a validated recipe's micro batch on one rank."""
     from llmtrain.plan.memory import compute_bytes  # noqa: PLC0415  (memory imports the schema)
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
     fp8 = gpu.peak_flops_fp8 if t.precision == "fp8" and gpu.peak_flops_fp8 > 0 else 0.0
+    blocks = dims.cp > 1 and p.cp_method != "ulysses"  # ring / all-gather CP: kernel calls over seq / cp keys
+    attention = recipe.planner.attention_kernel
+    if attention == "engine" and blocks:  # the engine's CP blocks call FA2's op themselves (context_blocks.py)
+        attention = "fa2"
     return BlockShape(b=t.micro_batch_size, s=t.seq_len // dims.cp, seq=t.seq_len, h=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads, hd=m.head_dim, ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp,
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,
                       attn_executed=attn_executed, experts=m.moe.num_experts if m.is_moe else 0, top_k=m.moe.top_k,
                       shared=m.moe.shared_experts, expert_ffn=m.expert_ffn if m.is_moe else 0, ep=dims.ep,
-                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=attention_kernel(recipe, dims),
+                      recompute=t.activation_checkpointing, fp8_peak=fp8, attention=attention,
                       norm_unfused=recipe.planner.norm == "unfused" and not t.compile,
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
-                      kv_len=t.seq_len // dims.cp if dims.cp > 1 and p.cp_method != "ulysses" else 0,
+                      kv_len=t.seq_len // dims.cp if blocks else 0,
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels)
 
