@@ -65,6 +65,11 @@ BRIDGE = ("NVIDIA-NeMo/Megatron-Bridge docs/performance-summary.md, 25.11 contai
 NEMO = "NVIDIA/NeMo docs/source/performance/performance_summary.md (NeMo 24.07, commit 070a0bb)"
 TITAN_NOTE = ("Grand Teton H100s (cluster.gpu h100-96g: 96 GB HBM2e at 2.4 TB/s) at their default 500 W limit "
               "(cluster.gpu_power_w 500)")
+# torch.compile as the planner prices it (plan/ops.py _compiled_elementwise): Inductor's fused element-wise
+# kernels of the block; torchtitan's RoPE is a complex multiply (torch.view_as_complex, 2024-12 and 2025),
+# which Inductor does not generate code for: planner.rope complex.
+TITAN_ROPE = "complex"
+TITAN_COMPILE = "torch.compile: Inductor's fused element-wise kernels, RoPE a complex multiply it does not fuse (planner.rope complex)"
 TRAINY = "pytorch/torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md"
 # torchtitan's "selective op" AC (torchtitan/parallelisms/parallelize_llama.py at 9dec370, the same at
 # e7c0cae) saves every mm and SDPA output except every second mm of a block: the engine's selective_mm.
@@ -107,14 +112,14 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            norm: str | None = None, tp_overlap: bool = False, cp_kv: str | None = None,
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
-           dp_optimizer: str | None = None, block_kernels: str | None = None) -> dict:
+           dp_optimizer: str | None = None, block_kernels: str | None = None, rope: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
     planner = {"assume_dp_overlap": True} if overlapped else {}  # (module docstring)
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
-                tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels)
+                tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels, rope=rope)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -179,18 +184,20 @@ def torchtitan_rows() -> list[dict]:
             metric="tokens/s/GPU", published=tps, published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
                           fsdp8b | dict(global_batch_size=2 * gpus) | (dict(precision="fp8", compile=True) if fp8 else {}),
-                          gpus, "h100-96g", power=500, loss="unchunked", norm=None if fp8 else "unfused"),
+                          gpus, "h100-96g", power=500, loss="unchunked", norm=None if fp8 else "unfused",
+                          rope=TITAN_ROPE if fp8 else None),
             note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss)"
             + ("" if fp8 else "; eager composite RMSNorm (norm_type rmsnorm: planner.norm unfused)")
-            + ("; torch.compile's speed-up is not modelled (eager: 5,762, compile: 6,667)" if fp8
+            + ("; " + TITAN_COMPILE if fp8
                else "; they quote 33-39 % MFU" if gpus == 8 else "")))
     out.append(dict(
         source="torchtitan H100 2024-12 Table 4", url=TITAN_2412, name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8",
         metric="tokens/s/GPU", published=829, published_memory_gib=71.9,
         recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3),
                       dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
-                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked"),
-        note="compile + Float8, full AC; vanilla TP (with async TP: row 57)"))
+                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked",
+                      rope=TITAN_ROPE),
+        note="compile + Float8, full AC; vanilla TP (with async TP: row 57); " + TITAN_COMPILE))
     # Local batch 32 per DP rank; torchtitan (9dec370, 2024-12) splits it into as many micro batches as the
     # pipeline has stages unless --experimental.pipeline_parallel_microbatches says otherwise (its
     # build_pipeline_schedule: n_microbatches = pp degree x stages per rank): 8 of 4 for 1F1B, 16 of 2 at v = 2.
@@ -203,7 +210,7 @@ def torchtitan_rows() -> list[dict]:
                                                              async_tp=True),
                           dict(seq_len=8192, micro_batch_size=32 // (8 * v), global_batch_size=256,
                                activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
-                          power=500, loss="unchunked"),
+                          power=500, loss="unchunked", rope=TITAN_ROPE),
             note=("compile + Float8 + async TP (parallel.async_tp); FSDP under PP run as zero 2 (the engine's rule); "
                   f"local batch 32 in {8 * v} micro batches of {32 // (8 * v)} (torchtitan's default: one per stage)"
                   + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else ""))))
@@ -215,8 +222,8 @@ def torchtitan_rows() -> list[dict]:
             published=tps,
             recipe=recipe(dict(preset=preset), dict(tp=8, zero=3),
                           dict(seq_len=8192, micro_batch_size=mb, global_batch_size=mb * gpus // 8, activation_checkpointing=ac,
-                               compile=True), gpus, "h100-96g", power=500, loss="unchunked"),
-            note=f"torch.compile (not modelled), {'per op SAC (selective_mm)' if ac == TITAN_AC else ac + ' AC'}, local batch "
+                               compile=True), gpus, "h100-96g", power=500, loss="unchunked", rope=TITAN_ROPE),
+            note=f"{TITAN_COMPILE}, {'per op SAC (selective_mm)' if ac == TITAN_AC else ac + ' AC'}, local batch "
                  f"{mb}; seq 8,192 (the file does not say: torchtitan's default); h100-96g at 500 W, unchunked loss"))
     return out
 
@@ -289,9 +296,9 @@ def trainy_rows() -> list[dict]:
             published=tps, published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3, fp8_all_gather=True),
                           dict(seq_len=8192, micro_batch_size=2, global_batch_size=16 * nodes, activation_checkpointing=TITAN_AC,
-                               precision="fp8", compile=True), 8 * nodes, "h200", loss="compiled"),
+                               precision="fp8", compile=True), 8 * nodes, "h200", loss="compiled", rope=TITAN_ROPE),
             note=("torchtitan e7c0cae on WhiteFiber H200s: compile + Float8 with fp8 all-gather, the 8B config's selective "
-                  "op AC (selective_mm), seq 8,192; torch.compile's speed-up is not modelled; its loss compiled too "
+                  "op AC (selective_mm), seq 8,192; " + TITAN_COMPILE + "; its loss compiled too "
                   "(torchtitan since 2025-04, components/loss.py: planner.loss compiled)"
                   if nodes == 4 else "as above")))
     return out

@@ -5,7 +5,7 @@ TP measurements and the 2024-12 Tables 1 and 3 compiled bf16 runs. Split out of 
 
 from __future__ import annotations
 
-from published_runs import TITAN_2412, TITAN_AC, TITAN_NOTE, recipe
+from published_runs import TITAN_2412, TITAN_AC, TITAN_COMPILE, TITAN_NOTE, TITAN_ROPE, recipe
 
 # torchtitan PR #1299 (2025-06-15, "[Async TP] Add new async TP benchmarks"): the table the benchmark file
 # held before it became an image (benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md, review diff):
@@ -30,10 +30,10 @@ def titan_cp_rows() -> list[dict]:
                           dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
                                precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked",
-                          cp_kv="repeated" if cp > 1 else None),
+                          cp_kv="repeated" if cp > 1 else None, rope=TITAN_ROPE),
             note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
                   "balanced) as the engine's all-gather CP, moving K/V repeated to the query heads (torchtitan repeats "
-                  "them before SDPA: planner.cp_kv repeated); torch.compile's speed-up is not modelled; h100-96g at "
+                  "them before SDPA: planner.cp_kv repeated); " + TITAN_COMPILE + "; h100-96g at "
                   "500 W, unchunked loss" if cp == 1 else "as above")))
     for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
                                     (262144, 1, 8, 16, 84.9)):
@@ -46,7 +46,7 @@ def titan_cp_rows() -> list[dict]:
                                **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
                                precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked",
-                          cp_kv="repeated" if cp > 1 else None),
+                          cp_kv="repeated" if cp > 1 else None, rope=TITAN_ROPE),
             note=("compile + Float8 + async TP (parallel.async_tp), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
                   "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
     return out
@@ -57,7 +57,7 @@ def titan_70b_tp8(fp8: bool, async_tp: bool) -> dict:
     return recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3) | (dict(async_tp=True) if async_tp else {}),
                   dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full")
                   | (dict(precision="fp8") if fp8 else {}) | dict(compile=True),
-                  256, "h100-96g", power=500, loss="unchunked")
+                  256, "h100-96g", power=500, loss="unchunked", rope=TITAN_ROPE)
 
 
 def titan_async_tp_rows() -> list[dict]:
@@ -73,7 +73,7 @@ def titan_async_tp_rows() -> list[dict]:
             source="torchtitan async TP 2025-06", url=TITAN_ASYNC_PR,
             name=f"Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, {label}", metric="tokens/s/GPU", published=tps,
             recipe=titan_70b_tp8(fp8, async_tp),
-            note=("torch.compile (not modelled), full AC, local batch 16; seq 8,192 (the file does not say: torchtitan's "
+            note=(TITAN_COMPILE + ", full AC, local batch 16; seq 8,192 (the file does not say: torchtitan's "
                   "default); h100-96g at 500 W, unchunked loss; async TP as parallel.async_tp" if i == 0 else "as above")))
     out.append(dict(
         source="torchtitan H100 2024-12 Table 4", url=TITAN_2412,
@@ -87,8 +87,8 @@ def titan_compile_rows() -> list[dict]:
     """torchtitan 2024-12 Tables 1 and 3, "FSDP + torch.compile" (bf16): the middle rows of the tables
     whose eager (rows 16, 18) and compile + Float8 (row 17) runs were already rows (twelfth session,
     appended). Same recipe as the eager rows with ``train.compile``: the run's eager composite RMSNorm
-    (``planner.norm: unfused``) is fused by Inductor, which is what the planner prices of compile;
-    its other fusions are not modelled."""
+    (``planner.norm: unfused``) is fused by Inductor, and so are the block's other element-wise ops
+    (plan/ops.py ``_compiled_elementwise``) but torchtitan's complex RoPE (``planner.rope: complex``)."""
     out = []
     for table, gpus, tps, gib in (("Table 1", 8, 6667, 77.0), ("Table 3", 128, 6514, 62.0)):
         out.append(dict(
@@ -97,7 +97,9 @@ def titan_compile_rows() -> list[dict]:
             published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
                           dict(seq_len=8192, micro_batch_size=2, global_batch_size=2 * gpus, activation_checkpointing=TITAN_AC,
-                               compile=True), gpus, "h100-96g", power=500, loss="unchunked", norm="unfused"),
+                               compile=True), gpus, "h100-96g", power=500, loss="unchunked", norm="unfused",
+                          rope=TITAN_ROPE),
             note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss); torch.compile: "
-                              "the eager RMSNorm (planner.norm unfused) fused, Inductor's other fusions not modelled"))
+                              "Inductor fuses the eager RMSNorm (planner.norm unfused) and the block's other element-wise "
+                              "ops; RoPE a complex multiply it does not fuse (planner.rope complex)"))
     return out

@@ -23,7 +23,9 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   SDPA, Ulysses and the zigzag ring and all-gather).
 - **Memory-bound ops** (RMSNorm: fused, or ``planner.norm: unfused`` by :func:`norm_bytes`, RoPE, SwiGLU, residual adds, the cross-entropy as ``planner.loss``'s stack runs it (``losstime.py``), FSDP2's copy-in/out of
   gathered weights and gradients) from the bytes they move at :data:`HBM_EFFICIENCY` of the
-  datasheet bandwidth. The optimizer step stays v1's (already bytes / HBM).
+  datasheet bandwidth. Under ``train.compile`` the block's element-wise ops are the kernels Inductor
+  generates for it (:func:`_compiled_elementwise`; ``planner.rope: complex`` for a RoPE it cannot
+  fuse). The optimizer step stays v1's (already bytes / HBM).
 - **Recomputation**: ``full`` re-runs the block's forward (GEMMs but the last one, attention and
   element-wise ops, as flops.py counts it); ``selective`` re-runs only the element-wise ops;
   ``selective_mm`` (torchtitan's op policy) those and the forward GEMMs of wk, the dense MLP's
@@ -61,8 +63,9 @@ NCCL_CTAS = 24
 # Kernels per block and micro batch (forward, backward): eager as the engine runs it (2 fused norms,
 # 7 GEMMs, RoPE's 3 kernels on q and on k, SDPA, SiLU and the product, 2 residual adds = 20; the
 # backward's 14 GEMMs, attention, norms, RoPE, SwiGLU and the residual gradients = 28); compiled:
-# the GEMMs and attention stay, Inductor fuses the element-wise ops into ~4 / ~5 kernels (assumed).
-KERNELS = {"eager": (20, 28), "compiled": (12, 20), "gemm": 8}  # gemm: GEMMs + attention of the forward
+# the GEMMs and attention stay, and Inductor's scheduler makes the element-wise ops 5 forward and 6
+# backward kernels (counted on the engine's block without GQA, tests/test_block_traffic.py's compile).
+KERNELS = {"eager": (20, 28), "compiled": (13, 21), "gemm": 8}  # gemm: GEMMs + attention of the forward
 LAUNCH_S = 10e-6  # CPU cost of one eager op launch (dispatcher + CUDA launch); assumption (docs/planner.md 9)
 
 
@@ -102,6 +105,8 @@ class BlockShape:
     lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
     loss: str = "engine"  # planner.loss: the cross-entropy's kernels (plan/losstime.py)
     kernels: str = "engine"  # planner.block_kernels: the block's element-wise kernels (_elementwise)
+    compiled: bool = False  # train.compile: Inductor's kernels for the engine's element-wise ops (_compiled_elementwise)
+    rope: str = "engine"  # planner.rope: complex (a complex multiply Inductor does not fuse)
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -125,6 +130,8 @@ def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
 
 def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     """(forward, backward) HBM bytes of a block's element-wise ops, per rank and micro batch."""
+    if x.compiled and x.kernels == "engine":
+        return _compiled_elementwise(x, moe)
     t, e, tok = x.tp, x.e, x.b * x.s
     rep = 1 if x.sp else t  # norms and residual adds run on all tokens on every TP rank without SP
     hdim = x.h * tok / t * rep
@@ -151,10 +158,63 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
         sums = (2 + (0 if moe else 1)) * 3 * e * x.h * tok
         fwd = base_f + rope + 5 * e * act + repeat
         bwd = base_b + rope + 11 * e * act + repeat + sums
-    if moe:  # dispatch gather and combine scatter of the routed copies (read + write each way)
-        fwd += 2 * 2 * e * x.top_k * x.h * tok
-        bwd += 2 * 2 * e * x.top_k * x.h * tok
+    return _with_dispatch(x, moe, fwd, bwd)
+
+
+def _with_dispatch(x: BlockShape, moe: bool, fwd: float, bwd: float) -> tuple[float, float]:
+    """Adds an MoE block's dispatch gather and combine scatter of the routed copies (read + write each way)."""
+    if moe:
+        routed = 2 * 2 * x.e * x.top_k * x.h * x.b * x.s
+        fwd, bwd = fwd + routed, bwd + routed
     return fwd, bwd
+
+
+def _compiled_elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
+    """(forward, backward) HBM bytes of the engine's block under ``train.compile``: Inductor's kernels.
+
+    Counted kernel by kernel from what Inductor's scheduler generates for the engine's block
+    (tests/test_block_traffic.py reads them back from a CPU compile with the GPU's pointwise ``cat``
+    lowering, ``force_pointwise_cat``); the GEMMs, attention and, under TP, the collectives stay
+    extern kernels that nothing fuses across. Per element of the residual stream (``hdim``):
+    forward the first norm (read x, write its output: 2e), the attention's residual add fused into
+    the second norm (read x and the attention output, write the norm's output: 3e; the sum itself is
+    recomputed where it is read again) and the block's last add (read x, the attention and MLP
+    outputs, write: 4e), 9e (eager: 10e). Backward each norm's input gradient in one kernel that
+    also sums the projections' input gradients and adds the residual gradient (the MLP norm reads its
+    n gradients, x, the attention output and the residual gradient, writes one: ``(n + 4)e``; the
+    attention norm ``(n + 3)e``), and one kernel for both norms' weight gradients (a reduction over
+    tokens: it reads the summed gradients' summands, x and the attention output again); with dense
+    n = 2 (w1, w3) and 3 (wq, wk, wv): 19e (eager 21e). Under TP the input gradients are partial sums
+    reduced by a collective: their sum is its own kernel (read n, write 1, on the full [tokens,
+    hidden]) and the norms see one gradient each. RoPE (the engine's real formula under compile,
+    engine/models/rope.py) fuses with the casts around it and with GQA's K/V repeat: q read and
+    written once (2e), k read once and written repeated to the query heads, v's repeat a copy; the
+    backward's sums over the repeats fuse with RoPE's backward the same way. ``planner.rope:
+    complex`` (torchtitan's ``view_as_complex``): Inductor generates no complex code, so the cast,
+    the complex multiply and the cast back stay three kernels (``2e + 16`` per element each way) and
+    only k's repeat fuses into the cast back. SwiGLU one kernel each way (read gate and up, write
+    the product: 3e; backward read the gradient, gate and up, write two: 5e). The MoE dispatch and
+    combine are index kernels, priced as eager."""
+    t, e, tok = x.tp, x.e, x.b * x.s
+    rep = 1 if x.sp else t
+    hdim = x.h * tok / t * rep
+    q_el, kv_el = x.heads * x.hd * tok / t, x.kv_heads * x.hd * tok / t
+    gqa = x.heads > x.kv_heads
+    act = ((x.top_k + x.shared) * x.expert_ffn if moe else x.ffn) * tok / t
+    n_attn, n_mlp = 3, (1 if moe else 2)
+    if t == 1:
+        norms_b, sums = (2 * n_mlp + 2 * n_attn + 9) * e * hdim, 0.0
+    else:
+        norms_b = 13 * e * hdim
+        sums = ((n_attn + 1) + (n_mlp + 1 if n_mlp > 1 else 0)) * e * x.h * tok
+    if x.rope == "complex":
+        per = 2 * e + 16
+        rope = per * q_el + (per * kv_el + e * (q_el - kv_el) + e * (kv_el + q_el) if gqa else per * kv_el)
+    else:
+        rope = 2 * e * q_el + (2 * e * (kv_el + q_el) if gqa else 2 * e * kv_el)
+    fwd = 9 * e * hdim + rope + 3 * e * act
+    bwd = norms_b + sums + rope + 5 * e * act
+    return _with_dispatch(x, moe, fwd, bwd)
 
 
 def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
@@ -253,7 +313,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if blocks else 0,
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
-                      loss=recipe.planner.loss, kernels=recipe.planner.block_kernels)
+                      loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
+                      rope=recipe.planner.rope)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

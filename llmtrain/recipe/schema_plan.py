@@ -76,6 +76,13 @@ class PlannerConfig(Strict):
                               "fused kernels of Megatron-LM / Megatron-Core with Transformer Engine and of llm-foundry's "
                               "MPT: one QKV and one fc1 GEMM, so no such sums, a fused RoPE and a fused activation, "
                               "attention that takes the K/V heads as they are). plan/ops.py.")
+    rope: Literal["engine", "complex"] = Field(
+        "engine", description="Planner only (time model v2, with train.compile); the bundled engine compiles RoPE's real "
+                              "formula. How Inductor prices the blocks' RoPE: engine (fused with the casts around it and "
+                              "GQA's K/V repeat: one kernel), complex (torch.view_as_complex, as torchtitan and Meta's "
+                              "reference code write it: Inductor generates no complex code, so the fp32 cast, the "
+                              "complex multiply and the cast back stay three kernels each way). Eager runs are priced "
+                              "alike either way. plan/ops.py.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
                               "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
