@@ -34,7 +34,7 @@ EXPECTED = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped
             "dcp_async_resume", "hf_export", "cp_attention_blocks", "dense_compiled", "hf_llama_eager", "dense_eager",
             "dense_compiled_selective_ac", "dense_compiled_full_ac", "dense_compiled_fsdp1", "moe_eager",
             "moe_compiled_fsdp1", "hf_llama_compiled", "kernel_rates", "loss_rates", "adamw_quantized_states", "fp8_dense_compiled", "fp8_all_gather",
-            "fp8_tp", "async_tp", "moe_profile"]  # fp8_tp, async_tp: helper F's options.py (issue 17)
+            "fp8_tp", "async_tp", "moe_profile", "dense_profile"]  # fp8_tp, async_tp: helper F's options.py (issue 17)
 ACCEPTANCE = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped_gemm", "fused_adamw",
               "dcp_async_resume", "hf_export", "cp_attention_blocks", "dense_compiled", "hf_llama_eager"]
 SPEED_KEYS = ("tokens_per_s", "mfu", "peak_mem_gib", "planned_step_s", "planned_peak_gib")
@@ -81,6 +81,12 @@ def test_cpu_smoke_runs_every_step(tmp_path):
     prof = rec["steps"]["moe_profile"]["result"]
     assert prof["wall_ms"] > 0 and prof["kernel_ms"] > 0 and prof["kernels_per_step"] > 0, prof
     assert prof["top"] and set(prof["by_category"]) >= {"gemm"} and "planned_step_s" in prof, prof
+    # the dense profile: measured kernel time by category beside v2's price of each (eager only at --tiny)
+    dense = rec["steps"]["dense_profile"]["result"]["rows"]
+    assert [r["config"] for r in dense] == ["dense_eager"], dense
+    planned = dense[0]["planned_ms"]
+    assert {"gemm", "attention", "elementwise", "rest"} <= set(planned) and planned["gemm"] > 0, planned
+    assert dense[0]["by_category"]["gemm"]["ms"] > 0 and dense[0]["planned_step_s"] > 0, dense
     rows = {r["config"]: r for r in rec["speed"]}
     assert {"dense_compiled", "dense_eager", "dense_compiled_fsdp1", "moe_compiled_fsdp1", "hf_llama_eager"} <= set(rows)
     for name in ("dense_compiled", "dense_eager", "moe_compiled_fsdp1", "moe_eager", "dense_compiled_fsdp1"):

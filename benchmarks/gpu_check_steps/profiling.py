@@ -1,4 +1,4 @@
-"""Where the engine's MoE step goes (issue 18 item 6): the first GPU record ran the MoE rows 1.7x slower
+"""Where the engine's steps go (issue 18 item 6). ``dense_profile`` below; ``moe_profile``: the first GPU record ran the MoE rows 1.7x slower
 than planned while the dense rows ran within 10 %, and a step time alone cannot say whether the GPU
 was busy (kernels priced too fast: grouped GEMMs at small sizes, the token permutation) or idle (the
 host: launches of the many small routing kernels, and ``counts.tolist()``, one device-to-host sync per
@@ -6,7 +6,8 @@ MoE layer, engine/models/grouped_experts.py). ``moe_profile`` runs the speed row
 eager steps under torch.profiler and records, per step: the wall time, the summed kernel time (busy =
 kernel / wall), the kernels and host syncs, the kernel time by category, and the costliest kernels,
 beside the planner's step for the same recipe. On CPU (the ``--tiny`` smoke test) the same tables
-from the CPU ops, so the code runs in CI.
+from the CPU ops, so the code runs in CI. cuBLAS's Hopper GEMMs are ``nvjet_*`` kernels (CUDA 12.4+),
+counted as GEMMs.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ STEPS, WARMUP = 4, 2
 # kernel-name fragments of each category (lower case), first match wins
 CATEGORIES = (
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
-    ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "grouped_mm", "matmul", "aten::mm", "aten::bmm",
-              "aten::addmm", "_grouped_mm")),
+    ("gemm", ("gemm", "cutlass", "xmma", "cublas", "nvjet", "sm90_", "sm80_", "grouped_mm", "matmul", "aten::mm",
+              "aten::bmm", "aten::addmm", "_grouped_mm")),
     ("permute", ("index", "scatter", "gather", "sort", "radix", "bincount", "cumsum", "histogram", "nonzero",
                  "topk", "aten::cat", "catarraybatched")),
 )
@@ -90,3 +91,63 @@ def moe_profile(ctx) -> dict:
     if ctx.cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def planned_parts(r, compiled: bool) -> dict:
+    """Time model v2's seconds per step of recipe ``r`` (one GPU, one micro batch per step, no
+    recomputation) by kernel category: the blocks' and the output layer's GEMMs (three at full tokens:
+    train_fixed's unchunked ``F.cross_entropy``), the attention kernels, the blocks' element-wise ops
+    (``ops.block_parts``), and the rest of the planned step (norm and loss kernels, the optimizer, the
+    weights' autocast copies)."""
+    from llmtrain.plan import ops
+    from llmtrain.plan.dims import ParallelDims
+    from llmtrain.plan.flops import attention_executed
+    from llmtrain.plan.losstime import head_gemm_seconds
+    from llmtrain.recipe.gpus import cluster_gpu
+
+    gpu = cluster_gpu(r.cluster.gpu, r.cluster.gpu_power_w)
+    x = ops.shape_of(r, ParallelDims(1, 1, 1, 1, 1, 1), gpu, attention_executed(1, r.parallel.cp_method))
+    parts = ops.block_parts(x, gpu, moe=False)
+    layers, tokens = r.model.layers, r.train.micro_batch_size * r.train.seq_len
+    out = {name: 1e3 * layers * sum(fb) for name, fb in parts.items()}
+    out["gemm"] += 1e3 * sum(head_gemm_seconds("unchunked", tokens, r.model.vocab_size, r.model.hidden, gpu))
+    step = planned(r).get("planned_step_s")
+    if step is not None:
+        out["rest"] = 1e3 * step - sum(out.values())
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+@step("dense_profile", est_s=35, group="options")
+def dense_profile(ctx) -> dict:
+    """The speed rows' 1.2B dense model, eager and compiled (compiled not at ``--tiny``), a few steps
+    under torch.profiler: kernel time by category beside v2's price of each (:func:`planned_parts`).
+    What it decides (docs/planner.md 9.2): whether GEMMs inside a training step run at the rate
+    ``gemmtime.GEMM_FIT`` took from isolated GEMMs (the sustained-power question), and whether the
+    element-wise kernels, eager and fused by Inductor, cost what v2's byte counts say."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from llmtrain.recipe.schema import ModelConfig
+
+    from .fsdp1 import build, train_fixed
+    from .speed import DENSE, FULL, TINY, TINY_DENSE
+
+    size, fields = (TINY, TINY_DENSE) if ctx.tiny else (FULL, DENSE)
+    cfg = ModelConfig(**fields)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    rows = []
+    for compiled in (False,) if ctx.tiny else (False, True):
+        r = recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1, compile_=compiled)
+        model = build(cfg, ctx.device, "bf16", compile_=compiled, fsdp=False)  # fp32 weights, bf16 autocast
+        with profile(activities=activities, schedule=schedule(wait=WARMUP - 1, warmup=1, active=STEPS)) as prof:
+            losses, times = train_fixed(model, cfg, ctx.device, WARMUP + STEPS, size["micro"], size["seq"], lr=3e-4,
+                                        autocast=True, after_step=prof.step)
+        measured = summarize(prof.key_averages(), ctx.cuda, STEPS, sum(times[WARMUP:]))
+        rows.append({"config": "dense_compiled" if compiled else "dense_eager", "loss_last": losses[-1], **measured,
+                     "planned_ms": planned_parts(r, compiled), **planned(r)})
+        del model, prof
+        if ctx.cuda:
+            torch.cuda.empty_cache()
+    return {"seq": size["seq"], "micro_batch": size["micro"], "steps": STEPS, "rows": rows,
+            "note": "measured by_category ms per step (GPU kernels) beside planned_ms (v2, same categories; "
+                    "planned 'rest' against measured elementwise/other less the blocks' elementwise share)"}

@@ -72,20 +72,31 @@ def head_loss_seconds(kind: str, tokens: int, vocab_local: float, hidden: int, e
     tokens on one rank (its ``vocab_local`` rows of the output weight). ``weight_trains``: False
     when the output layer is frozen (LoRA): no weight gradient, only the input's. ``chunk``: the
     engine's tokens per chunk (default: its rule, :func:`loss_chunk_tokens`)."""
-    fwd_b, bwd_b = logit_bytes(kind, e)
-    logits = tokens * vocab_local
+    f, b = head_gemm_seconds(kind, tokens, vocab_local, hidden, gpu, weight_trains, sms, chunk)
+    if kind != "engine":
+        fwd_b, bwd_b = logit_bytes(kind, e)
+        logits = tokens * vocab_local
+        return f + membound_seconds(logits * fwd_b, gpu), b + membound_seconds(logits * bwd_b, gpu)
+    chunk = chunk or loss_chunk_tokens(tokens, int(vocab_local), hidden)
+    moved, back = engine_loss_bytes(tokens, vocab_local, hidden, e, chunk, weight_trains)
+    return f + membound_seconds(moved, gpu), b + membound_seconds(back, gpu)
+
+
+def head_gemm_seconds(kind: str, tokens: int, vocab_local: float, hidden: int, gpu: GPUSpec,
+                      weight_trains: bool = True, sms: int | None = None, chunk: int | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of the output layer's GEMMs alone (:func:`head_loss_seconds`): the
+    engine's chunked loss runs all three in its forward, chunk by chunk."""
     if kind != "engine":
         f, b = gemm_fwd_bwd(tokens, vocab_local, hidden, gpu, sms=sms)
         if not weight_trains:
             b = gemm_seconds(tokens, hidden, vocab_local, gpu, sms=sms)
-        return f + membound_seconds(logits * fwd_b, gpu), b + membound_seconds(logits * bwd_b, gpu)
+        return f, b
     chunk = chunk or loss_chunk_tokens(tokens, int(vocab_local), hidden)
     f = gemm_seconds(tokens, vocab_local, hidden, gpu, sms=sms)  # the logits, chunk by chunk (m = tokens)
     f += gemm_seconds(tokens, hidden, vocab_local, gpu, sms=sms)  # dL/dh of each chunk's rows
     if weight_trains:  # dL/dW, k = one chunk's tokens
         f += tokens / chunk * gemm_seconds(vocab_local, hidden, chunk, gpu, sms=sms)
-    moved, back = engine_loss_bytes(tokens, vocab_local, hidden, e, chunk, weight_trains)
-    return f + membound_seconds(moved, gpu), membound_seconds(back, gpu)
+    return f, 0.0
 
 
 def engine_loss_bytes(tokens: int, vocab_local: float, hidden: int, e: int, chunk: int,

@@ -223,6 +223,41 @@ def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None)
                              x.e, x.kv_len)
 
 
+def block_gemms(x: BlockShape, moe: bool) -> list[tuple[float, float, float, float | None, int, bool]]:
+    """The GEMMs of one block on one rank (no LoRA): ``(m, n, k, peak, count, recomputed under full
+    AC)`` for wq, wk, wv, wo, then the dense MLP or the router, the routed experts (balanced routing)
+    and the shared experts."""
+    tok, t = x.b * x.s, x.tp
+    lin = x.fp8_peak or None  # nn.Linear GEMMs under fp8 (MoE experts and the router stay bf16)
+    q, kv = x.heads * x.hd / t, x.kv_heads * x.hd / t
+    gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
+             (tok, x.h, q, lin, 1, True)]
+    if moe:
+        local = max(1, x.experts // max(1, x.ep))
+        per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
+        ef = x.expert_ffn / t
+        gemms += [(tok, x.experts, x.h, None, 1, True), (per, ef, x.h, None, 2 * local, True),
+                  (per, x.h, ef, None, local, True)]
+        if x.shared:  # the shared experts' w2 is the block's last GEMM (flops.py: not recomputed)
+            sf = x.shared * x.expert_ffn / t
+            gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
+    else:
+        gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
+    return gemms
+
+
+def block_parts(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None) -> dict[str, tuple[float, float]]:
+    """(forward, backward) seconds of one block's GEMMs, attention kernels and element-wise ops on one
+    rank, one micro batch, without recomputation (no LoRA): :func:`block_seconds`'s parts, which the
+    GPU check sets beside a profiled step's kernel time by category."""
+    gemm_f = gemm_b = 0.0
+    for m, n, k, peak, count, _ in block_gemms(x, moe):
+        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
+        gemm_f, gemm_b = gemm_f + count * f, gemm_b + count * b_
+    ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
+    return {"gemm": (gemm_f, gemm_b), "attention": layer_attention_seconds(x, gpu, sms), "elementwise": (ef_s, eb_s)}
+
+
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
 def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None) -> tuple[float, float]:
     """(forward, backward incl. recomputation) seconds of one block on one rank, one micro batch."""
@@ -238,22 +273,8 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; validate refuses LoRA on MoE)
         fwd, bwd, again = lora_pass_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
     else:
-        # (m, n, k, peak, count, recomputed under full AC): wq, wk, wv, wo, then the MLP
-        gemms = [(tok, q, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True), (tok, kv, x.h, lin, 1, True),
-                 (tok, x.h, q, lin, 1, True)]
-        if moe:
-            local = max(1, x.experts // max(1, x.ep))
-            per = tok * x.top_k / local  # routed tokens per local expert (balanced routing)
-            ef = x.expert_ffn / t
-            gemms += [(tok, x.experts, x.h, None, 1, True), (per, ef, x.h, None, 2 * local, True),
-                      (per, x.h, ef, None, local, True)]
-            if x.shared:  # the shared experts' w2 is the block's last GEMM (flops.py: not recomputed)
-                sf = x.shared * x.expert_ffn / t
-                gemms += [(tok, sf, x.h, None, 2, True), (tok, x.h, sf, None, 1, False)]
-        else:
-            gemms += [(tok, x.ffn / t, x.h, lin, 2, True), (tok, x.h, x.ffn / t, lin, 1, False)]
         fwd = bwd = again = 0.0
-        for m, n, k, peak, count, recomputed in gemms:
+        for m, n, k, peak, count, recomputed in block_gemms(x, moe):
             f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
             fwd, bwd = fwd + count * f, bwd + count * b_
             again += count * f if recomputed or x.recompute_whole else 0.0
@@ -283,13 +304,6 @@ def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[f
     f, b_ = head_loss_seconds(x.loss, tok, x.vocab / x.tp, x.h, x.e, gpu, weight_trains=x.lora is None, sms=sms)
     nf, nb = norm_bytes(x.e, x.norm_unfused)
     return f + membound_seconds(nf * x.h * tok, gpu), b_ + membound_seconds(nb * x.h * tok, gpu)
-
-
-def fsdp_copy_seconds(gathers: float, reduces: float, unsharded_params: int, gpu: GPUSpec, e: int,
-                      reduce_bytes: int) -> float:
-    """FSDP2's copy-out of every all-gathered weight (read + write ``e`` bytes per unsharded element)
-    and the copy-in of every reduce-scattered gradient (read + write ``reduce_bytes``)."""
-    return membound_seconds(unsharded_params * (gathers * 2 * e + reduces * 2 * reduce_bytes), gpu)
 
 
 def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
