@@ -33,6 +33,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.block_kernels {pl.block_kernels}")
     if pl.rope != "engine" and recipe.cluster.time_model == "v2" and recipe.train.compile:
         out.append(f"planner.rope {pl.rope}")
+    if pl.grad_memory != "engine":
+        out.append(f"planner.grad_memory {pl.grad_memory}")
     if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":
         out.append(f"planner.full_recompute {pl.full_recompute}")
     if pl.loss != "engine":

@@ -13,7 +13,7 @@ def _gib(n: float) -> float:
 
 
 def memory_dict(mem: RankMemory) -> dict:
-    return {"params": _gib(mem.params), "grads": _gib(mem.grads), "optimizer": _gib(mem.optimizer),
+    return {"params": _gib(mem.params), "grads": _gib(mem.held_grads), "optimizer": _gib(mem.optimizer),
             "activations": _gib(mem.activations), "other": _gib(mem.other)}
 
 

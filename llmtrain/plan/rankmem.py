@@ -42,15 +42,20 @@ class RankMemory:
     optimizer: int
     activations: int
     other: int
-    phase: str  # "backward" or "optimizer step": when the peak happens
+    phase: str  # "backward", "backward end" or "optimizer step": when the peak happens
     other_detail: dict[str, int] = field(default_factory=dict)
     activation_detail: dict[str, int] = field(default_factory=dict)
     trainable_params: int = 0  # parameters with gradients on this rank (TP/PP-local, before DP sharding)
     saved_detail: dict[str, int] = field(default_factory=dict)  # what backward holds, whichever phase peaks
+    grads_held: int | None = None  # gradient bytes alive at the peak (None: all of ``grads``, the state)
+
+    @property
+    def held_grads(self) -> int:
+        return self.grads if self.grads_held is None else self.grads_held
 
     @property
     def peak(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
+        return self.params + self.held_grads + self.optimizer + self.activations + self.other
 
 
 def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
@@ -127,17 +132,29 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
             other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
     states = state.params + state.grads + state.optimizer
     step_extra = optimizer_step_bytes(state.stepped, mode, state.trainable)
-    backward = states + activations + sum(other.values())
+    # The trainer frees the gradients after every step (zero_grad(set_to_none=True)), so a rank whose
+    # step is one backward (one micro batch, no pipeline) makes them during it while it frees the
+    # activations: at its start it holds the activations and no gradient (the loss's early output-layer
+    # gradient is among the activations), at its end every gradient and no activation. Measured on CPU
+    # (tests/test_peak_memory.py) and in the GPU record's one-GPU rows (docs/planner.md 1.4).
+    # planner.grad_memory persistent: a stack whose gradient buffer lives across steps (Megatron).
+    born = batch.grad_accum == 1 and dims.pp == 1 and recipe.planner.grad_memory == "engine"
+    held = (0 if activations >= state.grads else state.grads) if born else state.grads
+    acts = activations if not born or activations >= state.grads else 0
+    end = {k: v for k, v in other.items() if k != "logits"}  # the loss's backward ran first: its logits are gone
+    backward = state.params + held + state.optimizer + acts + sum((other if acts or not born else end).values())
     reserve = RESERVE_BYTES.get(gpu.name, DEFAULT_RESERVE)
     if backward >= states + step_extra:
-        phase, acts = "backward", activations
+        phase = "backward end" if born and not acts else "backward"
+        detail, other = (detail, other) if phase == "backward" else ({}, end)
     else:
-        phase, acts, other, detail = "optimizer step", 0, {"optimizer_step_temporaries": step_extra}, {}
+        phase, acts, held, other, detail = "optimizer step", 0, state.grads, {"optimizer_step_temporaries": step_extra}, {}
     if reserve:
         other["framework_reserve"] = reserve
-        other["fragmentation"] = int(FRAGMENTATION * (states + acts + sum(other.values()) - reserve))
+        other["fragmentation"] = int(FRAGMENTATION * (state.params + held + state.optimizer + acts + sum(other.values())
+                                                      - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
-                      other, detail, state.trainable, saved)
+                      other, detail, state.trainable, saved, grads_held=held)
 
 
 def probe_ranks(pp: int) -> list[int]:

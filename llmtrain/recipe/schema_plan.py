@@ -83,6 +83,13 @@ class PlannerConfig(Strict):
                               "reference code write it: Inductor generates no complex code, so the fp32 cast, the "
                               "complex multiply and the cast back stay three kernels each way). Eager runs are priced "
                               "alike either way. plan/ops.py.")
+    grad_memory: Literal["engine", "persistent"] = Field(
+        "engine", description="Planner only; the bundled engine frees the gradients after every step. How the "
+                              "stack keeps its gradients between steps: engine (freed, zero_grad(set_to_none=True): a "
+                              "step of one backward makes them while freeing its activations, so they are not at its "
+                              "peak), persistent (one gradient buffer allocated once and zeroed, as Megatron-Core's DDP "
+                              "main_grad buffer, or Megatron-LM 2021's fp32 main gradients, which its optimizer "
+                              "overwrites but never frees): every gradient counts at every peak. docs/planner.md 1.4.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
                               "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
