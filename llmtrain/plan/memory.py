@@ -342,15 +342,11 @@ def grad_buffer_bytes(total: int, mode: DPMode, precision: str, largest_block: i
     return min(bucket_bytes, FP32 * total) if mode.group > 1 else 0
 
 
-def optimizer_step_bytes(stepped_numel: int, mode: DPMode, params_numel: int) -> int:
+def optimizer_step_bytes(mode: DPMode, params_numel: int) -> int:
     """Transient memory of the optimizer step beyond the states: ZeRO-1's flat broadcast copy of one
     owner's parameters. The engine's AdamW is torch's fused one (engine/optim.py ``fused=True``),
     which updates in place with no per-element temporary (foreach AdamW's ``sqrt(v)`` list, one fp32
     temporary per stepped element, was counted here until the twenty-sixth session: measured on CPU,
     tests/test_peak_memory.py, and in the GPU record's full-AC row, the step adds nothing); torchao's
-    low-bit states step one parameter at a time. ``stepped_numel`` is kept for the signature's callers."""
-    del stepped_numel
-    extra = 0
-    if mode.kind == "zero1":
-        extra += FP32 * -(-params_numel // mode.group)
-    return extra
+    low-bit states step one parameter at a time."""
+    return FP32 * -(-params_numel // mode.group) if mode.kind == "zero1" else 0

@@ -131,7 +131,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         if dims.ep > 1:
             other["ep_dispatch"] = 2 * x.b * x.s * x.top_k * x.h * x.e
     states = state.params + state.grads + state.optimizer
-    step_extra = optimizer_step_bytes(state.stepped, mode, state.trainable)
+    step_extra = optimizer_step_bytes(mode, state.trainable)
     # The trainer frees the gradients after every step (zero_grad(set_to_none=True)), so a rank whose
     # step is one backward (one micro batch, no pipeline) makes them during it while it frees the
     # activations: at its start it holds the activations and no gradient (the loss's early output-layer
