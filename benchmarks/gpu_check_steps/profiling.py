@@ -138,6 +138,8 @@ def dense_profile(ctx) -> dict:
     rows = []
     for compiled in (False,) if ctx.tiny else (False, True):
         r = recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1, compile_=compiled)
+        # train_fixed's loss is F.cross_entropy over the whole fp32 logits: the plan prices that one
+        r = r.model_copy(update={"planner": r.planner.model_copy(update={"loss": "unchunked"})})
         model = build(cfg, ctx.device, "bf16", compile_=compiled, fsdp=False)  # fp32 weights, bf16 autocast
         with profile(activities=activities, schedule=schedule(wait=WARMUP - 1, warmup=1, active=STEPS)) as prof:
             losses, times = train_fixed(model, cfg, ctx.device, WARMUP + STEPS, size["micro"], size["seq"], lr=3e-4,

@@ -20,7 +20,7 @@ Two accountings live here:
      buffers (:func:`param_buffer_bytes`), not model state.
    - gradients are fp32 (4 bytes) in every mode: autocast leaves them in the parameters'
      dtype, FSDP2 reduce-scatters in ``reduce_dtype`` fp32 into fp32 sharded gradients.
-   - AdamW (``foreach``) keeps ``exp_avg`` and ``exp_avg_sq`` in fp32 (8 bytes per element)
+   - AdamW (``fused``) keeps ``exp_avg`` and ``exp_avg_sq`` in fp32 (8 bytes per element)
      plus a 4-byte fp32 ``step`` tensor per parameter.
    So the engine's bf16 model state is 4 + 4 + 8 = 16 bytes per parameter (the paper's 2 + 2 +
    12 = 16 too, split differently: no fp16 parameter copy, fp32 gradients instead of fp16).

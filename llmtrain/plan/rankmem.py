@@ -1,9 +1,10 @@
 """Memory per rank (the plan's "Memory" line): what one pipeline rank holds at its peak.
 
 Evaluated for a pipeline rank at a data-parallel index (default: its largest shard, FSDP index 0,
-the most loaded ZeRO-1 owner), at two moments: the start of the last backward (states +
-activations in flight + working buffers) and the optimizer step (states + foreach
-temporaries); the peak is the larger. A fixed framework reserve (CUDA context, NCCL buffers) and
+the most loaded ZeRO-1 owner), at the start of the last backward (states + activations in flight +
+working buffers; a step of one backward holds no gradient yet, or at its end every gradient and no
+activation: docs/planner.md 1.4) and at the optimizer step (states + ZeRO-1's broadcast copy); the
+peak is the larger. A fixed framework reserve (CUDA context, NCCL buffers) and
 allocator fragmentation are added on GPUs (:data:`RESERVE_BYTES`, :data:`FRAGMENTATION`). The
 terms come from :mod:`llmtrain.plan.shards` (what each rank holds), :mod:`llmtrain.plan.memory`
 (model state and buffers) and :mod:`llmtrain.plan.activations` (activations and micro batches in
