@@ -7,8 +7,8 @@ beside ``llmtrain plan``'s peak for the same recipe.
 total and takes it off when the storage dies (a ``weakref.finalize``; torch keeps one Python
 object per storage), so its ``peak`` is the most bytes alive at once: parameters, gradients,
 optimizer states, activations and every temporary, as the CPU allocator would see them. The
-whole run is inside the mode (the model is built there too). The trainer runs three steps, so
-the peak includes steps with optimizer states and with the gradients freed between steps."""
+whole run is inside the mode (the model is built there too). The trainer runs two steps, so
+its second step holds the optimizer states and starts with the first step's gradients freed."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def recipe(micro: int, gbs: int, ac: str, seq: int) -> Recipe:
         model=dict(layers=4, hidden=512, heads=8, kv_heads=4, ffn_hidden=1408, vocab_size=8192, max_seq_len=seq,
                    rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
         parallel=dict(tp=1, dp_shard=1, zero=3),
-        train=dict(seq_len=seq, micro_batch_size=micro, global_batch_size=gbs, steps=3, precision="bf16", seed=0,
+        train=dict(seq_len=seq, micro_batch_size=micro, global_batch_size=gbs, steps=2, precision="bf16", seed=0,
                    activation_checkpointing=ac, grad_clip=1.0, optimizer=dict(lr=3e-4, weight_decay=0.0),
                    schedule=dict(warmup_steps=0, decay="constant")),
         data=dict(source="synthetic"), cluster=dict(nodes=1, gpus_per_node=1, gpu="cpu")))

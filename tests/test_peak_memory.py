@@ -1,6 +1,6 @@
 """``llmtrain plan``'s peak memory against the bytes the engine's trainer really holds at its peak
 (tests/peak_memory_worker.py: every storage alive at once, counted under a dispatch mode, one
-CPU rank, three steps of a 4-layer model in bf16 autocast over fp32 weights).
+CPU rank, two steps of a 4-layer model in bf16 autocast over fp32 weights).
 
 What this pins (docs/planner.md 1.4): the trainer frees the gradients after every step, so a step
 of one backward makes them while it frees the activations (the peak is at the loss, with no
