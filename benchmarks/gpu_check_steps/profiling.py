@@ -67,38 +67,46 @@ def summarize(averages, cuda: bool, steps: int, wall_s: float) -> dict:
 
 @step("moe_profile", est_s=25, group="options")
 def moe_profile(ctx) -> dict:
+    from .speed import FULL, MOE, TINY, TINY_MOE
+
+    size, fields = (TINY, TINY_MOE) if ctx.tiny else (FULL, MOE)
+    plan = planned(recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1))
+    loss, measured = profiled_steps(ctx, fields, size, compiled=False)
+    return {"config": "moe_eager (profiled)", "seq": size["seq"], "micro_batch": size["micro"], "steps": STEPS,
+            "loss_last": loss, **measured, **plan,
+            "note": "wall includes the profiler's own overhead (a few % on CUDA); busy = kernel / wall"}
+
+
+def profiled_steps(ctx, fields: dict, size: dict, compiled: bool) -> tuple[float, dict]:
+    """The model of ``fields`` trained on one fixed batch (fp32 weights, bf16 autocast: the trainer's
+    path on one GPU), the first WARMUP steps unrecorded (the profiler's own warm-up is the last of
+    them), then STEPS under torch.profiler: (the last loss, :func:`summarize`'s tables)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from llmtrain.recipe.schema import ModelConfig
 
     from .fsdp1 import build, train_fixed
-    from .speed import FULL, MOE, TINY, TINY_MOE
 
-    size, fields = (TINY, TINY_MOE) if ctx.tiny else (FULL, MOE)
     cfg = ModelConfig(**fields)
-    plan = planned(recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1))
-    model = build(cfg, ctx.device, "bf16", compile_=False, fsdp=False)  # fp32 weights, bf16 autocast: the trainer's
+    model = build(cfg, ctx.device, "bf16", compile_=compiled, fsdp=False)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
-    # the first WARMUP steps unrecorded (the profiler's own warm-up is the last of them), then STEPS recorded
     with profile(activities=activities, schedule=schedule(wait=WARMUP - 1, warmup=1, active=STEPS)) as prof:
         losses, times = train_fixed(model, cfg, ctx.device, WARMUP + STEPS, size["micro"], size["seq"], lr=3e-4,
                                     autocast=True, after_step=prof.step)
-    out = {"config": "moe_eager (profiled)", "seq": size["seq"], "micro_batch": size["micro"], "steps": STEPS,
-           "loss_last": losses[-1], **summarize(prof.key_averages(), ctx.cuda, STEPS, sum(times[WARMUP:])), **plan,
-           "note": "wall includes the profiler's own overhead (a few % on CUDA); busy = kernel / wall"}
-    del model
+    measured = summarize(prof.key_averages(), ctx.cuda, STEPS, sum(times[WARMUP:]))
+    del model, prof
     if ctx.cuda:
         torch.cuda.empty_cache()
-    return out
+    return losses[-1], measured
 
 
-def planned_parts(r, compiled: bool) -> dict:
+def planned_parts(r, step_s: float | None) -> dict:
     """Time model v2's seconds per step of recipe ``r`` (one GPU, one micro batch per step, no
     recomputation) by kernel category: the blocks' and the output layer's GEMMs (three at full tokens:
     train_fixed's unchunked ``F.cross_entropy``), the attention kernels, the blocks' element-wise ops
     (``ops.block_parts``), and the rest of the planned step (norm and loss kernels, the optimizer, the
-    weights' autocast copies)."""
+    weights' autocast copies: ``step_s``, the planned step, less the rest)."""
     from llmtrain.plan import ops
     from llmtrain.plan.dims import ParallelDims
     from llmtrain.plan.flops import attention_executed
@@ -111,9 +119,8 @@ def planned_parts(r, compiled: bool) -> dict:
     layers, tokens = r.model.layers, r.train.micro_batch_size * r.train.seq_len
     out = {name: 1e3 * layers * sum(fb) for name, fb in parts.items()}
     out["gemm"] += 1e3 * sum(head_gemm_seconds("unchunked", tokens, r.model.vocab_size, r.model.hidden, gpu))
-    step = planned(r).get("planned_step_s")
-    if step is not None:
-        out["rest"] = 1e3 * step - sum(out.values())
+    if step_s is not None:
+        out["rest"] = 1e3 * step_s - sum(out.values())
     return {k: round(v, 3) for k, v in out.items()}
 
 
@@ -124,32 +131,18 @@ def dense_profile(ctx) -> dict:
     What it decides (docs/planner.md 9.2): whether GEMMs inside a training step run at the rate
     ``gemmtime.GEMM_FIT`` took from isolated GEMMs (the sustained-power question), and whether the
     element-wise kernels, eager and fused by Inductor, cost what v2's byte counts say."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    from llmtrain.recipe.schema import ModelConfig
-
-    from .fsdp1 import build, train_fixed
     from .speed import DENSE, FULL, TINY, TINY_DENSE
 
     size, fields = (TINY, TINY_DENSE) if ctx.tiny else (FULL, DENSE)
-    cfg = ModelConfig(**fields)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
     rows = []
     for compiled in (False,) if ctx.tiny else (False, True):
         r = recipe(ctx, fields, precision="bf16", seq=size["seq"], micro=size["micro"], steps=1, compile_=compiled)
         # train_fixed's loss is F.cross_entropy over the whole fp32 logits: the plan prices that one
         r = r.model_copy(update={"planner": r.planner.model_copy(update={"loss": "unchunked"})})
-        model = build(cfg, ctx.device, "bf16", compile_=compiled, fsdp=False)  # fp32 weights, bf16 autocast
-        with profile(activities=activities, schedule=schedule(wait=WARMUP - 1, warmup=1, active=STEPS)) as prof:
-            losses, times = train_fixed(model, cfg, ctx.device, WARMUP + STEPS, size["micro"], size["seq"], lr=3e-4,
-                                        autocast=True, after_step=prof.step)
-        measured = summarize(prof.key_averages(), ctx.cuda, STEPS, sum(times[WARMUP:]))
-        rows.append({"config": "dense_compiled" if compiled else "dense_eager", "loss_last": losses[-1], **measured,
-                     "planned_ms": planned_parts(r, compiled), **planned(r)})
-        del model, prof
-        if ctx.cuda:
-            torch.cuda.empty_cache()
+        plan = planned(r)
+        loss, measured = profiled_steps(ctx, fields, size, compiled)
+        rows.append({"config": "dense_compiled" if compiled else "dense_eager", "loss_last": loss, **measured,
+                     "planned_ms": planned_parts(r, plan.get("planned_step_s")), **plan})
     return {"seq": size["seq"], "micro_batch": size["micro"], "steps": STEPS, "rows": rows,
             "note": "measured by_category ms per step (GPU kernels) beside planned_ms (v2, same categories; "
                     "planned 'rest' against measured elementwise/other less the blocks' elementwise share)"}

@@ -250,12 +250,19 @@ def block_parts(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None) 
     """(forward, backward) seconds of one block's GEMMs, attention kernels and element-wise ops on one
     rank, one micro batch, without recomputation (no LoRA): :func:`block_seconds`'s parts, which the
     GPU check sets beside a profiled step's kernel time by category."""
-    gemm_f = gemm_b = 0.0
-    for m, n, k, peak, count, _ in block_gemms(x, moe):
-        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
-        gemm_f, gemm_b = gemm_f + count * f, gemm_b + count * b_
+    gemm_f, gemm_b, _ = _gemm_pass_seconds(x, gpu, moe, sms)
     ef_s, eb_s = (membound_seconds(v, gpu) for v in _elementwise(x, moe))
     return {"gemm": (gemm_f, gemm_b), "attention": layer_attention_seconds(x, gpu, sms), "elementwise": (ef_s, eb_s)}
+
+
+def _gemm_pass_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None) -> tuple[float, float, float]:
+    """(forward, backward, forward again under full AC) seconds of :func:`block_gemms`."""
+    fwd = bwd = again = 0.0
+    for m, n, k, peak, count, recomputed in block_gemms(x, moe):
+        f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
+        fwd, bwd = fwd + count * f, bwd + count * b_
+        again += count * f if recomputed or x.recompute_whole else 0.0
+    return fwd, bwd, again
 
 
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
@@ -273,11 +280,7 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; validate refuses LoRA on MoE)
         fwd, bwd, again = lora_pass_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
     else:
-        fwd = bwd = again = 0.0
-        for m, n, k, peak, count, recomputed in block_gemms(x, moe):
-            f, b_ = gemm_fwd_bwd(m, n, k, gpu, peak, sms)
-            fwd, bwd = fwd + count * f, bwd + count * b_
-            again += count * f if recomputed or x.recompute_whole else 0.0
+        fwd, bwd, again = _gemm_pass_seconds(x, gpu, moe, sms)
         fwd, bwd, again = fwd + af + ef_s, bwd + ab + eb_s, again + af + ef_s
     if x.recompute == "full":
         bwd += again

@@ -140,14 +140,15 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     # (tests/test_peak_memory.py) and in the GPU record's one-GPU rows (docs/planner.md 1.4).
     # planner.grad_memory persistent: a stack whose gradient buffer lives across steps (Megatron).
     born = batch.grad_accum == 1 and dims.pp == 1 and recipe.planner.grad_memory == "engine"
-    held = (0 if activations >= state.grads else state.grads) if born else state.grads
-    acts = activations if not born or activations >= state.grads else 0
-    end = {k: v for k, v in other.items() if k != "logits"}  # the loss's backward ran first: its logits are gone
-    backward = state.params + held + state.optimizer + acts + sum((other if acts or not born else end).values())
+    at_end = born and state.grads > activations  # such a step peaks at the end of its backward
+    held = 0 if born and not at_end else state.grads
+    acts = 0 if at_end else activations
+    if at_end:  # the loss's backward ran first: its logits are gone
+        other, detail = {k: v for k, v in other.items() if k != "logits"}, {}
+    backward = state.params + held + state.optimizer + acts + sum(other.values())
     reserve = RESERVE_BYTES.get(gpu.name, DEFAULT_RESERVE)
     if backward >= states + step_extra:
-        phase = "backward end" if born and not acts else "backward"
-        detail, other = (detail, other) if phase == "backward" else ({}, end)
+        phase = "backward end" if at_end else "backward"
     else:
         phase, acts, held, other, detail = "optimizer step", 0, state.grads, {"optimizer_step_temporaries": step_extra}, {}
     if reserve:
