@@ -7,7 +7,7 @@ the same stack."""
 
 from __future__ import annotations
 
-from published_runs import MEGATRON_GRADS, MEGATRON_URL, gpt, mcore_bucket_mb, recipe
+from published_runs import MEGATRON_GRADS, MEGATRON_PARAMS, MEGATRON_URL, gpt, mcore_bucket_mb, recipe
 
 # Megatron-LM (Narayanan et al. 2021, arXiv:2104.04473), Table 1: GPT on DGX A100 80GB, s = 2048,
 # V = 51200, activation recomputation, TFLOP/s per GPU counted with recomputation. What the table leaves
@@ -86,7 +86,7 @@ def megatron_rows() -> list[dict]:
                           dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing="full"),
                           gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE,
                           pp_p2p=P2P, loss=LOSS, block_kernels=KERNELS,
-                          grad_memory=MEGATRON_GRADS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
             stack=MEGATRON_2021_STACK,
             note=(f"micro batch {mbs}, {schedule}, full recomputation, zero 0, {ddp_note}; attention with the scores in "
                   "HBM (2021, before FlashAttention: planner.attention_kernel materialized); micro batch, DDP and virtual "
@@ -147,7 +147,7 @@ def megatron_2022_rows() -> list[dict]:
                               full_recompute=WHOLE if ac == "full" else None, pp_p2p=P2P,
                               selective_recompute="core_attention" if ac == "selective" else None,
                               tp_backward_overlap=True, loss=LOSS, block_kernels=KERNELS,
-                          grad_memory=MEGATRON_GRADS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
                 note=(f"published as {seconds:.2f} s per iteration (batch {batch} x 2,048 tokens on {gpus} GPUs); micro batch "
                       f"{mbs}, {schedule}, {what}, data parallel 1; Megatron-LM d898a89 (2022-05): whole-layer "
                       "recomputation (planner.full_recompute whole_block), selective = the core attention "
@@ -225,7 +225,7 @@ def megatron_h100_rows() -> list[dict]:
                           dict(seq_len=4096, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="none"),
                           gpus, "h100-sxm", attention="cudnn", tp_overlap=tp > 1, dp_optimizer="distributed",
                           pp_p2p=P2P if pp > 1 else None, loss=LOSS, block_kernels=KERNELS,
-                          grad_memory=MEGATRON_GRADS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
             note=("bf16, data parallel 48; Megatron-Core r0.8.0 with the README's flags: distributed optimizer with "
                   "overlapped gradient reduce-scatter and parameter all-gather (zero 1, planner.dp_optimizer distributed, "
                   "planner.assume_dp_overlap) in fp32 and Megatron-Core's default buckets (max(40M, 1M x dp) parameters), "

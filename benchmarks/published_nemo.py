@@ -7,7 +7,7 @@ rows, used since the ninth session); :func:`nemo_more_rows` the table's nine oth
 
 from __future__ import annotations
 
-from published_runs import MEGATRON_GRADS, NEMO, gpt, recipe
+from published_runs import MEGATRON_GRADS, MEGATRON_PARAMS, NEMO, gpt, recipe
 
 # optim.name distributed_fused_adam in every 24.07 launcher config (Apex's DistributedFusedAdam under NeMo's
 # MegatronDistributedFusedAdam): gradients reduce-scattered, the updated parameters all-gathered in bf16, both
@@ -56,7 +56,7 @@ def nemo_rows() -> list[dict]:
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
                           dp_optimizer=DIST_OPT, loss=nemo_loss(name), block_kernels="fused",
-                          grad_memory=MEGATRON_GRADS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
                   "does not say); Megatron-Core's fused block kernels (planner.block_kernels fused) and the launcher "
                   "config's cross-entropy (cross_entropy_loss_fusion: planner.loss megatron_fused, else megatron); "
@@ -123,7 +123,7 @@ def nemo_more_rows() -> list[dict]:
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
                           selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT,
                           loss=nemo_loss(name), block_kernels="fused",
-                          grad_memory=MEGATRON_GRADS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
             note=("FP8; the table's layout, the rest from NeMo-Framework-Launcher 24.07's config for the model "
                   "(launcher_scripts/conf/training/...): distributed_fused_adam with overlapped gradient and parameter "
                   "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap) in its bucket_cap_mb "

@@ -70,6 +70,10 @@ TITAN_NOTE = ("Grand Teton H100s (cluster.gpu h100-96g: 96 GB HBM2e at 2.4 TB/s)
 # Megatron-LM 2021 (aed2f75) copies the fp16 gradients into fp32 main gradients its optimizer never frees
 # (optimizer.py _copy_model_grads_to_main_grads; zero_grad skips fp32_from_float16_groups).
 MEGATRON_GRADS = "persistent"
+# Megatron's parameters are in the compute dtype with fp32 master copies in the optimizer (planner.param_memory
+# master, docs/planner.md 1.1): Megatron-LM's Float16OptimizerWithFloat16Params (fp32_from_float16_groups, aed2f75
+# and d898a89 alike) and Megatron-Core's distributed optimizer (its fp32 main parameters sharded as the moments).
+MEGATRON_PARAMS = "master"
 # torch.compile as the planner prices it (plan/ops.py _compiled_elementwise): Inductor's fused element-wise
 # kernels of the block; torchtitan's RoPE is a complex multiply (torch.view_as_complex, 2024-12 and 2025),
 # which Inductor does not generate code for: planner.rope complex.
@@ -118,7 +122,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
            dp_optimizer: str | None = None, block_kernels: str | None = None, rope: str | None = None,
-           grad_memory: str | None = None) -> dict:
+           grad_memory: str | None = None, param_memory: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
@@ -126,7 +130,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
                 tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels, rope=rope,
-                grad_memory=grad_memory)
+                grad_memory=grad_memory, param_memory=param_memory)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -267,7 +271,8 @@ def bridge_rows() -> list[dict]:
                                                         activation_checkpointing="none", precision="fp8"), gpus, gpu,
                           attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1,
                           dp_optimizer=None if fsdp else "distributed", loss="megatron_fused", block_kernels="fused",
-                          grad_memory=None if fsdp else MEGATRON_GRADS),
+                          grad_memory=None if fsdp else MEGATRON_GRADS,
+                          param_memory=None if fsdp else MEGATRON_PARAMS),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
                   "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
                   "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed) in Megatron-Core's "

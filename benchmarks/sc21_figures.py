@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_vs_published import plan_json  # noqa: E402
 from published_megatron import KERNELS, LOSS, WHOLE, megatron_flops, megatron_parallel  # noqa: E402
-from published_runs import MEGATRON_GRADS, gpt, recipe  # noqa: E402
+from published_runs import MEGATRON_GRADS, MEGATRON_PARAMS, gpt, recipe  # noqa: E402
 
 SCRIPTS = "NVIDIA/Megatron-LM examples/sc21/run_figure_{n}.sh (de7dc40)"
 
@@ -52,7 +52,7 @@ def run(h: int, heads: int, layers: int, tp: int, pp: int, gpus: int, mbs: int, 
     return recipe(gpt(h, heads, layers, tp), megatron_parallel(tp, pp, "local", layers_per_virtual, layers),
                   dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=gbs, activation_checkpointing="full"),
                   gpus, "a100-80g", attention="materialized", dp_overlap=False, full_recompute=WHOLE, loss=LOSS,
-                  block_kernels=KERNELS, grad_memory=MEGATRON_GRADS)
+                  block_kernels=KERNELS, grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS)
 
 
 def tflops(r: dict) -> float:

@@ -19,6 +19,7 @@ from llmtrain.plan import fp8time, ops
 from llmtrain.plan.api import plan_recipe
 from llmtrain.plan.costmodel import estimate
 from llmtrain.plan.losstime import head_loss_seconds
+from llmtrain.plan.memory import STEP_BYTES
 from llmtrain.recipe.gpus import ASSUMED, GPUS, SOURCES
 from llmtrain.recipe.load import validate_recipe_dict
 
@@ -315,6 +316,36 @@ def test_tp_backward_overlap_hides_the_column_parallel_inputs_backward_collectiv
         both = _plan(_recipe(**over, planner__tp_overlap=True, planner__tp_backward_overlap=True))
         assert not [c for c in both.comms if c.phase == "tp-bwd-overlap"]
         assert "planner.tp_backward_overlap true" not in both.assumptions
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_master_param_memory_holds_bf16_parameters_and_sharded_fp32_masters(zero):
+    """planner.param_memory master (Megatron's mixed precision): the parameters in bf16 (2 bytes per
+    element instead of 4), an fp32 master copy of every element the rank steps beside its moments
+    (zero 1: sharded as they are, 12 instead of 8 bytes per stepped element), no autocast copy of the
+    weights; in fp8 Transformer Engine's cached FP8 weight and transpose, 2 bytes per block weight (the
+    output layer stays bf16). Gradients and activations do not move, nor time. FSDP and fp32: ignored."""
+    over = dict(parallel__zero=zero, train__activation_checkpointing="none", train__precision="bf16")
+    engine, master = _plan(_recipe(**over)), _plan(_recipe(**over, planner__param_memory="master"))
+    e, w = engine.worst, master.worst
+    params = e.params // 4  # the rank's elements (fp32 in the engine)
+    assert w.params == 2 * params and w.grads == e.grads and w.activations == e.activations
+    # AdamW: 8 bytes per stepped element + a step counter per tensor (STEP_BYTES); the masters add 4 per element
+    masters = w.optimizer - e.optimizer
+    if zero == 0:
+        assert masters == 4 * params
+    else:
+        assert 0 <= e.optimizer / 2 - masters <= STEP_BYTES * 300 / 2 and masters < params  # sharded over dp 8
+    assert e.other_detail["weight_buffers"] > 0 and w.other_detail["weight_buffers"] == 0
+    assert master.time.step_s == engine.time.step_s
+    assert "planner.param_memory master" in master.assumptions and not engine.assumptions
+    fp8 = _plan(_recipe(**over | dict(train__precision="fp8"), planner__param_memory="master"))
+    m = validate_recipe_dict(_recipe()).model
+    blocks = params - 2 * m.vocab_size * m.hidden - (2 * m.layers + 1) * m.hidden  # less embedding, output, norms
+    assert fp8.worst.other_detail["weight_buffers"] == 2 * blocks
+    for other in (dict(parallel__zero=3), dict(train__precision="fp32")):
+        a, b = _plan(_recipe(**over | other)), _plan(_recipe(**over | other, planner__param_memory="master"))
+        assert b.worst.peak == a.worst.peak and "planner.param_memory master" not in b.assumptions
 
 
 def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_bf16_parameters():

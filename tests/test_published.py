@@ -98,8 +98,8 @@ def test_the_real_cli_gives_the_benchmarks_number():
     out = subprocess.run([*cmd, "--json"], capture_output=True, text=True, check=True, timeout=120).stdout
     assert json.loads(out)["time"]["planner_assumptions"] == [  # time model v2, the default: its kernel settings too
         "planner.assume_dp_overlap true", "planner.attention_kernel cudnn", "planner.fp8_casts fused", "planner.tp_overlap true",
-        "planner.dp_optimizer distributed", "planner.block_kernels fused", "planner.grad_memory persistent",
-        "planner.loss megatron_fused"]
+        "planner.dp_optimizer distributed", "planner.block_kernels fused", "planner.param_memory master",
+        "planner.grad_memory persistent", "planner.loss megatron_fused"]
     assert json.loads(out)["time"]["tokens_per_s_per_gpu"] == pytest.approx(
         planner_vs_published.predict(row, "v2")["predicted"], rel=1e-12)
     text = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120).stdout

@@ -33,6 +33,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.block_kernels {pl.block_kernels}")
     if pl.rope != "engine" and recipe.cluster.time_model == "v2" and recipe.train.compile:
         out.append(f"planner.rope {pl.rope}")
+    if pl.param_memory != "engine" and recipe.parallel.zero <= 1 and recipe.train.precision != "fp32":
+        out.append(f"planner.param_memory {pl.param_memory}")
     if pl.grad_memory != "engine":
         out.append(f"planner.grad_memory {pl.grad_memory}")
     if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":

@@ -250,6 +250,15 @@ def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: D
                       t_full)
 
 
+def master_weight_state(sb: StateBytes, e: int) -> StateBytes:
+    """``planner.param_memory: master`` (another stack's mixed precision, zero 0 / 1): the parameters
+    in the compute dtype (``e`` bytes) instead of fp32, and an fp32 master copy of every element
+    this rank steps beside its moments (Megatron-LM's ``fp32_from_float16_groups``, Megatron-Core's
+    distributed optimizer: sharded as the moments). Gradients as counted (fp32: Megatron's
+    ``main_grad``)."""
+    return replace(sb, params=e * sb.local_numel, optimizer=sb.optimizer + FP32 * sb.stepped)
+
+
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
     """The ``dp_cp`` index with the most model state (FSDP: 0, the largest shards; ZeRO-1: the most
     loaded owner, found among the dense owners of replica 0)."""

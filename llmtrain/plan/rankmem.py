@@ -21,8 +21,8 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
-    compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, model_state_bytes, optimizer_step_bytes,
-    param_buffer_bytes, worst_dp_index,
+    compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_weight_state, model_state_bytes,
+    optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
 )
 from llmtrain.plan.shards import inventory, lora_key, rank_stages, stage_layers
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
@@ -85,6 +85,10 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
     index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
     state = model_state_bytes(inv.params, mode, index, t.optimizer.states)
+    # planner.param_memory master: another stack's compute-dtype parameters and fp32 master copies
+    master = recipe.planner.param_memory == "master" and mode.kind != "fsdp" and t.precision != "fp32"
+    if master:
+        state = master_weight_state(state, compute_bytes(t.precision))
     x = act_shape(recipe, dims, gpu)
     recompute = t.activation_checkpointing
     counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)
@@ -116,7 +120,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
                  and not (m.tie_embeddings and inv.first) else 0)
     other = {
-        "weight_buffers": param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
+        "weight_buffers": master_weight_buffers(inv, m, dims.tp, t.precision) if master else param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
                                              inv.largest_block, inv.root, recompute,
                                              fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0)),
         "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,
@@ -157,6 +161,17 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                                                       - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
                       other, detail, state.trainable, saved, grads_held=held)
+
+
+def master_weight_buffers(inv, m, tp: int, precision: str) -> int:
+    """Weight copies beside ``planner.param_memory: master``'s compute-dtype parameters: none in bf16
+    (the matmuls read the parameters themselves); in fp8 Transformer Engine's cached FP8 weight and
+    its transpose (``_fp8_workspaces``, reused across micro batches), 2 bytes per weight element of
+    the blocks' linears (the output layer stays bf16)."""
+    if precision != "fp8":
+        return 0
+    head = m.vocab_size // tp * m.hidden if inv.last and not (m.tie_embeddings and inv.first) else 0
+    return 2 * (inv.matmul_numel - head)
 
 
 def probe_ranks(pp: int) -> list[int]:

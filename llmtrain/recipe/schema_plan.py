@@ -90,6 +90,15 @@ class PlannerConfig(Strict):
                               "peak), persistent (one gradient buffer allocated once and zeroed, as Megatron-Core's DDP "
                               "main_grad buffer, or Megatron-LM 2021's fp32 main gradients, which its optimizer "
                               "overwrites but never frees): every gradient counts at every peak. docs/planner.md 1.4.")
+    param_memory: Literal["engine", "master"] = Field(
+        "engine", description="Planner only (parallel.zero 0 / 1, bf16 or fp8 compute); the bundled engine keeps fp32 "
+                              "parameters and autocast casts the matmul weights. How the stack holds its parameters: "
+                              "engine (fp32 parameters updated in place, one compute-dtype copy of the weights made by "
+                              "autocast), master (parameters in the compute dtype, fp32 master copies kept by the "
+                              "optimizer and sharded as its moments, no autocast copy: Megatron-LM's "
+                              "Float16OptimizerWithFloat16Params and Megatron-Core's distributed optimizer, the ZeRO "
+                              "paper's 2 + 2 + 12 bytes per parameter; with fp8, Transformer Engine's cached FP8 weight "
+                              "and its transpose, 2 bytes per block weight). Memory only. docs/planner.md 1.1.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
                               "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
