@@ -30,8 +30,11 @@ the first block's all-gather, the last block's reduce-scatter and whatever excee
 of that pass are exposed. PP point-to-point sends overlap with compute in the steady state;
 the ``2 (p v - 1)`` sends along the fill and drain path are exposed (``planner.pp_p2p
 blocking``, Megatron's waiting sends: all of them). The optimizer step is
-memory-bound: ~32 bytes of HBM traffic per stepped parameter (fp32 param, grad, m, v read;
-param, m, v written; temporaries).
+memory-bound: 32 bytes of HBM traffic per stepped parameter: the fused AdamW (engine/optim.py) reads
+the fp32 parameter, gradient, m and v and writes the parameter, m and v (28), and the gradient norm
+(engine/parallel/clip.py) reads the gradient (4; its rescale, only on steps that clip, is not
+counted). v1 moves them at the datasheet bandwidth (``HBM_BYTES_PER_S``); v2, since the
+twenty-seventh session, at ``gemmtime.HBM_EFFICIENCY`` of it like every memory-bound op.
 
 Calibration (``COMPUTE_EFFICIENCY``: the fraction of the dense bf16 peak that a transformer
 layer's kernels reach on large shapes, GEMMs and attention together). Fitted once against the
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 
 from llmtrain.plan.asynctp import async_tp_exposed_factor, tp_backward_exposed_factor
 from llmtrain.plan.comm import Comm
+from llmtrain.plan.gemmtime import membound_seconds
 from llmtrain.plan.schedule import cooldown_lead
 from llmtrain.recipe.gpus import GPUSpec
 
@@ -259,7 +263,8 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
         cooldown_exposed([c for c in w.comms if c.dim == "dp" and c.phase in ("step", "step-overlap")
                           and not c.after_step], sum(backwards[i - lead:i]) / max(1, chunks_per_rank))
         by = {d: sum(c.exposed_s for c in w.comms if c.dim == d) for d in ("tp", "cp", "ep", "dp", "pp")}
-        optimizer = w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, gpu.hbm_bytes_per_s or 2e12)
+        optimizer = (membound_seconds(w.stepped_params * OPTIMIZER_BYTES_PER_PARAM, gpu) if v2 else
+                     w.stepped_params * OPTIMIZER_BYTES_PER_PARAM / HBM_BYTES_PER_S.get(gpu.name, gpu.hbm_bytes_per_s or 2e12))
         per_rank.append(dict(compute=t_f + t_b, tp=by["tp"] / m, cp=by["cp"] / m, ep=by["ep"] / m, dp=by["dp"],
                              pp=by["pp"], optimizer=optimizer, overlap=max(0.0, hidden) * w.overlap_slowdown))
     slowest = max(range(len(per_rank)), key=lambda i: sum(per_rank[i][k] for k in ("compute", "tp", "cp", "ep")))
