@@ -24,9 +24,9 @@ from llmtrain.plan.memory import (
     compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_weight_state, model_state_bytes,
     optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
 )
-from llmtrain.plan.shards import inventory, lora_key, rank_stages, stage_layers
+from llmtrain.plan.shards import Inventory, inventory, lora_key, rank_stages, stage_layers
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
-from llmtrain.recipe.schema import Recipe
+from llmtrain.recipe.schema import ModelConfig, Recipe
 
 GIB = float(1 << 30)
 RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
@@ -119,10 +119,11 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
     head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
                  and not (m.tie_embeddings and inv.first) else 0)
+    weights = master_weight_buffers(inv, m, dims.tp, t.precision) if master else param_buffer_bytes(
+        inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision, inv.largest_block, inv.root,
+        recompute, fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0))
     other = {
-        "weight_buffers": master_weight_buffers(inv, m, dims.tp, t.precision) if master else param_buffer_bytes(inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision,
-                                             inv.largest_block, inv.root, recompute,
-                                             fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0)),
+        "weight_buffers": weights,
         "grad_buffers": grad_buffer_bytes(inv.trainable, mode, t.precision, inv.trainable_block, batch.grad_accum,
                                           int(p.dp_bucket_mb * 2**20), pp=dims.pp,
                                           reduce_each=p.fsdp_reduce_each_microbatch),
@@ -163,7 +164,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                       other, detail, state.trainable, saved, grads_held=held)
 
 
-def master_weight_buffers(inv, m, tp: int, precision: str) -> int:
+def master_weight_buffers(inv: Inventory, m: ModelConfig, tp: int, precision: str) -> int:
     """Weight copies beside ``planner.param_memory: master``'s compute-dtype parameters: none in bf16
     (the matmuls read the parameters themselves); in fp8 Transformer Engine's cached FP8 weight and
     its transpose (``_fp8_workspaces``, reused across micro batches), 2 bytes per weight element of

@@ -97,7 +97,7 @@ class PlannerConfig(Strict):
                               "autocast), master (parameters in the compute dtype, fp32 master copies kept by the "
                               "optimizer and sharded as its moments, no autocast copy: Megatron-LM's "
                               "Float16OptimizerWithFloat16Params and Megatron-Core's distributed optimizer, the ZeRO "
-                              "paper's 2 + 2 + 12 bytes per parameter; with fp8, Transformer Engine's cached FP8 weight "
+                              "paper's 2-byte parameters and 12 optimizer bytes; gradients as counted; with fp8, Transformer Engine's cached FP8 weight "
                               "and its transpose, 2 bytes per block weight). Memory only. docs/planner.md 1.1.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
