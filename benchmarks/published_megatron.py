@@ -75,7 +75,8 @@ def megatron_rows() -> list[dict]:
         v = par.get("pp_virtual_stages", 1)
         schedule = f"interleaved 1F1B, v = {v} ({per_virtual} layer{'s' if per_virtual > 1 else ''} per virtual stage)" if v > 1 else "1F1B" if pp > 1 else "no PP"
         ddp_note = ("torch DDP (--DDP-impl torch): fp16 gradients all-reduced in 25 MB buckets during the backward "
-                    "(planner.assume_dp_overlap)" if ddp == "torch" else
+                    "(planner.assume_dp_overlap), each gradient held as the fp16 .grad and in DDP's bucket beside the fp32 main "
+                    "gradient (planner.torch_ddp_buckets)" if ddp == "torch" else
                     "local DDP (--DDP-impl local): the fp16 gradient buffer all-reduced after the whole backward, "
                     "one bucket (dp_bucket_mb 65536), no planner.assume_dp_overlap")
         first = name == MEGATRON[0][0]
@@ -86,7 +87,7 @@ def megatron_rows() -> list[dict]:
                           dict(seq_len=2048, micro_batch_size=mbs, global_batch_size=batch, activation_checkpointing="full"),
                           gpus, "a100-80g", attention="materialized", dp_overlap=ddp == "torch", full_recompute=WHOLE,
                           pp_p2p=P2P, loss=LOSS, block_kernels=KERNELS,
-                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS, torch_ddp_buckets=ddp == "torch"),
             stack=MEGATRON_2021_STACK,
             note=(f"micro batch {mbs}, {schedule}, full recomputation, zero 0, {ddp_note}; attention with the scores in "
                   "HBM (2021, before FlashAttention: planner.attention_kernel materialized); micro batch, DDP and virtual "

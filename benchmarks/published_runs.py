@@ -122,7 +122,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
            dp_optimizer: str | None = None, block_kernels: str | None = None, rope: str | None = None,
-           grad_memory: str | None = None, param_memory: str | None = None) -> dict:
+           grad_memory: str | None = None, param_memory: str | None = None, torch_ddp_buckets: bool = False) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
@@ -130,7 +130,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
                 tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels, rope=rope,
-                grad_memory=grad_memory, param_memory=param_memory)
+                grad_memory=grad_memory, param_memory=param_memory, torch_ddp_buckets=torch_ddp_buckets)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner

@@ -348,6 +348,22 @@ def test_master_param_memory_holds_bf16_parameters_and_sharded_fp32_masters(zero
         assert b.worst.peak == a.worst.peak and "planner.param_memory master" not in b.assumptions
 
 
+def test_torch_ddp_buckets_hold_every_gradient_twice_more_in_the_compute_dtype():
+    """planner.torch_ddp_buckets (Megatron-LM 2021's --DDP-impl torch): beside the gradients counted
+    (fp32: 4 bytes per element), the bf16 .grad and DDP's bucket copy, 2 + 2 bytes more: the gradient
+    bytes double; nothing else moves, nor time. Zero 1 / 3 (no torch DDP) and fp32 ignore it."""
+    over = dict(parallel__zero=0, train__activation_checkpointing="full", train__precision="bf16")
+    plain, ddp = _plan(_recipe(**over)), _plan(_recipe(**over, planner__torch_ddp_buckets=True))
+    assert ddp.worst.grads == 2 * plain.worst.grads > 0
+    assert (ddp.worst.params, ddp.worst.optimizer, ddp.worst.activations) == \
+        (plain.worst.params, plain.worst.optimizer, plain.worst.activations)
+    assert ddp.time.step_s == plain.time.step_s
+    assert "planner.torch_ddp_buckets true" in ddp.assumptions and not plain.assumptions
+    for other in (dict(parallel__zero=1), dict(parallel__zero=3), dict(train__precision="fp32")):
+        a, b = _plan(_recipe(**over | other)), _plan(_recipe(**over | other, planner__torch_ddp_buckets=True))
+        assert b.worst.peak == a.worst.peak and "planner.torch_ddp_buckets true" not in b.assumptions
+
+
 def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_bf16_parameters():
     """planner.dp_optimizer distributed (Megatron-Core's DistributedOptimizer, Apex's DistributedFusedAdam):
     ZeRO-1's gradients are reduce-scattered instead of all-reduced (same message, half the bus volume) and

@@ -35,6 +35,8 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.rope {pl.rope}")
     if pl.param_memory != "engine" and recipe.parallel.zero <= 1 and recipe.train.precision != "fp32":
         out.append(f"planner.param_memory {pl.param_memory}")
+    if pl.torch_ddp_buckets and recipe.parallel.zero == 0 and recipe.train.precision != "fp32":
+        out.append("planner.torch_ddp_buckets true")
     if pl.grad_memory != "engine":
         out.append(f"planner.grad_memory {pl.grad_memory}")
     if pl.full_recompute != "engine" and recipe.train.activation_checkpointing == "full":

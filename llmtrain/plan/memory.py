@@ -259,6 +259,13 @@ def master_weight_state(sb: StateBytes, e: int) -> StateBytes:
     return replace(sb, params=e * sb.local_numel, optimizer=sb.optimizer + FP32 * sb.stepped)
 
 
+def torch_ddp_bucket_state(sb: StateBytes, e: int) -> StateBytes:
+    """``planner.torch_ddp_buckets`` (zero 0): torch's DDP without ``gradient_as_bucket_view`` holds
+    every gradient twice in the compute dtype (``e`` bytes), the parameter's ``.grad`` and its flat
+    bucket, beside the fp32 gradients counted already (Megatron-LM 2021's main gradients)."""
+    return replace(sb, grads=sb.grads + 2 * e * (sb.grads // FP32))
+
+
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
     """The ``dp_cp`` index with the most model state (FSDP: 0, the largest shards; ZeRO-1: the most
     loaded owner, found among the dense owners of replica 0)."""

@@ -22,7 +22,7 @@ from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
     compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_weight_state, model_state_bytes,
-    optimizer_step_bytes, param_buffer_bytes, worst_dp_index,
+    optimizer_step_bytes, param_buffer_bytes, torch_ddp_bucket_state, worst_dp_index,
 )
 from llmtrain.plan.shards import Inventory, inventory, lora_key, rank_stages, stage_layers
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
@@ -89,6 +89,8 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     master = recipe.planner.param_memory == "master" and mode.kind != "fsdp" and t.precision != "fp32"
     if master:
         state = master_weight_state(state, compute_bytes(t.precision))
+    if recipe.planner.torch_ddp_buckets and p.zero == 0 and t.precision != "fp32":  # .grad + DDP's bucket copy
+        state = torch_ddp_bucket_state(state, compute_bytes(t.precision))
     x = act_shape(recipe, dims, gpu)
     recompute = t.activation_checkpointing
     counts = inflight(p.pp_schedule, dims.pp, v, batch.microbatches, pp_rank)

@@ -99,6 +99,13 @@ class PlannerConfig(Strict):
                               "Float16OptimizerWithFloat16Params and Megatron-Core's distributed optimizer, the ZeRO "
                               "paper's 2-byte parameters and 12 optimizer bytes; gradients as counted; with fp8, Transformer Engine's cached FP8 weight "
                               "and its transpose, 2 bytes per block weight). Memory only. docs/planner.md 1.1.")
+    torch_ddp_buckets: bool = Field(
+        False, description="Planner only (parallel.zero 0, bf16 or fp8 compute); the bundled engine buckets its own "
+                           "gradients. The stack wraps the model in torch's DistributedDataParallel without "
+                           "gradient_as_bucket_view (torch's default), as Megatron-LM 2021 with --DDP-impl torch did: "
+                           "every gradient exists in the compute dtype twice, the parameter's .grad and DDP's flat "
+                           "bucket (torch's docs: the view option saves 'the total gradients size'), beside the fp32 "
+                           "gradients the recipe's other settings count. Memory only. docs/planner.md 1.1.")
     full_recompute: Literal["engine", "whole_block"] = Field(
         "engine", description="Planner only; the bundled engine stops early. What train.activation_checkpointing full "
                               "re-runs in the backward: engine (torch's non-reentrant checkpoint, which stops once "
