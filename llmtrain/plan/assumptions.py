@@ -6,6 +6,7 @@ overlap with TP and SP, the CP K/V with ring or all-gather CP, ...)."""
 from __future__ import annotations
 
 from llmtrain.plan.asynctp import tp_overlap_kind
+from llmtrain.plan.memory import master_params, torch_ddp_grads
 from llmtrain.recipe.schema import Recipe
 
 
@@ -33,9 +34,9 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.block_kernels {pl.block_kernels}")
     if pl.rope != "engine" and recipe.cluster.time_model == "v2" and recipe.train.compile:
         out.append(f"planner.rope {pl.rope}")
-    if pl.param_memory != "engine" and recipe.parallel.zero <= 1 and recipe.train.precision != "fp32":
+    if master_params(recipe):
         out.append(f"planner.param_memory {pl.param_memory}")
-    if pl.torch_ddp_buckets and recipe.parallel.zero == 0 and recipe.train.precision != "fp32":
+    if torch_ddp_grads(recipe):
         out.append("planner.torch_ddp_buckets true")
     if pl.grad_memory != "engine":
         out.append(f"planner.grad_memory {pl.grad_memory}")

@@ -42,7 +42,7 @@ from llmtrain.plan.comm import fp8_gather_numel
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.dp_shards import fsdp_local_numel, fsdp_numel, zero1_loads
 from llmtrain.plan.shards import ParamShape
-from llmtrain.recipe.schema import bf16_compute
+from llmtrain.recipe.schema import Recipe, bf16_compute
 
 FP32 = 4
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -248,6 +248,17 @@ def model_state_bytes(params: list[ParamShape] | tuple[ParamShape, ...], mode: D
         return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * owned + STEP_BYTES * count, full, full, owned, t_full)
     return StateBytes(FP32 * full, FP32 * grads, ADAM_BYTES * t_full + STEP_BYTES * sp.t_count, full, full, t_full,
                       t_full)
+
+
+def master_params(recipe: Recipe) -> bool:
+    """Whether ``planner.param_memory: master`` applies: a zero 0 / 1 stack computing in bf16 / fp8
+    (another stack's mixed precision; FSDP keeps fp32 shards, fp32 compute has no copy to master)."""
+    return recipe.planner.param_memory == "master" and recipe.parallel.zero <= 1 and bf16_compute(recipe.train.precision)
+
+
+def torch_ddp_grads(recipe: Recipe) -> bool:
+    """Whether ``planner.torch_ddp_buckets`` applies: torch's DDP is zero 0, its copies are in the compute dtype."""
+    return recipe.planner.torch_ddp_buckets and recipe.parallel.zero == 0 and bf16_compute(recipe.train.precision)
 
 
 def master_weight_state(sb: StateBytes, e: int) -> StateBytes:

@@ -21,12 +21,13 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
-    compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_weight_state, model_state_bytes,
-    optimizer_step_bytes, param_buffer_bytes, torch_ddp_bucket_state, worst_dp_index,
+    compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_params, master_weight_state,
+    model_state_bytes, optimizer_step_bytes, param_buffer_bytes, torch_ddp_bucket_state, torch_ddp_grads,
+    worst_dp_index,
 )
-from llmtrain.plan.shards import Inventory, inventory, lora_key, rank_stages, stage_layers
+from llmtrain.plan.shards import inventory, lora_key, rank_stages, stage_layers
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
-from llmtrain.recipe.schema import ModelConfig, Recipe
+from llmtrain.recipe.schema import Recipe
 
 GIB = float(1 << 30)
 RESERVE_BYTES = {"cpu": 0}  # others: DEFAULT_RESERVE
@@ -85,11 +86,10 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     inv = inventory(m, stages, held, dims.tp, dims.ep, lora_key(t.lora))
     index = worst_dp_index(inv.params, mode) if dp_index is None else dp_index
     state = model_state_bytes(inv.params, mode, index, t.optimizer.states)
-    # planner.param_memory master: another stack's compute-dtype parameters and fp32 master copies
-    master = recipe.planner.param_memory == "master" and mode.kind != "fsdp" and t.precision != "fp32"
+    master = master_params(recipe)  # another stack's compute-dtype parameters and fp32 master copies
     if master:
         state = master_weight_state(state, compute_bytes(t.precision))
-    if recipe.planner.torch_ddp_buckets and p.zero == 0 and t.precision != "fp32":  # .grad + DDP's bucket copy
+    if torch_ddp_grads(recipe):  # the .grad and DDP's bucket copy
         state = torch_ddp_bucket_state(state, compute_bytes(t.precision))
     x = act_shape(recipe, dims, gpu)
     recompute = t.activation_checkpointing
@@ -118,10 +118,10 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         detail["recompute_working_set"] = working
     activations, saved = sum(detail.values()), detail  # saved: kept whichever phase peaks (detail is rebound below)
 
+    head = m.vocab_size // dims.tp * m.hidden if inv.last and not (m.tie_embeddings and inv.first) else 0  # output.weight
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
-    head_cast = (m.vocab_size // dims.tp * m.hidden if inv.last and recipe.planner.loss == "engine"
-                 and not (m.tie_embeddings and inv.first) else 0)
-    weights = master_weight_buffers(inv, m, dims.tp, t.precision) if master else param_buffer_bytes(
+    head_cast = head if recipe.planner.loss == "engine" else 0
+    weights = master_weight_buffers(inv.matmul_numel - head, t.precision) if master else param_buffer_bytes(
         inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision, inv.largest_block, inv.root,
         recompute, fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0))
     other = {
@@ -166,15 +166,12 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                       other, detail, state.trainable, saved, grads_held=held)
 
 
-def master_weight_buffers(inv: Inventory, m: ModelConfig, tp: int, precision: str) -> int:
+def master_weight_buffers(block_matmul_numel: int, precision: str) -> int:
     """Weight copies beside ``planner.param_memory: master``'s compute-dtype parameters: none in bf16
     (the matmuls read the parameters themselves); in fp8 Transformer Engine's cached FP8 weight and
     its transpose (``_fp8_workspaces``, reused across micro batches), 2 bytes per weight element of
-    the blocks' linears (the output layer stays bf16)."""
-    if precision != "fp8":
-        return 0
-    head = m.vocab_size // tp * m.hidden if inv.last and not (m.tie_embeddings and inv.first) else 0
-    return 2 * (inv.matmul_numel - head)
+    the blocks' linears (``block_matmul_numel``: the output layer stays bf16)."""
+    return 2 * block_matmul_numel if precision == "fp8" else 0
 
 
 def probe_ranks(pp: int) -> list[int]:
