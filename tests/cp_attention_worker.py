@@ -13,6 +13,8 @@ take un-repeated and exchange so (engine/parallel/context.py); the reference is 
 repeated to the query heads, whose K/V gradients are summed over each KV head's copies.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/cp_attention_worker.py OUT.json SEQ
+
+The suite runs :func:`long_sequence` inside tests/test_engine_5d.py's 4-rank job instead.
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ def _worst(value: float) -> float:
     return t.item()
 
 
-def main() -> None:
-    out_path, seq = sys.argv[1], int(sys.argv[2])
-    dist.init_process_group("gloo")
+def report(seq: int) -> dict[str, float]:
+    """Every method's worst error over all ranks (see the module docstring), on every rank of the
+    job's default process group, which must have 4 ranks (CP 4 and two CP 2 groups)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = {world: (dist.new_group(list(range(world))), rank)}
     pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank creates every group
@@ -69,28 +71,41 @@ def main() -> None:
     b, h, d = 1, 4, 16  # ulysses needs heads divisible by cp
     inputs = [torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for _ in range(4)]
     ref_out, ref_grads = _reference(*inputs)
-    report = {}
+    found = {}
     for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
         for method in METHODS:
-            report[f"cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads))
+            found[f"cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads))
     gqa = [inputs[0], inputs[1][:, :h // 2], inputs[2][:, :h // 2], inputs[3]]  # 2 KV heads for 4 query heads
     gqa_ref = _reference(*gqa)
     for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
         for method in ("ring", "allgather"):
-            report[f"gqa_cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, gqa, *gqa_ref))
+            found[f"gqa_cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, gqa, *gqa_ref))
     group, cp_rank = groups[world]
     for method in ("ring", "allgather"):
-        report[f"bf16_{method}"] = _worst(_errors(method, group, world, cp_rank, seq, inputs, ref_out, ref_grads,
-                                                  torch.bfloat16))
+        found[f"bf16_{method}"] = _worst(_errors(method, group, world, cp_rank, seq, inputs, ref_out, ref_grads,
+                                                 torch.bfloat16))
     plain = [t.to(torch.bfloat16).requires_grad_() for t in inputs[:3]]
     out = F.scaled_dot_product_attention(*plain, is_causal=True)
     out.backward(inputs[3].to(torch.bfloat16))
     errors = [(out.double() - ref_out).abs().max().item()]
     errors += [(t.grad.double() - g).abs().max().item() for t, g in zip(plain, ref_grads)]
-    report["bf16_sdpa"] = max(errors)
-    if rank == 0:
+    found["bf16_sdpa"] = max(errors)
+    return found
+
+
+def long_sequence(device) -> dict[str, float]:
+    """:func:`report` on 4,096 tokens, as a ``check`` case of a 4-rank tests/dist_worker.py job
+    (tests/test_engine_5d.py runs it beside the 4-rank layouts: no job of its own to start)."""
+    return report(4096)
+
+
+def main() -> None:
+    out_path, seq = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    found = report(seq)
+    if dist.get_rank() == 0:
         with open(out_path, "w") as f:
-            json.dump(report, f)
+            json.dump(found, f)
     dist.barrier()
     dist.destroy_process_group()
 
