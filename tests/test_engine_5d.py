@@ -11,7 +11,7 @@ Why 3 steps at 8 and 16 ranks: on the 2-core test machine each further step of t
 1.7-2.5 s (8 ranks) and ~4 s (16 ranks) after a first step of 3-6 s (measured, twenty-eighth
 session), about a minute of the suite in all; a wrong gradient already shows in step 2's loss and
 in every weight after the third update (the bugs listed below moved weights by ~lr per step), and
-every layout of these cases runs 5 steps at 2 or 4 ranks above.
+each of their dimensions, and pairs of them, train 5 steps at 2 or 4 ranks above.
 
 Tolerances (fp32, same reasoning as tests/test_engine_parity.py): layouts differ only in
 summation order, so losses agree to ~1e-6 (we allow 2e-5, ~3e-6 relative) and weights after
