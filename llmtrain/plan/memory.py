@@ -273,8 +273,9 @@ def master_weight_state(sb: StateBytes, e: int) -> StateBytes:
 def torch_ddp_bucket_state(sb: StateBytes, e: int) -> StateBytes:
     """``planner.torch_ddp_buckets`` (zero 0): torch's DDP without ``gradient_as_bucket_view`` holds
     every gradient twice in the compute dtype (``e`` bytes), the parameter's ``.grad`` and its flat
-    bucket, beside the fp32 gradients counted already (Megatron-LM 2021's main gradients)."""
-    return replace(sb, grads=sb.grads + 2 * e * (sb.grads // FP32))
+    bucket, beside the fp32 gradients counted already (Megatron-LM 2021's main gradients). At zero 0
+    nothing is DP-sharded, so the gradient elements are the stages' trainable elements."""
+    return replace(sb, grads=sb.grads + 2 * e * sb.trainable)
 
 
 def worst_dp_index(params: list[ParamShape], mode: DPMode) -> int:
