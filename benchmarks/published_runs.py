@@ -282,8 +282,9 @@ def bridge_rows() -> list[dict]:
                   "Megatron-Core's fused block kernels (fused QKV and fc1, RoPE and SwiGLU fusions: planner.block_kernels fused); "
                   "Transformer Engine's cuDNN attention "
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
-                  "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, priced as the engine's async "
-                  "TP, which leaves 2 of 12 SP collectives per layer exposed that Megatron's bulk overlap also hides)"
+                  "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, the pipelined collectives "
+                  "priced as the engine's async TP, the 2 input-gradient reduce-scatters per layer beside the "
+                  "weight-gradient GEMMs as its default tp_comm_bulk_dgrad runs them)"
                   if (system, name) == ("DGX-H100", "LLAMA3_8B")
                   else "as above")))
     return out

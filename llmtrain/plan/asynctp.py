@@ -11,7 +11,9 @@ forward's reduce-scatters after wo and w2. The backward's reduce-scatters of the
 input gradients do not: each reduces the sum of the wq + wk + wv (w1 + w3) input gradients, an add,
 not a matmul. So 2 of a layer's reduce-scatters stay plain (read from the pass, not
 fitted; torchtitan's 70B / 256 H100 async TP gains, 1.09x bf16 and 1.16x Float8, are checked
-against it in benchmarks/planner_vs_published.py rows 54-57).
+against it in benchmarks/planner_vs_published.py rows 54-57). ``planner.tp_overlap`` (Megatron-Core's
+overlap, priced by the same rule otherwise) hides those 2 beside the weight-gradient GEMMs:
+:func:`megatron_bulk_reduces`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def async_tp_fused_counts(micro_batches: int, gathers: int, reduces: int, layers
     recomputed ones included: comm.py's TP section)."""
     return {"all-gather": micro_batches * gathers * layers,
             "reduce-scatter": micro_batches * (reduces - UNFUSED_REDUCE_SCATTERS) * layers}
+
+
+def megatron_bulk_reduces(micro_batches: int, layers: int, lora_first: int = 0) -> int:
+    """How many of one pipeline rank's SP reduce-scatters ``planner.tp_overlap`` prices as Megatron-Core's
+    bulk overlap hides them (phase ``tp-bwd-overlap``, the exposure rule of
+    :func:`tp_backward_exposed_factor`): the :data:`UNFUSED_REDUCE_SCATTERS` block input gradients per layer
+    and micro batch that torch's pass leaves plain. Megatron-Core's ``tp_comm_overlap`` runs Transformer
+    Engine's userbuffers overlap with ``tp_comm_bulk_dgrad`` on by default ("allows Reduce-Scatter overlap
+    with Bprop weight gradient GEMM", megatron/core/model_parallel_config.py, core_r0.8.0 and later): the
+    column-parallel QKV and fc1 layers reduce-scatter their input gradient beside their own weight-gradient
+    GEMM. ``lora_first``: block 0's attention input needs no gradient (comm_tp.py)."""
+    return micro_batches * (UNFUSED_REDUCE_SCATTERS * layers - lora_first)
 
 
 def async_tp_exposed_factor(overlapped_s: float, compute_s: float, group: int) -> float:

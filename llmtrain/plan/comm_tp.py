@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from llmtrain.plan.asynctp import async_tp_fused_counts, tp_backward_async
+from llmtrain.plan.asynctp import async_tp_fused_counts, megatron_bulk_reduces, tp_backward_async
 from llmtrain.plan.collective import Comm, make
 from llmtrain.plan.links import Link
 from llmtrain.plan.recompute_comm import recomputed_tp_sites
@@ -43,11 +43,20 @@ def tp_comms(c: CommSpec, g: Link) -> list[Comm]:
                             "sequence parallel, " + ("overlapped as Megatron-Core's TP overlap (planner.tp_overlap; "
                                                      "priced as the engine's async TP)" if c.overlap_by_planner else
                                                      "async TP: chunked under the column/row-parallel matmuls")))
-            if counts[op] > fused[op]:
+            rest = counts[op] - fused[op]
+            if op == "reduce-scatter" and c.overlap_by_planner:
+                # Megatron-Core's userbuffers overlap also hides the block input gradients' reduce-scatters
+                # (tp_comm_bulk_dgrad, on by default: each beside its layer's weight-gradient GEMM):
+                # priced as planner.tp_backward_overlap prices them (asynctp.megatron_bulk_reduces)
+                bulk = megatron_bulk_reduces(m, c.layers, lora)
+                out.append(make("tp", op, d.tp, act, bulk, g, "tp-bwd-overlap",
+                                "sequence parallel, block input gradients beside the weight-gradient GEMMs "
+                                "(planner.tp_overlap: Megatron-Core's bulk overlap, tp_comm_bulk_dgrad)"))
+                rest -= bulk
+            if rest > 0:
                 why = ("block input gradients (sums of matmuls), embedding / output: not fused"
-                       if op == "reduce-scatter" else "embedding / output: not fused")
-                out.append(make("tp", op, d.tp, act, counts[op] - fused[op], g, "microbatch",
-                                f"sequence parallel ({why})"))
+                       if op == "reduce-scatter" and not c.overlap_by_planner else "embedding / output: not fused")
+                out.append(make("tp", op, d.tp, act, rest, g, "microbatch", f"sequence parallel ({why})"))
     elif c.tp_bwd_overlap:  # planner.tp_backward_overlap (another stack's column-parallel linear): tp_backward_async
         ops = ("all-gather", "reduce-scatter") if c.sp else ("reduce-scatter",)
         hidden = tp_backward_async(m, c.layers, gathers, c.sp)

@@ -114,9 +114,10 @@ def zero_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dp: int, cp: int
 def tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) -> float:
     """Seconds of exposed TP communication per step on one rank (no recomputation, NVLink): a lower
     bound. Per layer and micro batch 4 all-reduce equivalents stay in line (2 forward, 2 backward);
-    where the recipe overlaps some (plan/comm.py), only those that never hide: async TP or
-    ``planner.tp_overlap`` under SP leave the backward's 2 input-gradient reduce-scatters (1
-    all-reduce equivalent), ``planner.tp_backward_overlap`` the forward's 2."""
+    where the recipe overlaps some (plan/comm.py), only those that never hide: the engine's async TP
+    under SP leaves the backward's 2 input-gradient reduce-scatters (1 all-reduce equivalent),
+    ``planner.tp_backward_overlap`` the forward's 2; ``planner.tp_overlap`` (Megatron-Core's, whose bulk
+    overlap hides those 2 reduce-scatters too) none that must stay exposed: 0."""
     if tp == 1:
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
@@ -124,6 +125,9 @@ def tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) 
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
-    exposed = {"async": 1, "backward": 2, "none": 4}[tp_overlap_kind(recipe)]
+    kind = tp_overlap_kind(recipe)
+    if kind == "async" and not recipe.parallel.async_tp:  # planner.tp_overlap: megatron_bulk_reduces hides the rest
+        return 0.0
+    exposed = {"async": 1, "backward": 2, "none": 4}[kind]
     volume = exposed * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
     return volume / link(gpu, False).bandwidth

@@ -256,8 +256,10 @@ def step_time(ranks: list[RankWork], gpu: GPUSpec, microbatches: int, bubble: fl
                 c.exposed_s = 2 * (n_ranks * chunks_per_rank - 1) * c.per_item_s
         # NCCL collectives hidden beside this rank's compute hold their CTAs there (ops.overlap_slowdown):
         # DP's, and since the twenty-seventh session planner.tp_backward_overlap's async reductions
-        # beside the gradient GEMMs (NCCL too). Async TP's chunks move by copy engine over symmetric
-        # memory (planner.tp_overlap is priced as it) and the ring CP / PP hops are P2P: not charged.
+        # beside the gradient GEMMs (NCCL too; since the twenty-ninth also planner.tp_overlap's bulk
+        # reduce-scatters, which userbuffers runs on SMs). Async TP's chunks move by copy engine over
+        # symmetric memory (planner.tp_overlap's pipelined ones are priced as them) and the ring CP / PP
+        # hops are P2P: not charged.
         hidden = sum(c.seconds - c.exposed_s for c in w.comms if c.dim == "dp" or c.phase == "tp-bwd-overlap")
         lead = cooldown_lead(schedule, n_ranks, i)
         cooldown_exposed([c for c in w.comms if c.dim == "dp" and c.phase in ("step", "step-overlap")

@@ -58,10 +58,10 @@ class PlannerConfig(Strict):
     tp_overlap: bool = Field(
         False, description="Planner only; the bundled engine overlaps TP only with parallel.async_tp (which needs "
                            "train.compile). Price the sequence-parallel collectives as overlapped with the matmuls, as "
-                           "Megatron-Core's userbuffers TP overlap (tp_comm_overlap) does, by the engine's async TP "
-                           "rule (plan/asynctp.py: the backward's two input-gradient reduce-scatters per layer stay "
-                           "exposed, which Megatron's bulk overlap also hides, so this under-credits it). For "
-                           "planning a published run.")
+                           "Megatron-Core's userbuffers TP overlap (tp_comm_overlap) does: the pipelined collectives "
+                           "by the engine's async TP rule, and the backward's two input-gradient reduce-scatters per "
+                           "layer, which async TP leaves in line, beside the weight-gradient GEMMs as Megatron-Core's "
+                           "default tp_comm_bulk_dgrad runs them (plan/asynctp.py). For planning a published run.")
     norm: Literal["engine", "unfused"] = Field(
         "engine", description="Planner only (time model v2); the bundled engine runs nn.RMSNorm's fused kernel. How to "
                               "price the blocks' RMSNorms: engine (one fused kernel each way), unfused (the eager "
