@@ -226,7 +226,7 @@ def megatron_h100_rows() -> list[dict]:
                           dict(seq_len=4096, micro_batch_size=1, global_batch_size=batch, activation_checkpointing="none"),
                           gpus, "h100-sxm", attention="cudnn", tp_overlap=tp > 1, dp_optimizer="distributed",
                           pp_p2p=P2P if pp > 1 else None, loss=LOSS, block_kernels=KERNELS,
-                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS, cp_merge="fused"),
             note=("bf16, data parallel 48; Megatron-Core r0.8.0 with the README's flags: distributed optimizer with "
                   "overlapped gradient reduce-scatter and parameter all-gather (zero 1, planner.dp_optimizer distributed, "
                   "planner.assume_dp_overlap) in fp32 and Megatron-Core's default buckets (max(40M, 1M x dp) parameters), "
@@ -235,6 +235,7 @@ def megatron_h100_rows() -> list[dict]:
                   "vocab_parallel_cross_entropy (--cross-entropy-loss-fusion is off by default: planner.loss megatron), "
                   "Megatron-Core's fused block kernels (planner.block_kernels fused); not in the table: micro "
                   "batch 1, no recomputation, no virtual stages (Megatron's defaults); predicted = Megatron's FLOP count "
-                  "(training.py num_floating_point_operations) / predicted step time"
+                  "(training.py num_floating_point_operations) / predicted step time; Transformer Engine's CP for any CP "
+                  "layout the search tries (planner.cp_merge fused)"
                   if first else "as the 1.7B row")))
     return out

@@ -30,6 +30,11 @@ BUCKET_MB = {"GPT3-5B": 400, "GPT3-20B": 220, "GPT3-175B": 220, "LLAMA2-7B": 125
              "LLAMA3-8B": 125, "LLAMA3-70B": 125, "Nemotron-8B": 100, "Nemotron-22B": 100, "Nemotron-340B": 50}
 
 
+CP_NOTE = ("; Transformer Engine's CP, for the table's CP 2 and any CP layout the search tries: its kernels take GQA "
+           "K/V unrepeated and fold each step's output in with one fused kernel (flash_attn_fwd_out_correction: "
+           "planner.cp_merge fused)")
+
+
 def nemo_rows() -> list[dict]:
     """Without userbuffers, Transformer Engine's column-parallel layers still run the backward's input
     re-gather and input-gradient reduce-scatter beside the GEMMs (NVIDIA/TransformerEngine v1.8,
@@ -56,7 +61,7 @@ def nemo_rows() -> list[dict]:
                                            activation_checkpointing="none", precision="fp8"), gpus, "h100-sxm",
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
                           dp_optimizer=DIST_OPT, loss=nemo_loss(name), block_kernels="fused",
-                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS, cp_merge="fused"),
             note=("FP8; distributed optimizer (zero 1), ring CP, no recomputation (Megatron-Core's default: the table "
                   "does not say); Megatron-Core's fused block kernels (planner.block_kernels fused) and the launcher "
                   "config's cross-entropy (cross_entropy_loss_fusion: planner.loss megatron_fused, else megatron); "
@@ -68,7 +73,7 @@ def nemo_rows() -> list[dict]:
                   "config sets it (ub_tp_comm_overlap false), so Transformer Engine's own backward overlap: its "
                   "column-parallel layers re-gather the input beside the dgrad GEMM and reduce-scatter the input "
                   "gradient beside the wgrad GEMM (TE v1.8 module/linear.py, layernorm_linear.py: planner.tp_backward_overlap)"
-                  if name == "GPT3-175B" else
+                  + CP_NOTE if name == "GPT3-175B" else
                   "as above; the launcher's llama3_70b.yaml sets ub_tp_comm_overlap true: planner.tp_overlap"
                   if overlap else "as above")))
     return out
@@ -123,7 +128,7 @@ def nemo_more_rows() -> list[dict]:
                           attention="cudnn", fp8_casts="fused", tp_overlap=overlap, tp_backward_overlap=tp > 1 and not overlap,
                           selective_recompute="core_attention" if ac == "selective" else None, dp_optimizer=DIST_OPT,
                           loss=nemo_loss(name), block_kernels="fused",
-                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS),
+                          grad_memory=MEGATRON_GRADS, param_memory=MEGATRON_PARAMS, cp_merge="fused"),
             note=("FP8; the table's layout, the rest from NeMo-Framework-Launcher 24.07's config for the model "
                   "(launcher_scripts/conf/training/...): distributed_fused_adam with overlapped gradient and parameter "
                   "syncs (zero 1, planner.dp_optimizer distributed, planner.assume_dp_overlap) in its bucket_cap_mb "
@@ -132,7 +137,7 @@ def nemo_more_rows() -> list[dict]:
                   "recomputation as the config says (none; Nemotron-340B selective: planner.selective_recompute "
                   "core_attention); cuDNN attention and fused fp8 casts as rows 35-37; GPT3 as gpt() models it "
                   "(vocabulary 51,200 as row 35), Llama 2 as published (vocabulary 32,000), Nemotron's squared-ReLU "
-                  "4h MLP as a SwiGLU of equal FLOPs (vocabulary 256,000)" if first else
+                  "4h MLP as a SwiGLU of equal FLOPs (vocabulary 256,000)" + CP_NOTE if first else
                   "as above" + ("; ub_tp_comm_overlap true: planner.tp_overlap" if overlap else
                                 "; ub_tp_comm_overlap false: planner.tp_backward_overlap" if tp > 1 else "")
                   + ("; selective recomputation (the config)" if ac == "selective" else ""))))

@@ -122,7 +122,8 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            dp_overlap: bool = True, full_recompute: str | None = None, pp_p2p: str | None = None,
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
            dp_optimizer: str | None = None, block_kernels: str | None = None, rope: str | None = None,
-           grad_memory: str | None = None, param_memory: str | None = None, torch_ddp_buckets: bool = False) -> dict:
+           grad_memory: str | None = None, param_memory: str | None = None, torch_ddp_buckets: bool = False,
+           cp_merge: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
@@ -130,7 +131,8 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
     said = dict(attention_kernel=attention, loss=loss, fp8_casts=fp8_casts, norm=norm, tp_overlap=tp_overlap, cp_kv=cp_kv,
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
                 tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels, rope=rope,
-                grad_memory=grad_memory, param_memory=param_memory, torch_ddp_buckets=torch_ddp_buckets)
+                grad_memory=grad_memory, param_memory=param_memory, torch_ddp_buckets=torch_ddp_buckets,
+                cp_merge=cp_merge)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -272,7 +274,7 @@ def bridge_rows() -> list[dict]:
                           attention="cudnn", fp8_casts="fused", tp_overlap=tp > 1,
                           dp_optimizer=None if fsdp else "distributed", loss="megatron_fused", block_kernels="fused",
                           grad_memory=None if fsdp else MEGATRON_GRADS,
-                          param_memory=None if fsdp else MEGATRON_PARAMS),
+                          param_memory=None if fsdp else MEGATRON_PARAMS, cp_merge="fused"),
             note=("FP8 current scaling; the table's FSDP 1 as zero 3 and FSDP 0 as Megatron-Core's DDP with the "
                   "distributed optimizer the Bridge recipes set (use_distributed_optimizer, grad_reduce_in_fp32, "
                   "overlap_grad_reduce, overlap_param_gather: zero 1, planner.dp_optimizer distributed) in Megatron-Core's "
@@ -284,7 +286,9 @@ def bridge_rows() -> list[dict]:
                   "(planner.attention_kernel cudnn) and fused fp8 casts (planner.fp8_casts fused); with TP, Megatron-Core's "
                   "userbuffers TP overlap (the recipes' tp_comm_overlap: planner.tp_overlap, the pipelined collectives "
                   "priced as the engine's async TP, the 2 input-gradient reduce-scatters per layer beside the "
-                  "weight-gradient GEMMs as its default tp_comm_bulk_dgrad runs them)"
+                  "weight-gradient GEMMs as its default tp_comm_bulk_dgrad runs them); Transformer Engine's CP, for "
+                  "the table's CP 2 and any CP layout the search tries: its kernels take GQA K/V unrepeated and fold "
+                  "each step's output in with one fused kernel (planner.cp_merge fused)"
                   if (system, name) == ("DGX-H100", "LLAMA3_8B")
                   else "as above")))
     return out

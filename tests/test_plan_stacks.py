@@ -411,3 +411,28 @@ def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_bf16_pa
     z3 = dict(over, parallel__zero=3)
     a, b = _plan(_recipe(**z3)), _plan(_recipe(**z3, planner__dp_optimizer="distributed"))
     assert a.time.step_s == b.time.step_s and "planner.dp_optimizer distributed" not in b.assumptions
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_cp_merge_prices_the_engines_cp_bytes_and_fused_leaves_them_out(method):
+    """Time model v2 adds the engine's CP work between its attention kernels (plan/cpmerge.py, counted
+    against the engine's ops in tests/test_cp_traffic.py) to every block: the compute of a CP 2 step
+    (8B, 1 node, no recomputation, every GPU at the same pace) is exactly layers x micro batches x
+    those bytes at the element-wise rate longer than with planner.cp_merge fused (Transformer
+    Engine's CP: kernels only), which plan names; without CP the setting changes nothing."""
+    from llmtrain.plan.cpmerge import cp_attention_bytes  # noqa: PLC0415
+    from llmtrain.plan.ops import membound_seconds  # noqa: PLC0415
+    from llmtrain.recipe.gpus import GPUS  # noqa: PLC0415
+
+    over = dict(parallel__cp=2, parallel__cp_method=method, parallel__zero=1, train__precision="bf16",
+                train__activation_checkpointing="none", cluster__gpu_variability=0.0)
+    engine, fused = _plan(_recipe(**over)), _plan(_recipe(**over, planner__cp_merge="fused"))
+    f, b = cp_attention_bytes(method, 2, 2, 32, 8, 4096, 128, 2)  # micro batch 2 x 8,192 / 2 tokens, 32 / 8 heads
+    gpu = GPUS["h100-sxm"]
+    # 32 layers, 2 micro batches (16 sequences over dp 4 = 8 GPUs / cp 2, 2 per micro batch)
+    extra = 32 * 2 * (membound_seconds(f, gpu) + membound_seconds(b, gpu))
+    got = engine.time.breakdown["compute"] - fused.time.breakdown["compute"]
+    assert got == pytest.approx(extra, rel=1e-9)
+    assert "planner.cp_merge fused" in fused.assumptions and not engine.assumptions
+    no_cp = dict(over, parallel__cp=1)
+    assert _plan(_recipe(**no_cp, planner__cp_merge="fused")).time.step_s == _plan(_recipe(**no_cp)).time.step_s

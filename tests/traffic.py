@@ -1,7 +1,7 @@
 """HBM traffic of eager PyTorch code, counted op by op under a dispatch mode: the bytes every op
 that is not a GEMM, an attention kernel or a view reads and writes (its tensor inputs and
 outputs; an expanded input counted once per distinct element; an in-place op's tensor as read and
-written). Time model v2 prices the engine's memory-bound work in these bytes
+written, but ``copy_``'s destination as written only). Time model v2 prices the engine's memory-bound work in these bytes
 (plan/ops.py, plan/losstime.py); tests/test_losstime.py and tests/test_block_traffic.py check it."""
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class Traffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
         if not self.paused and name not in GEMMS | ATTENTION | NOT_TRAFFIC:
-            leaves = torch.utils._pytree.tree_leaves((args, kwargs, out))
+            # copy_ writes its destination without reading it: the destination once (as its output)
+            leaves = torch.utils._pytree.tree_leaves((args[1:], kwargs, out) if name == "copy_" else (args, kwargs, out))
             self.by_op[name] = self.by_op.get(name, 0) + sum(distinct_bytes(t) for t in leaves
                                                              if isinstance(t, torch.Tensor))
         return out

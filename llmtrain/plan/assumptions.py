@@ -26,6 +26,9 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append("planner.tp_backward_overlap true")
     if pl.dp_optimizer != "engine" and recipe.parallel.zero == 1:
         out.append(f"planner.dp_optimizer {pl.dp_optimizer}")
+    if (pl.cp_merge != "engine" and recipe.cluster.time_model == "v2" and recipe.parallel.cp > 1
+            and recipe.parallel.cp_method != "ulysses"):
+        out.append(f"planner.cp_merge {pl.cp_merge}")
     if pl.selective_recompute != "engine" and recipe.train.activation_checkpointing == "selective":
         out.append(f"planner.selective_recompute {pl.selective_recompute}")
     if pl.norm != "engine" and recipe.cluster.time_model == "v2" and not recipe.train.compile:

@@ -51,6 +51,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     attention_fractions, attention_seconds)
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
+from llmtrain.plan.cpmerge import cp_attention_bytes
 from llmtrain.plan.loratime import LORA_KERNELS, lora_pass_seconds
 from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.recipe.gpus import GPUSpec
@@ -101,6 +102,8 @@ class BlockShape:
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
+    cp_method: str = ""  # ring / allgather: the engine's CP merges and accumulators (plan/cpmerge.py); else none
+    cp_kv_repeated: bool = False  # planner.cp_kv repeated: K/V arrive with the query heads (no GQA repeat)
     lora: tuple | None = None  # train.lora: (rank, target names, dropout on) (plan/loratime.py)
     lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
     loss: str = "engine"  # planner.loss: the cross-entropy's kernels (plan/losstime.py)
@@ -218,9 +221,15 @@ def _compiled_elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
 
 
 def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention kernels on one rank, one micro batch."""
-    return attention_seconds(x.b, x.s, x.seq, max(1, x.heads // x.tp), x.hd, x.attn_executed, gpu, sms, x.attention,
-                             x.e, x.kv_len)
+    """(forward, backward) seconds of one block's attention on one rank, one micro batch: its kernels,
+    and under ring / all-gather CP the merges, copies and accumulators between them (plan/cpmerge.py)."""
+    heads = max(1, x.heads // x.tp)
+    f, b = attention_seconds(x.b, x.s, x.seq, heads, x.hd, x.attn_executed, gpu, sms, x.attention, x.e, x.kv_len)
+    if x.cp_method:
+        kv = heads if x.cp_kv_repeated else max(1, x.kv_heads // x.tp)
+        mf, mb = cp_attention_bytes(x.cp_method, x.cp, x.b, heads, kv, x.s, x.hd, x.e)
+        f, b = f + membound_seconds(mf, gpu), b + membound_seconds(mb, gpu)
+    return f, b
 
 
 def block_gemms(x: BlockShape, moe: bool) -> list[tuple[float, float, float, float | None, int, bool]]:
@@ -329,6 +338,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if blocks else 0,
+                      cp_method=p.cp_method if blocks and recipe.planner.cp_merge == "engine" else "",
+                      cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
                       rope=recipe.planner.rope)

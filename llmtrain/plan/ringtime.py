@@ -15,9 +15,10 @@ steps are equal work: one diagonal block and ``cp - 1`` half blocks):
   ``max(0, h - c) + (cp - 2) max(0, (1 + g) h - c) + max(0, g h - c)`` with ``c = a_b / cp``,
   and the last dK/dV hop home has nothing after it: ``+ g h``.
 
-What is not modelled: the SMs a P2P kernel holds while it overlaps (``ops.overlap_slowdown``
-prices that for hidden DP traffic only) and the kernel's own merge and copy kernels between the
-blocks (in ``a_f`` / ``a_b`` only as the attention FLOPs).
+The merges and copies between the blocks are in ``a_f`` / ``a_b`` since the twenty-ninth session
+(``ops.layer_attention_seconds``, plan/cpmerge.py): they run on the same stream as the kernels, so
+they hide the hops too. What is not modelled: the SMs a P2P kernel holds while it overlaps
+(``ops.overlap_slowdown`` prices that for hidden DP traffic only).
 """
 
 from __future__ import annotations

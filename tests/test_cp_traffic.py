@@ -1,0 +1,98 @@
+"""Time model v2's bytes for the engine's ring and all-gather CP outside their kernels
+(plan/cpmerge.py) against the engine's own ops, counted under a dispatch mode (tests/traffic.py).
+
+One process plays one cp rank: the ring's P2P (``start_rotate`` / ``finish_rotate``) and the
+all-gather's collective are replaced by stand-ins that hand back this rank's own tensors (their
+values do not matter to the byte count; what the real ones move is communication, priced apart),
+everything else is the engine's code. bf16 on CPU, the model's layout (q/k/v transposes of
+``[b, s, h, d]``), GQA and not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.engine.parallel import context, context_ring
+from llmtrain.plan.cpmerge import cp_attention_bytes
+from tests.traffic import Traffic
+
+B, D, S_LOCAL = 1, 64, 256
+
+
+def _qkv(heads: int, kv_heads: int):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S_LOCAL, heads, D, generator=gen).to(torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(B, S_LOCAL, kv_heads, D, generator=gen).to(torch.bfloat16).transpose(1, 2) for _ in range(2))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
+def test_ring_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
+    """The ring on its last rank (every block after the diagonal one merges all of its rows): the
+    forward and backward bytes of its merges, copies, GQA repeats and accumulators equal the price
+    within 0.5 %."""
+    traffic = Traffic()
+
+    def start(tensors, group, rank, n):
+        return [t.contiguous() for t in tensors], None, None
+
+    monkeypatch.setattr(context_ring, "start_rotate", start)
+    monkeypatch.setattr(context_ring, "finish_rotate", lambda pending: pending[0])
+    monkeypatch.setattr(context_ring.dist, "get_rank", lambda group=None: cp - 1)
+    q, k, v = _qkv(heads, kv_heads)
+    with traffic:
+        out = context_ring.RingAttention.apply(q, k, v, None, cp)
+        forward = traffic.bytes
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    backward = traffic.bytes - forward
+    want_f, want_b = cp_attention_bytes("ring", cp, B, heads, kv_heads, S_LOCAL, D, 2)
+    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
+    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
+def test_allgather_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
+    """The all-gather on cp rank 1 (two zigzag chunks, each a diagonal block and a prefix block):
+    the permute into the gather's layout, the reorder of the gathered K/V into global order and
+    back, the merges, GQA repeats and accumulators equal the price within 0.5 %."""
+    traffic = Traffic()
+
+    def gather(flat, gather_dim, group):  # stands in for the collective: cp copies of this rank's K or V
+        traffic.paused = True
+        full = torch.cat([flat.detach()] * cp, dim=gather_dim).requires_grad_()
+        traffic.paused = False
+        return _Gathered.apply(flat, full)
+
+    monkeypatch.setattr(context, "all_gather_autograd", gather)
+    monkeypatch.setattr(context, "wait_tensor", lambda t: t)
+    q, k, v = _qkv(heads, kv_heads)
+    with traffic:
+        out = context.allgather_attention(q, k, v, None, cp, 1)
+        forward = traffic.bytes
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    backward = traffic.bytes - forward
+    want_f, want_b = cp_attention_bytes("allgather", cp, B, heads, kv_heads, S_LOCAL, D, 2)
+    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
+    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+
+
+class _Gathered(torch.autograd.Function):
+    """The gathered tensor in autograd, with the collective's backward (a reduce-scatter: this
+    rank's share of the gradient, communication) left out of the count: returns a fresh zero
+    gradient of the local shape without touching the incoming one."""
+
+    @staticmethod
+    def forward(ctx, flat, full):
+        ctx.shape = flat.shape
+        return full.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_empty(ctx.shape), None
+
+
+def test_no_bytes_without_ring_or_allgather():
+    assert cp_attention_bytes("ulysses", 4, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
+    assert cp_attention_bytes("ring", 1, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
