@@ -26,6 +26,20 @@ def _qkv(heads: int, kv_heads: int):
     return [t.requires_grad_() for t in (q, k, v)]
 
 
+def _check(traffic: Traffic, attention, method: str, cp: int, heads: int, kv_heads: int) -> None:
+    """Count ``attention(q, k, v)``'s forward, then its backward (``autograd.grad``: no accumulation
+    into leaves' ``.grad``, which the model's q/k/v are not), against the price."""
+    q, k, v = _qkv(heads, kv_heads)
+    with traffic:
+        out = attention(q, k, v)
+        forward = traffic.bytes
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    backward = traffic.bytes - forward
+    want_f, want_b = cp_attention_bytes(method, cp, B, heads, kv_heads, S_LOCAL, D, 2)
+    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
+    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
 def test_ring_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
@@ -40,15 +54,7 @@ def test_ring_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
     monkeypatch.setattr(context_ring, "start_rotate", start)
     monkeypatch.setattr(context_ring, "finish_rotate", lambda pending: pending[0])
     monkeypatch.setattr(context_ring.dist, "get_rank", lambda group=None: cp - 1)
-    q, k, v = _qkv(heads, kv_heads)
-    with traffic:
-        out = context_ring.RingAttention.apply(q, k, v, None, cp)
-        forward = traffic.bytes
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    backward = traffic.bytes - forward
-    want_f, want_b = cp_attention_bytes("ring", cp, B, heads, kv_heads, S_LOCAL, D, 2)
-    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
-    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+    _check(traffic, lambda q, k, v: context_ring.RingAttention.apply(q, k, v, None, cp), "ring", cp, heads, kv_heads)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -67,15 +73,7 @@ def test_allgather_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
 
     monkeypatch.setattr(context, "all_gather_autograd", gather)
     monkeypatch.setattr(context, "wait_tensor", lambda t: t)
-    q, k, v = _qkv(heads, kv_heads)
-    with traffic:
-        out = context.allgather_attention(q, k, v, None, cp, 1)
-        forward = traffic.bytes
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    backward = traffic.bytes - forward
-    want_f, want_b = cp_attention_bytes("allgather", cp, B, heads, kv_heads, S_LOCAL, D, 2)
-    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
-    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+    _check(traffic, lambda q, k, v: context.allgather_attention(q, k, v, None, cp, 1), "allgather", cp, heads, kv_heads)
 
 
 class _Gathered(torch.autograd.Function):
