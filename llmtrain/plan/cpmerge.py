@@ -26,8 +26,9 @@ tp x s_local x head_dim``; ``e`` the activation bytes, ``a`` = 4 the fp32 accumu
 Ring: the rank that merges most is priced, ``cp - 1`` (every block after its diagonal one is "all
 its queries x half the keys", so every merge spans all its rows; rank 0 merges half-rows only):
 the step waits for the slowest rank. The all-gather's ranks are equal but rank 0, whose first
-chunk has no prefix to merge; a rank ``>= 1`` is priced. Ops on the log-sum-exp (``1 / head_dim``
-of these) are left out. Recomputation re-runs the forward's part (ops.block_seconds adds the
+chunk has no prefix to merge; a rank ``>= 1`` is priced. The merges' log-sum-exp ops are in
+(:data:`MERGE_LSE` per row, ``1 / head_dim`` of the rest); the accumulators' zero fills (one write
+each, allocations the count leaves out) are not. Recomputation re-runs the forward's part (ops.block_seconds adds the
 attention's forward again). Ulysses moves its data by all-to-all and runs plain SDPA: none.
 """
 
