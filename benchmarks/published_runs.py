@@ -223,10 +223,12 @@ def torchtitan_rows() -> list[dict]:
                                                              async_tp=True),
                           dict(seq_len=8192, micro_batch_size=32 // (8 * v), global_batch_size=256,
                                activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
-                          power=500, loss="unchunked", rope=TITAN_ROPE),
+                          power=500, loss="unchunked", rope=TITAN_ROPE, cp_kv="repeated", cp_merge="torch"),
             note=("compile + Float8 + async TP (parallel.async_tp); FSDP under PP run as zero 2 (the engine's rule); "
                   f"local batch 32 in {8 * v} micro batches of {32 // (8 * v)} (torchtitan's default: one per stage)"
-                  + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else ""))))
+                  + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else "")
+                  + "; for any CP layout the search tries, torch's context_parallel as Table 2 (planner.cp_kv repeated, "
+                    "planner.cp_merge torch)")))
     for name, preset, gpus, mb, ac, tps in (("70B", "llama3.1-70b", 256, 16, "full", 597.3),
                                             ("8B", "llama3.1-8b", 64, 12, TITAN_AC, 4378)):
         out.append(dict(

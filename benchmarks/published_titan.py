@@ -30,10 +30,12 @@ def titan_cp_rows() -> list[dict]:
                           dict(zero=3, cp=cp, cp_method="allgather") if cp > 1 else dict(zero=3),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=fsdp, activation_checkpointing="full",
                                precision="fp8", compile=True), 8, "h100-96g", power=500, loss="unchunked",
-                          cp_kv="repeated" if cp > 1 else None, rope=TITAN_ROPE),
+                          cp_kv="repeated" if cp > 1 else None, cp_merge="torch", rope=TITAN_ROPE),
             note=("compile + Float8, full AC, local batch 1; torch's context_parallel (all-gather rotation, load "
                   "balanced) as the engine's all-gather CP, moving K/V repeated to the query heads (torchtitan repeats "
-                  "them before SDPA: planner.cp_kv repeated); " + TITAN_COMPILE + "; h100-96g at "
+                  "them before SDPA: planner.cp_kv repeated), with torch's own loop between the kernels (one call per "
+                  "cp step, each output merged in fp32 over the rank's rows: planner.cp_merge torch); " + TITAN_COMPILE
+                  + "; h100-96g at "
                   "500 W, unchunked loss" if cp == 1 else "as above")))
     for seq, fsdp, cp, tps, gib in ((32768, 8, 1, 76, 75.3), (65536, 4, 2, 47, 75.9), (131072, 2, 4, 31, 77.1),
                                     (262144, 1, 8, 16, 84.9)):
@@ -46,7 +48,7 @@ def titan_cp_rows() -> list[dict]:
                                **(dict(cp=cp, cp_method="allgather") if cp > 1 else {})),
                           dict(seq_len=seq, micro_batch_size=1, global_batch_size=8 * fsdp, activation_checkpointing="full",
                                precision="fp8", compile=True), 512, "h100-96g", power=500, loss="unchunked",
-                          cp_kv="repeated" if cp > 1 else None, rope=TITAN_ROPE),
+                          cp_kv="repeated" if cp > 1 else None, cp_merge="torch", rope=TITAN_ROPE),
             note=("compile + Float8 + async TP (parallel.async_tp), 1F1B, full AC, local batch 8 (micro batch 1); FSDP under PP "
                   "as zero 2 (the engine's rule); CP as Table 2" if cp == 1 else "as above")))
     return out

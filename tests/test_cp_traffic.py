@@ -1,5 +1,6 @@
-"""Time model v2's bytes for the engine's ring and all-gather CP outside their kernels
-(plan/cpmerge.py) against the engine's own ops, counted under a dispatch mode (tests/traffic.py).
+"""Time model v2's bytes for the engine's ring and all-gather CP outside their kernels, and for
+torch's ``context_parallel`` (plan/cpmerge.py), against the code's own ops, counted under a dispatch
+mode (tests/traffic.py).
 
 One process plays one cp rank: the ring's P2P (``start_rotate`` / ``finish_rotate``) and the
 all-gather's collective are replaced by stand-ins that hand back this rank's own tensors (their
@@ -76,6 +77,48 @@ def test_allgather_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
     _check(traffic, lambda q, k, v: context.allgather_attention(q, k, v, None, cp, 1), "allgather", cp, heads, kv_heads)
 
 
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_torch_context_parallel_bytes_are_torchs_ops(monkeypatch, cp):
+    """torch's own ring attention (``_templated_ring_attention`` and its backward, the loop
+    torchtitan's ``context_parallel`` runs, with load balancing and fp32 merging, torch's defaults) on
+    its last cp rank, K/V with the query heads as torchtitan passes them: the bytes of its merges,
+    concatenations, partial updates and accumulators equal ``planner.cp_merge: torch``'s price within
+    0.5 %. Its rotater is replaced by one that hands back what it was given (the sends are
+    communication); the process group is a bare one (torch checks its type, the stand-ins answer
+    for its rank and size)."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.tensor.experimental._context_parallel._attention as cpa  # noqa: PLC0415
+
+    class Rotater:
+        def __init__(self):
+            self.buffer = None
+
+        def exchange_buffers(self, buffer):
+            self.buffer = buffer
+
+        def next_buffer(self):
+            return self.buffer
+
+    monkeypatch.setattr(cpa, "_create_rotater", lambda group, seq_dim, method=None: Rotater())
+    monkeypatch.setattr(cpa.dist, "get_rank", lambda group=None: cp - 1)
+    monkeypatch.setattr(cpa.dist, "get_world_size", lambda group=None: cp)
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    aten = torch.ops.aten
+    q, k, v = (t.detach() for t in _qkv(8, 8))
+    traffic = Traffic()
+    with traffic:
+        out, lse, *_ = cpa._templated_ring_attention(group, 2, aten._scaled_dot_product_flash_attention_for_cpu,
+                                                     q, k, v, is_causal=True)
+        forward = traffic.bytes
+        cpa._templated_ring_attention_backward(group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                                               torch.ones_like(out), "grad_out", q, k, v, out, lse, is_causal=True,
+                                               dropout_p=0.0)
+    backward = traffic.bytes - forward
+    want_f, want_b = cp_attention_bytes("torch", cp, B, 8, 8, S_LOCAL, D, 2)
+    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
+    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+
+
 class _Gathered(torch.autograd.Function):
     """The gathered tensor in autograd, with the collective's backward (a reduce-scatter: this
     rank's share of the gradient, communication) left out of the count: returns a fresh zero
@@ -94,3 +137,4 @@ class _Gathered(torch.autograd.Function):
 def test_no_bytes_without_ring_or_allgather():
     assert cp_attention_bytes("ulysses", 4, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
     assert cp_attention_bytes("ring", 1, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
+    assert cp_attention_bytes("torch", 1, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)

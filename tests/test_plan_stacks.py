@@ -419,7 +419,8 @@ def test_cp_merge_prices_the_engines_cp_bytes_and_fused_leaves_them_out(method):
     against the engine's ops in tests/test_cp_traffic.py) to every block: the compute of a CP 2 step
     (8B, 1 node, no recomputation, every GPU at the same pace) is exactly layers x micro batches x
     those bytes at the element-wise rate longer than with planner.cp_merge fused (Transformer
-    Engine's CP: kernels only), which plan names; without CP the setting changes nothing."""
+    Engine's CP: kernels only), which plan names, and ``torch`` by torch's context_parallel loop's bytes;
+    without CP the setting changes nothing."""
     from llmtrain.plan.cpmerge import cp_attention_bytes  # noqa: PLC0415
     from llmtrain.plan.ops import membound_seconds  # noqa: PLC0415
     from llmtrain.recipe.gpus import GPUS  # noqa: PLC0415
@@ -436,3 +437,9 @@ def test_cp_merge_prices_the_engines_cp_bytes_and_fused_leaves_them_out(method):
     assert "planner.cp_merge fused" in fused.assumptions and not engine.assumptions
     no_cp = dict(over, parallel__cp=1)
     assert _plan(_recipe(**no_cp, planner__cp_merge="fused")).time.step_s == _plan(_recipe(**no_cp)).time.step_s
+    # torch's context_parallel: its own loop's bytes for either rotation (K/V as the recipe moves them)
+    torch_cp = _plan(_recipe(**over, planner__cp_merge="torch"))
+    tf, tb = cp_attention_bytes("torch", 2, 2, 32, 8, 4096, 128, 2)
+    got = torch_cp.time.breakdown["compute"] - fused.time.breakdown["compute"]
+    assert got == pytest.approx(32 * 2 * (membound_seconds(tf, gpu) + membound_seconds(tb, gpu)), rel=1e-9)
+    assert "planner.cp_merge torch" in torch_cp.assumptions

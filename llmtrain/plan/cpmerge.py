@@ -54,12 +54,15 @@ def cp_attention_bytes(method: str, cp: int, b: int, heads: int, kv_heads: int, 
                        e: int) -> tuple[float, float]:
     """(forward, backward) bytes of one layer's CP attention outside its kernels on one rank, one
     micro batch: ``heads`` / ``kv_heads`` the rank's query and moved K/V heads, ``s`` its local
-    tokens (module docstring). 0 for ulysses and without CP."""
-    if cp <= 1 or method not in ("ring", "allgather"):
+    tokens (module docstring); ``method`` ring, allgather (the engine's) or torch (:func:`torch_cp_bytes`).
+    0 for ulysses and without CP."""
+    if cp <= 1 or method not in ("ring", "allgather", "torch"):
         return 0.0, 0.0
     a, hl, kvl = ACC, heads, kv_heads
     out, rows = b * hl * s * d, b * hl * s  # output elements, and its rows (one log-sum-exp each)
     kv_local = b * kvl * s * d
+    if method == "torch":
+        return torch_cp_bytes(cp, out, rows, kv_local, e)
     if method == "ring":  # rank cp - 1: the diagonal block, then cp - 1 blocks of all rows x s / 2 keys
         half = s // 2
         repeats = _repeat(b, hl, kvl, s, d, e) + (cp - 1) * _repeat(b, hl, kvl, half, d, e)
@@ -89,4 +92,26 @@ def cp_attention_bytes(method: str, cp: int, b: int, heads: int, kv_heads: int, 
            + _kv_grad_add(b, hl, kvl, keys, d, e, e)
            + (a + e) * out  # dQ cast back
            + 2 * 2 * e * kv_seq)  # dK and dV put back into rank order
+    return fwd, bwd
+
+
+def torch_cp_bytes(cp: int, out: int, rows: int, kv: int, e: int) -> tuple[float, float]:
+    """torch's ``context_parallel`` (``torch.distributed.tensor.experimental._context_parallel``,
+    ``_templated_ring_attention`` and its backward, read at torch 2.13; the same loop for its all-gather
+    and ring rotations, load balanced, ``convert_to_f32``): ``cp`` kernel calls per layer, each step's
+    output folded over the rank's rows by ``_SDPAMerger`` (the block output cast to fp32, then
+    ``out - sigmoid(lse_b - lse) * (out - out_b)``: three passes, 32 bytes per element, and 60 per row
+    for the log-sum-exp), K/V made contiguous and concatenated for every send; backward fp32 dQ / dK /
+    dV accumulators, dK / dV concatenated for every send, and ``_partial_update``'s half-row adds
+    followed by a full copy (``torch.cat``). Rank ``cp - 1`` is priced: every step after its first
+    covers all of its rows, the most bytes (tests/test_cp_traffic.py counts torch's code per rank). ``kv``:
+    the rank's K (or V) elements as torch gets them (torchtitan repeats them to the query heads first)."""
+    a, steps = ACC, cp - 1
+    fwd = (4 * e * kv * cp  # K and V made contiguous (the model's transposed views), then one concatenation per send
+           + (e + a) * out + steps * ((e + a) * out + 8 * a * out + 60 * rows) + (a + e) * out)
+    bwd = (4 * e * kv * cp  # the saved K and V again
+           + 2 * (2 * a + e) * kv  # first step: dK, dV += the block's
+           + steps * ((2 * a + e) * kv + 2 * 2 * a * kv)  # then half-row adds and _partial_update's full copies
+           + 2 * 2 * a * kv * (cp + 1)  # dK / dV concatenated per send (and flattened once from the model's layout)
+           + cp * (2 * a + e) * out + (a + e) * out + 2 * (a + e) * kv)  # dQ adds, the casts back
     return fwd, bwd

@@ -102,7 +102,7 @@ class BlockShape:
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
     kv_len: int = 0  # keys of one attention kernel call: ring / all-gather CP's blocks (s), else the sequence (0)
-    cp_method: str = ""  # ring / allgather: the engine's CP merges and accumulators (plan/cpmerge.py); else none
+    cp_method: str = ""  # ring / allgather (the engine's) or torch: CP's merges and accumulators (plan/cpmerge.py)
     cp_kv_repeated: bool = False  # planner.cp_kv repeated: K/V arrive with the query heads (no GQA repeat)
     lora: tuple | None = None  # train.lora: (rank, target names, dropout on) (plan/loratime.py)
     lora_first: bool = False  # under LoRA, block 0: its input needs no gradient
@@ -338,7 +338,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       recompute_whole=recipe.planner.full_recompute == "whole_block",
                       recompute_attention=recipe.planner.selective_recompute == "core_attention",
                       kv_len=t.seq_len // dims.cp if blocks else 0,
-                      cp_method=p.cp_method if blocks and recipe.planner.cp_merge == "engine" else "",
+                      cp_method=({"engine": p.cp_method, "torch": "torch"}.get(recipe.planner.cp_merge, "")
+                                 if blocks else ""),
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,

@@ -149,10 +149,13 @@ class PlannerConfig(Strict):
                               "their kv_heads only, repeated for GQA after the exchange, as Megatron-Core and Llama 3 "
                               "do), repeated (K/V already repeated to the query heads, as torch's context_parallel "
                               "under torchtitan's repeat_kv before SDPA). plan/comm.py.")
-    cp_merge: Literal["engine", "fused"] = Field(
+    cp_merge: Literal["engine", "fused", "torch"] = Field(
         "engine", description="Planner only (time model v2, ring / all-gather CP); what runs between the CP attention "
                               "kernels. engine (the bundled engine's: each block's output folded into an fp32 running "
                               "output by eager ops, GQA K/V repeated per kernel call, fp32 dQ / dK / dV accumulators; "
-                              "priced from their bytes, plan/cpmerge.py), fused (Transformer Engine's CP, as "
-                              "Megatron-Core, NeMo and Megatron-Bridge run it: its kernels take GQA K/V unrepeated and "
-                              "one fused kernel folds each step's output in; not counted, the kernels alone).")
+                              "priced from their bytes, plan/cpmerge.py), torch (torch's context_parallel, as torchtitan "
+                              "runs it: one kernel call per cp step for either rotation, each step's output merged in "
+                              "fp32 over all of a rank's rows, K/V and dK/dV concatenated for every send), fused "
+                              "(Transformer Engine's CP, as Megatron-Core, NeMo and Megatron-Bridge run it: its kernels "
+                              "take GQA K/V unrepeated and one fused kernel folds each step's output in; not counted, "
+                              "the kernels alone).")
