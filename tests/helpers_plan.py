@@ -18,6 +18,7 @@ from rich.console import Console
 
 from llmtrain.errors import Problem
 from llmtrain.plan.api import Plan, make_plan, plan_recipe
+from llmtrain.plan.costmodel import estimate
 from llmtrain.cluster.placement import Node, Placement
 from llmtrain.plan.render import render_plan
 from llmtrain.plan.report import plan_to_dict
@@ -113,3 +114,23 @@ def assert_good_problem(problem: Problem, files: tuple[str, ...] = (), data_keys
             return
         keys = [str(k) for k in data_keys if str(k)] + [repr(str(k)) for k in data_keys]
         assert any(path == k or path.startswith(k + ".") for k in keys), problem
+
+
+def stack_recipe(**over) -> dict[str, Any]:
+    """Llama 3 8B on one node of H100 (fp8, zero 3, selective AC, 16 x 8,192 tokens, time model v2), with
+    ``section__key=value`` overrides: the recipe the planner-only stack settings are tested on."""
+    base = {"model": {"preset": "llama3-8b"}, "parallel": {"zero": 3},
+            "train": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 16, "activation_checkpointing": "selective",
+                      "precision": "fp8"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-sxm", "time_model": "v2"}}
+    for key, value in over.items():
+        section, name = key.split("__")
+        base.setdefault(section, {})[name] = value
+    return base
+
+
+def stack_cost(data: dict[str, Any]):
+    """The cost model's estimate (``costmodel.estimate``) of a recipe dict, without hints."""
+    recipe = validate_recipe_dict(data)
+    p = plan_recipe(recipe)
+    return estimate(recipe, p.validation.dims, p.validation.batch, p.placement, hints=False)

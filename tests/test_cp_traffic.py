@@ -15,6 +15,9 @@ import torch
 
 from llmtrain.engine.parallel import context, context_ring
 from llmtrain.plan.cpmerge import cp_attention_bytes
+from llmtrain.plan.ops import membound_seconds
+from llmtrain.recipe.gpus import GPUS
+from tests.helpers_plan import stack_cost, stack_recipe
 from tests.traffic import Traffic
 
 B, D, S_LOCAL = 1, 64, 256
@@ -35,11 +38,14 @@ def _check(traffic: Traffic, attention, method: str, cp: int, heads: int, kv_hea
         out = attention(q, k, v)
         forward = traffic.bytes
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-    backward = traffic.bytes - forward
+    _assert_priced(forward, traffic.bytes - forward, method, cp, heads, kv_heads)
+
+
+def _assert_priced(forward: int, backward: int, method: str, cp: int, heads: int, kv_heads: int) -> None:
+    """Counted forward and backward bytes within 0.5 % of plan/cpmerge.py's price."""
     want_f, want_b = cp_attention_bytes(method, cp, B, heads, kv_heads, S_LOCAL, D, 2)
     assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
     assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
-
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
@@ -113,10 +119,7 @@ def test_torch_context_parallel_bytes_are_torchs_ops(monkeypatch, cp):
         cpa._templated_ring_attention_backward(group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward,
                                                torch.ones_like(out), "grad_out", q, k, v, out, lse, is_causal=True,
                                                dropout_p=0.0)
-    backward = traffic.bytes - forward
-    want_f, want_b = cp_attention_bytes("torch", cp, B, 8, 8, S_LOCAL, D, 2)
-    assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
-    assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
+    _assert_priced(forward, traffic.bytes - forward, "torch", cp, 8, 8)
 
 
 class _Gathered(torch.autograd.Function):
@@ -138,3 +141,32 @@ def test_no_bytes_without_ring_or_allgather():
     assert cp_attention_bytes("ulysses", 4, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
     assert cp_attention_bytes("ring", 1, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
     assert cp_attention_bytes("torch", 1, 1, 8, 8, 256, 64, 2) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_cp_merge_prices_the_engines_cp_bytes_and_fused_leaves_them_out(method):
+    """Time model v2 adds the engine's CP work between its attention kernels (plan/cpmerge.py, counted
+    against the engine's ops in tests/test_cp_traffic.py) to every block: the compute of a CP 2 step
+    (8B, 1 node, no recomputation, every GPU at the same pace) is exactly layers x micro batches x
+    those bytes at the element-wise rate longer than with planner.cp_merge fused (Transformer
+    Engine's CP: kernels only), which plan names, and ``torch`` by torch's context_parallel loop's bytes;
+    without CP the setting changes nothing."""
+    over = dict(parallel__cp=2, parallel__cp_method=method, parallel__zero=1, train__precision="bf16",
+                train__activation_checkpointing="none", cluster__gpu_variability=0.0)
+    engine, fused = stack_cost(stack_recipe(**over)), stack_cost(stack_recipe(**over, planner__cp_merge="fused"))
+    f, b = cp_attention_bytes(method, 2, 2, 32, 8, 4096, 128, 2)  # micro batch 2 x 8,192 / 2 tokens, 32 / 8 heads
+    gpu = GPUS["h100-sxm"]
+    # 32 layers, 2 micro batches (16 sequences over dp 4 = 8 GPUs / cp 2, 2 per micro batch)
+    extra = 32 * 2 * (membound_seconds(f, gpu) + membound_seconds(b, gpu))
+    got = engine.time.breakdown["compute"] - fused.time.breakdown["compute"]
+    assert got == pytest.approx(extra, rel=1e-9)
+    assert "planner.cp_merge fused" in fused.assumptions and not engine.assumptions
+    no_cp = dict(over, parallel__cp=1)
+    without = stack_cost(stack_recipe(**no_cp)).time.step_s
+    assert stack_cost(stack_recipe(**no_cp, planner__cp_merge="fused")).time.step_s == without
+    # torch's context_parallel: its own loop's bytes for either rotation (K/V as the recipe moves them)
+    torch_cp = stack_cost(stack_recipe(**over, planner__cp_merge="torch"))
+    tf, tb = cp_attention_bytes("torch", 2, 2, 32, 8, 4096, 128, 2)
+    got = torch_cp.time.breakdown["compute"] - fused.time.breakdown["compute"]
+    assert got == pytest.approx(32 * 2 * (membound_seconds(tf, gpu) + membound_seconds(tb, gpu)), rel=1e-9)
+    assert "planner.cp_merge torch" in torch_cp.assumptions

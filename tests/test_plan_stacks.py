@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from llmtrain.plan import fp8time, ops
-from llmtrain.plan.api import plan_recipe
-from llmtrain.plan.costmodel import estimate
 from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.plan.memory import STEP_BYTES
 from llmtrain.recipe.gpus import ASSUMED, GPUS, SOURCES
 from llmtrain.recipe.load import validate_recipe_dict
+from tests.helpers_plan import stack_cost as _plan
+from tests.helpers_plan import stack_recipe as _recipe
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -62,23 +62,6 @@ def test_fp8_cast_seconds_only_in_fp8_and_rerun_by_full_recomputation():
     again = sum(5 * (4 * k + n * k) for n, k in ((4, 8), (8, 8), (16, 8)))
     mm = ops.BlockShape(**{**TINY.__dict__, "recompute": "selective_mm"})
     assert fp8time.cast_seconds(mm, gpu, 3, 0, False)[1] == pytest.approx(ops.membound_seconds(3 * (b + again), gpu), rel=1e-12)
-
-
-def _recipe(**over) -> dict:
-    base = {"model": {"preset": "llama3-8b"}, "parallel": {"zero": 3},
-            "train": {"seq_len": 8192, "micro_batch_size": 2, "global_batch_size": 16, "activation_checkpointing": "selective",
-                      "precision": "fp8"},
-            "cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "h100-sxm", "time_model": "v2"}}
-    for key, value in over.items():
-        section, name = key.split("__")
-        base.setdefault(section, {})[name] = value
-    return base
-
-
-def _plan(d: dict):
-    recipe = validate_recipe_dict(d)
-    p = plan_recipe(recipe)
-    return estimate(recipe, p.validation.dims, p.validation.batch, p.placement, hints=False)
 
 
 def test_fused_fp8_casts_are_priced_as_compiled_and_named():
@@ -412,34 +395,3 @@ def test_distributed_optimizer_reduce_scatters_gradients_and_all_gathers_bf16_pa
     a, b = _plan(_recipe(**z3)), _plan(_recipe(**z3, planner__dp_optimizer="distributed"))
     assert a.time.step_s == b.time.step_s and "planner.dp_optimizer distributed" not in b.assumptions
 
-
-@pytest.mark.parametrize("method", ["ring", "allgather"])
-def test_cp_merge_prices_the_engines_cp_bytes_and_fused_leaves_them_out(method):
-    """Time model v2 adds the engine's CP work between its attention kernels (plan/cpmerge.py, counted
-    against the engine's ops in tests/test_cp_traffic.py) to every block: the compute of a CP 2 step
-    (8B, 1 node, no recomputation, every GPU at the same pace) is exactly layers x micro batches x
-    those bytes at the element-wise rate longer than with planner.cp_merge fused (Transformer
-    Engine's CP: kernels only), which plan names, and ``torch`` by torch's context_parallel loop's bytes;
-    without CP the setting changes nothing."""
-    from llmtrain.plan.cpmerge import cp_attention_bytes  # noqa: PLC0415
-    from llmtrain.plan.ops import membound_seconds  # noqa: PLC0415
-    from llmtrain.recipe.gpus import GPUS  # noqa: PLC0415
-
-    over = dict(parallel__cp=2, parallel__cp_method=method, parallel__zero=1, train__precision="bf16",
-                train__activation_checkpointing="none", cluster__gpu_variability=0.0)
-    engine, fused = _plan(_recipe(**over)), _plan(_recipe(**over, planner__cp_merge="fused"))
-    f, b = cp_attention_bytes(method, 2, 2, 32, 8, 4096, 128, 2)  # micro batch 2 x 8,192 / 2 tokens, 32 / 8 heads
-    gpu = GPUS["h100-sxm"]
-    # 32 layers, 2 micro batches (16 sequences over dp 4 = 8 GPUs / cp 2, 2 per micro batch)
-    extra = 32 * 2 * (membound_seconds(f, gpu) + membound_seconds(b, gpu))
-    got = engine.time.breakdown["compute"] - fused.time.breakdown["compute"]
-    assert got == pytest.approx(extra, rel=1e-9)
-    assert "planner.cp_merge fused" in fused.assumptions and not engine.assumptions
-    no_cp = dict(over, parallel__cp=1)
-    assert _plan(_recipe(**no_cp, planner__cp_merge="fused")).time.step_s == _plan(_recipe(**no_cp)).time.step_s
-    # torch's context_parallel: its own loop's bytes for either rotation (K/V as the recipe moves them)
-    torch_cp = _plan(_recipe(**over, planner__cp_merge="torch"))
-    tf, tb = cp_attention_bytes("torch", 2, 2, 32, 8, 4096, 128, 2)
-    got = torch_cp.time.breakdown["compute"] - fused.time.breakdown["compute"]
-    assert got == pytest.approx(32 * 2 * (membound_seconds(tf, gpu) + membound_seconds(tb, gpu)), rel=1e-9)
-    assert "planner.cp_merge torch" in torch_cp.assumptions

@@ -20,7 +20,7 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
     if pl.fp8_casts != "engine" and recipe.cluster.time_model == "v2" and recipe.train.precision == "fp8":
         out.append(f"planner.fp8_casts {pl.fp8_casts}")
     tp_kind = tp_overlap_kind(recipe) if recipe.parallel.tp > 1 else "none"
-    if pl.tp_overlap and not recipe.parallel.async_tp and tp_kind == "async":
+    if tp_kind == "megatron":
         out.append("planner.tp_overlap true")
     if tp_kind == "backward":
         out.append("planner.tp_backward_overlap true")

@@ -22,14 +22,17 @@ UNFUSED_REDUCE_SCATTERS = 2  # per layer and micro batch: the attention and MLP 
 
 
 def tp_overlap_kind(recipe) -> str:
-    """Which overlap prices a recipe's TP collectives (where tp > 1): ``"async"`` (``parallel.async_tp``,
-    or another stack's ``planner.tp_overlap``, both under sequence parallelism: the fused collectives,
-    :func:`async_tp_fused_counts`), else ``"backward"`` (``planner.tp_backward_overlap``:
-    :func:`tp_backward_async`), else ``"none"``. One rule for comm.py, the search's TP floor and
-    ``plan``'s "assumes" line."""
+    """Which overlap prices a recipe's TP collectives (where tp > 1): ``"async"`` (``parallel.async_tp``
+    under sequence parallelism: the fused collectives, :func:`async_tp_fused_counts`), ``"megatron"``
+    (another stack's ``planner.tp_overlap`` without ``parallel.async_tp``, under sequence parallelism:
+    the same fused collectives, and :func:`megatron_bulk_reduces` beside the weight-gradient GEMMs), else
+    ``"backward"`` (``planner.tp_backward_overlap``: :func:`tp_backward_async`), else ``"none"``. One rule
+    for comm.py, the search's TP floor and ``plan``'s "assumes" line."""
     p, pl = recipe.parallel, recipe.planner
-    if p.sequence_parallel and (p.async_tp or pl.tp_overlap):
+    if p.sequence_parallel and p.async_tp:
         return "async"
+    if p.sequence_parallel and pl.tp_overlap:
+        return "megatron"
     return "backward" if pl.tp_backward_overlap else "none"
 
 

@@ -125,9 +125,6 @@ def tp_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int) 
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
-    kind = tp_overlap_kind(recipe)
-    if kind == "async" and not recipe.parallel.async_tp:  # planner.tp_overlap: megatron_bulk_reduces hides the rest
-        return 0.0
-    exposed = {"async": 1, "backward": 2, "none": 4}[kind]
+    exposed = {"megatron": 0, "async": 1, "backward": 2, "none": 4}[tp_overlap_kind(recipe)]
     volume = exposed * 2 * (tp - 1) / tp * e * tokens * m.hidden * m.layers / pp
     return volume / link(gpu, False).bandwidth
