@@ -12,8 +12,8 @@ on A100-era Megatron runs). v2 prices each operation of a micro batch on one pip
   move (``e (mk + kn + mn)``); the size curve is NVIDIA's tile and wave quantization (Matrix
   Multiplication Background User's Guide): output tiles (:data:`TILES`) over the GPU's SMs,
   efficiency ``useful tile area / (waves x SMs x tile area)``; on H100 / H200 times the rate this
-  project's GPU check measured at the published rows' shapes (``gemmtime.GEMM_FIT``). No constant
-  is fitted to a published run.
+  project's GPU check measured at the published rows' shapes, on A100 the rate a published per-layer
+  measurement gives (``gemmtime.GEMM_FIT``). No constant is fitted to a published run's throughput.
 - **Attention** (``attentiontime.py``) from the flash kernel's FLOPs at its published rate for the length of one call
   (:data:`ATTENTION_MEASURED`: the kernels' own benchmark figures, FA2 / FA1 on A100 and H100,
   FA3 and cuDNN on H100, 512 to 16k tokens; the engine's SDPA on Hopper / Blackwell at the GPU check's
