@@ -50,9 +50,10 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     ATTENTION, ATTENTION_FAMILY, ATTENTION_LENGTHS, ATTENTION_MEASURED, ATTENTION_SPLIT, MATERIALIZED_BYTES,
     attention_fractions, attention_seconds)
 from llmtrain.plan.cpmerge import cp_attention_bytes
+from llmtrain.plan.launchtime import KERNELS, LAUNCH_S, launch_seconds  # noqa: F401 (re-exported)
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
-from llmtrain.plan.loratime import LORA_KERNELS, lora_pass_seconds
+from llmtrain.plan.loratime import lora_pass_seconds
 from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.recipe.gpus import GPUSpec
 
@@ -61,15 +62,6 @@ from llmtrain.recipe.gpus import GPUSpec
 # NVIDIA developer forum, "Compute-Communication Overlap Causes Severe GEMM Performance Degradation
 # because of Tail Effect"); NCCL caps channels at NCCL_MAX_CTAS (32 by default).
 NCCL_CTAS = 24
-# Kernels per block and micro batch (forward, backward): eager as the engine runs it (2 fused norms,
-# 7 GEMMs, RoPE's 3 kernels on q and on k, SDPA, SiLU and the product, 2 residual adds = 20; the
-# backward's 14 GEMMs, attention, norms, RoPE, SwiGLU and the residual gradients = 28); compiled:
-# the GEMMs and attention stay, and Inductor's scheduler makes the element-wise ops 5 forward and 6
-# backward kernels (counted on the engine's block without GQA, tests/test_block_traffic.py's compile).
-KERNELS = {"eager": (20, 28), "compiled": (13, 21), "gemm": 8}  # gemm: GEMMs + attention of the forward
-LAUNCH_S = 10e-6  # CPU cost of one eager op launch (dispatcher + CUDA launch); assumption (docs/planner.md 9)
-
-
 
 
 @dataclass(frozen=True)
@@ -383,29 +375,3 @@ def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers:
     f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last, first_block=first_block)
     f1, b1 = rank_seconds(x, gpu, dense_layers, moe_layers, last, sms=full - NCCL_CTAS, first_block=first_block)
     return max(0.0, 1.0 - (f0 + b0) / (f1 + b1)) if f1 + b1 > 0 else 0.0
-
-
-def launch_seconds(x: BlockShape, layers: int, compiled: bool, fsdp: bool) -> tuple[float, float]:
-    """(forward, backward) CPU seconds to launch one micro batch's kernels of ``layers`` blocks
-    (issue 18, 9.1 (c)). The GPU runs behind the CPU's launches; a pass takes
-    ``max(GPU time, CPU launch time)`` (costmodel.py), so launches cost nothing while the GPU is
-    busier. Kernel counts (:data:`KERNELS`) are the engine's block as ops.py prices it; FSDP adds
-    its gather + copy-out per block and pass, reduce-scatter + copy-in in the backward;
-    recomputation re-launches the forward (``full``) or its element-wise kernels (``selective``; and
-    ``selective_mm`` also the GEMMs of wk, wo without TP and w3 in a dense model: MoE blocks have none).
-    LoRA: each adapted projection adds :data:`~llmtrain.plan.loratime.LORA_KERNELS`, and the frozen
-    bases launch no weight-gradient GEMM (7 fewer backward kernels per block)."""
-    fwd, bwd = KERNELS["compiled" if compiled else "eager"]
-    elementwise = fwd - KERNELS["gemm"]
-    if x.lora is not None:
-        adapted = len(x.lora[1])
-        fwd, bwd = fwd + adapted * (LORA_KERNELS[0] + x.lora[2]), bwd - 7 + adapted * (LORA_KERNELS[1] + x.lora[2])
-    if x.recompute == "full":
-        bwd += fwd
-    elif x.recompute == "selective":  # core_attention: the attention kernels (materialized: 4, a flash kernel: 1)
-        bwd += (4 if x.attention == "materialized" else 1) if x.recompute_attention else elementwise
-    elif x.recompute == "selective_mm":
-        bwd += elementwise + 1 + (x.tp == 1) + (x.experts == 0)
-    if fsdp:
-        fwd, bwd = fwd + 2, bwd + 4
-    return layers * fwd * LAUNCH_S, layers * bwd * LAUNCH_S
