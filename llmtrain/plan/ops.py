@@ -50,9 +50,9 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     ATTENTION, ATTENTION_FAMILY, ATTENTION_LENGTHS, ATTENTION_MEASURED, ATTENTION_SPLIT, MATERIALIZED_BYTES,
     attention_fractions, attention_seconds)
 from llmtrain.plan.cpmerge import cp_attention_bytes
-from llmtrain.plan.launchtime import KERNELS, LAUNCH_S, launch_seconds  # noqa: F401 (re-exported)
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
+from llmtrain.plan.launchtime import KERNELS, LAUNCH_S, launch_seconds  # noqa: F401 (re-exported)
 from llmtrain.plan.loratime import lora_pass_seconds
 from llmtrain.plan.losstime import head_loss_seconds
 from llmtrain.recipe.gpus import GPUSpec
