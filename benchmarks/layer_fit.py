@@ -2,7 +2,7 @@
 
     python benchmarks/layer_fit.py [--out DIR]   # prints the fit and the table; DIR/layer_fit.json
 
-(``--tiny`` is accepted, and changes nothing, for the benchmarks' CI smoke test: the fit plans 140
+(``--tiny`` is accepted, and changes nothing, for the benchmarks' CI smoke test: the fit plans 220
 recipes on the CPU in a few seconds.)
 
 The source: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
