@@ -90,6 +90,19 @@ class SlurmCluster:
         """Job ids squeue still lists (pending, running or completing)."""
         return self.client("squeue", "-h", "-o", "%i").stdout.split()
 
+    def known_jobs(self) -> list[tuple[int, str]]:
+        """(job id, name) of every job slurmctld knows: live, or ended within MinJobAge (600 s), so
+        a job can drop out of this list while a test runs; compare ids, not the lists (new_jobs)."""
+        out = self.client("scontrol", "show", "job", "-o").stdout
+        found = ((re.search(r"\bJobId=(\d+)", line), re.search(r"\bJobName=(\S+)", line)) for line in out.splitlines())
+        return [(int(i.group(1)), n.group(1)) for i, n in found if i and n]
+
+    def new_jobs(self, before: list[tuple[int, str]]) -> list[str]:
+        """Names of the jobs submitted since ``before`` (a :meth:`known_jobs` list), in id order: ids
+        only grow, and a job that aged out since is not new."""
+        mark = max((i for i, _ in before), default=0)
+        return [name for i, name in sorted(self.known_jobs()) if i > mark]
+
     def wait_idle(self, timeout: float = 20.0) -> None:
         deadline = time.monotonic() + timeout
         states: dict[str, str] = {}

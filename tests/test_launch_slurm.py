@@ -71,12 +71,6 @@ def cli(env: dict[str, str], cwd: Path, *args: str, timeout: float = 120) -> sub
     return subprocess.run([*CLI, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def job_names(cluster) -> list[str]:
-    """Every job slurmctld knows (live or ended within MinJobAge=600 s): proves what was submitted."""
-    out = cluster.client("scontrol", "show", "job", "-o").stdout
-    return re.findall(r"JobName=(\S+)", out)
-
-
 # ----------------------------------------------------------------------------- no cluster needed
 
 
@@ -219,14 +213,14 @@ def test_slurm_refusals_are_one_line_with_the_fix_and_submit_nothing(cluster, tm
     recipe = write_recipe(tmp_path / "r.yaml")
     if "--nodes" in args:  # 3 nodes x 1 rank: a valid layout, which only the partition cannot hold
         args = [*args, "--set", "train.global_batch_size=12", "--set", "train.micro_batch_size=4"]
-    before = job_names(cluster)
+    before = cluster.known_jobs()
     result = cli(cluster.env(), tmp_path, "launch", str(recipe), "--launcher", "slurm", *args)
     assert result.returncode == 2, result.stdout + result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     for word in words:
         assert word in line, line
-    assert job_names(cluster) == before and cluster.jobs() == []
+    assert cluster.new_jobs(before) == [] and cluster.jobs() == []
     assert not (tmp_path / "runs").exists()  # all checked before the run dir exists (sbatch --test-only for the account)
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.sshhosts import run_processes
 from tests.test_launch_slurm import (FILE_PLAIN, SECRET, STOP_S, Background, base_env, cli, cluster, env_file,  # noqa: F401
-                                     environ, job_files, job_names, write_recipe)
+                                     environ, job_files, write_recipe)
 
 
 STEP_ONLY = "step-only-9a8b7c6d"  # a launch.env secret of this file only (the batch tests' one IS in slurmctld's state)
@@ -45,7 +45,7 @@ def test_inside_an_allocation_plan_and_launch_use_it_with_one_srun_step(cluster,
         assert f"planning for Slurm allocation {job_id}: 2 node(s) (SLURM_JOB_NUM_NODES) x 1 GPU(s) per node " \
                "(cluster.gpus_per_node)" in planned.stderr
         assert json.loads(planned.stdout)["world_size"] == 2
-        before = job_names(cluster)
+        before = cluster.known_jobs()
         result = cli(env, tmp_path, "launch", str(recipe), timeout=240)
         out = result.stdout
         assert result.returncode == 0, out[-6000:] + result.stderr
@@ -53,7 +53,7 @@ def test_inside_an_allocation_plan_and_launch_use_it_with_one_srun_step(cluster,
         assert f"inside Slurm allocation {job_id}: 2 of its 2 node(s) x 1 rank(s) (cluster.gpus_per_node)" in out
         assert re.search(rf"^\[{n0}:0\] ", out, re.M) and re.search(rf"^\[{n1}\] ", out, re.M)
         assert "progress: step 3/3" in out and f"== run finished: exit code 0 (Slurm job {job_id}: step" in out
-        assert job_names(cluster) == before  # no nested job
+        assert cluster.new_jobs(before) == []  # no nested job
         run = next((tmp_path / "runs" / "debug").iterdir())
         assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
         steps = cluster.client("squeue", "-h", "-s", "-j", job_id, "-o", "%i %j").stdout

@@ -46,10 +46,6 @@ def run(env: dict[str, str], cwd: Path, *args: str, timeout: float = 120):
     return subprocess.run(list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def job_names(cluster) -> list[str]:
-    return re.findall(r"JobName=(\S+)", cluster.client("scontrol", "show", "job", "-o").stdout)
-
-
 # ----------------------------------------------------------------------------- no cluster needed
 
 
@@ -134,13 +130,13 @@ def test_checks_pass_on_both_nodes_and_fail_with_each_nodes_reason(cluster, tmp_
 
 def test_inside_an_allocation_checks_its_nodes_with_one_step_and_no_new_job(cluster, tmp_path):
     recipe = cpu_recipe(tmp_path / "r.yaml")
-    before = job_names(cluster)
+    before = cluster.known_jobs()
     result = run(cluster.env(), tmp_path, "salloc", "-N", "2", "-Q", "--job-name=outer-alloc", *CLI, "hosts", "check",
                  "--recipe", str(recipe), "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"checking 2 node\(s\) of Slurm allocation \d+ \(" + ", ".join(cluster.nodes), result.stderr)
     assert [h["host"] for h in json.loads(result.stdout)["hosts"]] == cluster.nodes
-    assert job_names(cluster)[len(before):] == ["outer-alloc"]  # the step ran in it: no job of its own
+    assert cluster.new_jobs(before) == ["outer-alloc"]  # the step ran in it: no job of its own
     assert cluster.jobs() == []
 
 
@@ -151,13 +147,13 @@ def test_inside_an_allocation_checks_its_nodes_with_one_step_and_no_new_job(clus
     (["--nodes", "3"], "--nodes: 3 nodes do not fit partition 'debug': it has 2 node(s); use --nodes 2 or less"),
 ], ids=["unknown-partition", "rejected-account", "too-many-nodes"])
 def test_slurm_refusals_are_one_line_and_submit_nothing(cluster, tmp_path, args, words):
-    before = job_names(cluster)
+    before = cluster.known_jobs()
     result = run(cluster.env(), tmp_path, *CLI, "hosts", "check", "--launcher", "slurm", "--recipe",
                  str(cpu_recipe(tmp_path / "r.yaml")), *args)
     assert result.returncode == 2, result.stdout + result.stderr
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and line.startswith(f"error: {words}"), line
-    assert job_names(cluster) == before and cluster.jobs() == []
+    assert cluster.new_jobs(before) == [] and cluster.jobs() == []
 
 
 @pytest.mark.parametrize("signame, code", [("SIGINT", 130), ("SIGTERM", 143)], ids=["ctrl-c", "sigterm"])
