@@ -36,6 +36,7 @@ import copy
 import json
 import statistics
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,32 +73,39 @@ def experiment_recipe(ac: str, sp: bool, layers: int) -> dict:
     return data
 
 
-def layer_ms(ac: str, sp: bool, fit: float | None) -> float:
-    """v2's milliseconds of one 22B layer's forward and backward at A100 GEMM fit ``fit`` (None: unfitted)."""
+@contextmanager
+def a100_gemm_fit(fit: float | None):
+    """``gemmtime.GEMM_FIT`` of the A100s set to ``fit`` (None: no fit) inside the block, restored after;
+    the planner's memoized prices are cleared both ways."""
     from llmtrain.plan import gemmtime, ops
-    from llmtrain.plan.api import plan_recipe
-    from llmtrain.plan.costmodel import estimate
-    from llmtrain.recipe.load import validate_recipe_dict
 
     saved = dict(gemmtime.GEMM_FIT)
     for key in GPUS_FITTED:
         gemmtime.GEMM_FIT.pop(key, None)
         if fit is not None:
             gemmtime.GEMM_FIT[key] = fit
-    ops.block_seconds.cache_clear()
-    ops.head_seconds.cache_clear()
+    ops.clear_caches()
     try:
-        steps = []
+        yield
+    finally:
+        gemmtime.GEMM_FIT.clear()
+        gemmtime.GEMM_FIT.update(saved)
+        ops.clear_caches()
+
+
+def layer_ms(ac: str, sp: bool, fit: float | None) -> float:
+    """v2's milliseconds of one 22B layer's forward and backward at A100 GEMM fit ``fit`` (None: unfitted)."""
+    from llmtrain.plan.api import plan_recipe
+    from llmtrain.plan.costmodel import estimate
+    from llmtrain.recipe.load import validate_recipe_dict
+
+    steps = []
+    with a100_gemm_fit(fit):
         for layers in LAYERS:
             plan = plan_recipe(validate_recipe_dict(experiment_recipe(ac, sp, layers)))
             v = plan.validation
             parts = estimate(plan.recipe, v.dims, v.batch, plan.placement).time.breakdown
             steps.append(sum(s for k, s in parts.items() if k != "optimizer"))
-    finally:
-        gemmtime.GEMM_FIT.clear()
-        gemmtime.GEMM_FIT.update(saved)
-        ops.block_seconds.cache_clear()
-        ops.head_seconds.cache_clear()
     return 1e3 * (steps[0] - steps[1]) / (LAYERS[0] - LAYERS[1])
 
 

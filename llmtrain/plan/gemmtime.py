@@ -37,9 +37,9 @@ MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.
 # A100 (80 and 40 GB, one chip): fitted by ``python benchmarks/layer_fit.py`` from Korthikanti et al.
 # 2022's Table 4 (arXiv:2205.05198: forward + backward of one 22B layer on A100 with Megatron-LM, five
 # recomputation / SP experiments, each priced 9-11 % fast unfitted; the median of the five fits, which
-# span 0.836-0.861), the layer's whole shortfall charged to its GEMMs (tests/test_layer_fit.py).
+# span 0.837-0.862), the layer's whole shortfall charged to its GEMMs (tests/test_layer_fit.py).
 # B200, GB200, MI300X: nothing measured, MAMF alone.
-GEMM_FIT = {"h100-sxm": 0.884, "h100-pcie": 0.884, "h200": 0.884, "a100-80g": 0.853, "a100-40g": 0.853}
+GEMM_FIT = {"h100-sxm": 0.884, "h100-pcie": 0.884, "h200": 0.884, "a100-80g": 0.854, "a100-40g": 0.854}
 # The same for FP8 GEMMs (``MAMF_FP8``): fitted by the same script from a record's ``fp8_gemms``
 # (the GPU check times them since the twenty-fifth session); empty until a record has them.
 GEMM_FIT_FP8: dict[str, float] = {}

@@ -375,3 +375,10 @@ def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers:
     f0, b0 = rank_seconds(x, gpu, dense_layers, moe_layers, last, first_block=first_block)
     f1, b1 = rank_seconds(x, gpu, dense_layers, moe_layers, last, sms=full - NCCL_CTAS, first_block=first_block)
     return max(0.0, 1.0 - (f0 + b0) / (f1 + b1)) if f1 + b1 > 0 else 0.0
+
+
+def clear_caches() -> None:
+    """Forget the memoized block, head and overlap prices: for code that changes a rate constant
+    (``gemmtime.GEMM_FIT``, ...) within one process and replans (benchmarks/layer_fit.py)."""
+    for cached in (block_seconds, head_seconds, overlap_slowdown):
+        cached.cache_clear()
