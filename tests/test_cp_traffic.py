@@ -47,6 +47,7 @@ def _assert_priced(forward: int, backward: int, method: str, cp: int, heads: int
     assert forward == pytest.approx(want_f, rel=0.005), (forward, backward, want_f, want_b)
     assert backward == pytest.approx(want_b, rel=0.005), (forward, backward, want_f, want_b)
 
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("heads, kv_heads", [(8, 8), (8, 2)])
 def test_ring_bytes_are_the_engines_ops(monkeypatch, cp, heads, kv_heads):
