@@ -329,10 +329,11 @@ def rows() -> list[dict]:
     from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_megatron import megatron_2022_rows, megatron_h100_rows, megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_nemo import nemo_more_rows, nemo_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_zerobubble import zero_bubble_rows  # noqa: PLC0415 (it imports recipe() from here)
 
     return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
             + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
-            + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows())
+            + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows() + zero_bubble_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

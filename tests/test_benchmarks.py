@@ -30,7 +30,8 @@ SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name != "common.py" and
                                     "published_titan.py",  # rows for published_runs.py (which is run), not a script
                                     "published_foundry.py",  # likewise
                                     "published_megatron.py",  # likewise
-                                    "published_nemo.py"))  # likewise
+                                    "published_nemo.py",  # likewise
+                                    "published_zerobubble.py"))  # likewise
 PLAIN = {"planner_vs_published.py"}  # no --tiny/--out: run as is, check the table it prints
 TIMEOUT_S = 300
 

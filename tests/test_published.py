@@ -154,18 +154,23 @@ def test_pruned_search_keeps_the_fp8_optimum():
 def test_kendall_tau_and_groups():
     """Tau-a: +1 for the same order, -1 reversed, 0 for a tie against an order; the several-layouts
     groups are Table 5's two schedules, the three vanilla / async TP pairs (Table 4; 2025-06 bf16
-    and Float8), Tables 1 and 3's eager / torch.compile bf16 pairs and Korthikanti et al.'s four
-    full / SP + selective recomputation pairs."""
+    and Float8), Tables 1 and 3's eager / torch.compile bf16 pairs, Korthikanti et al.'s four
+    full / SP + selective recomputation pairs and the Zero Bubble paper's 21 schedule pairs."""
     assert search_rank.kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert search_rank.kendall_tau([1, 2, 3], [30, 20, 10]) == -1.0
     assert search_rank.kendall_tau([1, 2], [5, 5]) == 0.0
     groups = list(search_rank.layout_groups(ROWS).values())
-    assert [len(g) for g in groups] == [2] * 10, [[r["name"] for r in g] for g in groups]
-    assert sorted(g[0]["source"] for g in groups) == ["Korthikanti et al. 2022"] * 4 + [
+    assert [len(g) for g in groups] == [2] * 31, [[r["name"] for r in g] for g in groups]
+    assert sorted(g[0]["source"] for g in groups) == ["Korthikanti et al. 2022"] * 4 + ["Zero Bubble Table 4"] * 12 + [
+        "Zero Bubble Table 6"] * 9 + [
         "torchtitan H100 2024-12 Table 1", "torchtitan H100 2024-12 Table 3", "torchtitan H100 2024-12 Table 4",
         "torchtitan H100 2024-12 Table 5", "torchtitan async TP 2025-06", "torchtitan async TP 2025-06"]
+    # the Zero Bubble pairs: one model, GPU count and batch, 1F1B against 1F1B-I (Table 4) or ZB-V (Table 6)
+    zb = [sorted(r["recipe"]["parallel"]["pp_schedule"] for r in g) for g in groups if g[0]["source"].startswith("Zero")]
+    assert zb == [["1f1b", "interleaved-1f1b"]] * 12 + [["1f1b", "zbv"]] * 9
     tp_pairs = [g for g in groups if "Table 5" not in g[0]["source"] and "Table 1" not in g[0]["source"]
-                and "Table 3" not in g[0]["source"] and "Korthikanti" not in g[0]["source"]]
+                and "Table 3" not in g[0]["source"] and "Korthikanti" not in g[0]["source"]
+                and not g[0]["source"].startswith("Zero")]
     assert all(g[0]["name"].endswith("full recomputation") and g[1]["name"].endswith("SP + selective recomputation")
                for g in groups if "Korthikanti" in g[0]["source"])
     assert all(("async TP" in g[1]["name"]) != ("async TP" in g[0]["name"]) for g in tp_pairs)
