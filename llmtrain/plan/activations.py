@@ -25,7 +25,9 @@ output, ``engine/models/llama.py``), ``n`` =
   one tensor for q/k/v (and one for w1/w3): under autocast the norm's output is already bf16, so
   no projection saves a cast of its own (3 and 2 copies while the autocast stream was fp32);
 - SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
-  never the s x s scores. The engine repeats K/V heads to the query heads *before* SDPA, so K
+  never the s x s scores (``planner.attention_kernel: materialized``, a stack's attention before
+  FlashAttention: Megatron-LM's core attention keeps per score its softmax output, its dropout mask and
+  the dropped output, Korthikanti's ``5as^2b`` bytes, instead of the log-sum-exp; ``ActShape.materialized``). The engine repeats K/V heads to the query heads *before* SDPA, so K
   and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
   parallelism (:func:`core_attention_terms`): ring and all-gather save K/V with their kv_heads
   (the all-gather: of the whole sequence) and repeat each kernel block's K/V after the exchange;
@@ -114,6 +116,7 @@ class ActShape:
     # its fp32 softmax saved like the log-probabilities, the low-precision logits freed after the upcast,
     # the backward turning the softmax into the gradient in place and casting it
     megatron_loss: bool = False
+    materialized: bool = False  # planner.attention_kernel materialized: the s x s scores kept (core_attention_terms)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -195,6 +198,9 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     q = bs * x.heads * x.head_dim // t  # one of q, k, v or the output, local
     kv = bs * x.kv_heads * x.head_dim // t  # one of k, v with the local kv_heads
     lse = LSE * x.b * (x.heads // t) * x.s
+    if x.cp <= 1 and x.materialized:  # Megatron-LM's CoreAttention: q, k, v, the context, and per score the
+        # fused softmax's output (e), attention dropout's mask (1 byte) and output (e), Megatron's default 0.1
+        return {"qkv_attn_out": 4 * e * q, "attn_scores": (2 * e + 1) * x.b * (x.heads // t) * x.s * x.s}
     if x.cp <= 1:
         return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}  # q, k, v, SDPA output (+ its fp32 log-sum-exp)
     if x.cp_method == "ring":  # RingAttention saves q, k and v (kv_heads), its output (the model's, wo's input a

@@ -71,7 +71,8 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         shared_ffn=m.moe.shared_experts * m.expert_ffn if m.is_moe else 0, cp=dims.cp, cp_method=recipe.parallel.cp_method,
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
         chunked_loss=recipe.planner.loss == "engine", compiled_loss=recipe.planner.loss in ("compiled", "fused"),
-        megatron_loss=recipe.planner.loss in ("megatron", "megatron_fused"))
+        megatron_loss=recipe.planner.loss in ("megatron", "megatron_fused"),
+        materialized=recipe.planner.attention_kernel == "materialized")
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
