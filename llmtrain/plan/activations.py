@@ -26,8 +26,9 @@ output, ``engine/models/llama.py``), ``n`` =
   no projection saves a cast of its own (3 and 2 copies while the autocast stream was fp32);
 - SDPA flash/efficient kernels save q, k, v, the output and the fp32 log-sum-exp ``[b, a, s]``,
   never the s x s scores (``planner.attention_kernel: materialized``, a stack's attention before
-  FlashAttention: Megatron-LM's core attention keeps per score its softmax output, its dropout mask and
-  the dropped output, Korthikanti's ``5as^2b`` bytes, instead of the log-sum-exp; ``ActShape.materialized``). The engine repeats K/V heads to the query heads *before* SDPA, so K
+  FlashAttention: Megatron-LM's core attention keeps per score its softmax output, its dropout mask
+  and the dropped output, Korthikanti's ``5as^2b`` bytes, instead of the log-sum-exp;
+  ``ActShape.materialized``). The engine repeats K/V heads to the query heads *before* SDPA, so K
   and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
   parallelism (:func:`core_attention_terms`): ring and all-gather save K/V with their kv_heads
   (the all-gather: of the whole sequence) and repeat each kernel block's K/V after the exchange;
