@@ -65,6 +65,11 @@ TABLE4 = {
     "14.6B": (16, 1, (48, 64, 128), {"1F1B": (1.40, 1.49, 1.64), "1F1B-I": (1.54, 1.59, 1.66)}),
     "28.3B": (32, 1, (96, 128, 256), {"1F1B": (0.76, 0.80, 0.88), "1F1B-I": (0.82, 0.85, 0.90)}),
 }
+# the tables' "Memory (GB)", one reading per model and schedule (the same at every micro-batch count), read as
+# GiB: Megatron's report_memory divides by 1024^2 and calls it MB (planner_vs_published.py --memory)
+MEMORY4 = {"1.5B": {"1F1B": 30, "1F1B-I": 40}, "6.2B": {"1F1B": 39, "1F1B-I": 48}, "14.6B": {"1F1B": 32, "1F1B-I": 39},
+           "28.3B": {"1F1B": 43, "1F1B-I": 58}}
+MEMORY6 = {"6.2B": {"ZB-V": 64, "1F1B": 61}, "14.6B": {"ZB-V": 45, "1F1B": 44}, "28.3B": {"ZB-V": 71, "1F1B": 69}}
 # Table 6: the same models at the micro batch b of its "Setup" rows
 TABLE6 = {
     "6.2B": (16, 6, (48, 64, 128), {"ZB-V": (4.15, 4.21, 4.35), "1F1B": (3.38, 3.57, 3.91)}),
@@ -96,7 +101,7 @@ def zero_bubble_parallel(schedule: str, layers: int, pp: int) -> dict:
 def zero_bubble_rows() -> list[dict]:
     out = []
     first = True
-    for table, runs in (("Table 4", TABLE4), ("Table 6", TABLE6)):
+    for table, runs, memory in (("Table 4", TABLE4, MEMORY4), ("Table 6", TABLE6, MEMORY6)):
         for name, (gpus, b, counts, by_schedule) in runs.items():
             layers, heads, h = MODELS[name]
             for schedule, samples in by_schedule.items():
@@ -105,6 +110,7 @@ def zero_bubble_rows() -> list[dict]:
                         source=f"Zero Bubble {table}", url=ZB_URL,
                         name=f"GPT {name}, {gpus} A100, PP {gpus}, {m} micro batches of {b}, {schedule}",
                         metric="tokens/s/GPU", published=round(value * SEQ, 1),
+                        published_memory_gib=float(memory[name][schedule]),
                         recipe=recipe(gpt(h, heads, layers, 1, vocab=VOCAB, seq=SEQ),
                                       zero_bubble_parallel(schedule, layers, gpus),
                                       dict(seq_len=SEQ, micro_batch_size=b, global_batch_size=m * b,
