@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from published_runs import MEGATRON_GRADS, MEGATRON_PARAMS, gpt, recipe
 
-ZB_URL = ("https://arxiv.org/abs/2401.10241 (v1, 2023-11-30; Tables 3, 4 and 6, read from two public text "
+ZB_URL = ("https://arxiv.org/abs/2401.10241 (v1, 2023-11-30; Tables 3, 4, 6 and 9, read from two public text "
           "conversions of the PDF that agree on every number used)")
 SEQ = 1024
 VOCAB = 32000  # the released scripts' SentencePiece vocabulary (module docstring: "Vocabulary")
