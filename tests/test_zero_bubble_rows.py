@@ -15,6 +15,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -49,8 +51,6 @@ def test_rows_follow_the_papers_layouts():
     """Every row is one pipeline over all its GPUs; 1F1B stages hold k layers but the ends k - 1;
     interleaved and V-shaped runs one layer per chunk with the end chunks empty (the embedding and the
     output layer only); the schedules the engine lacks (ZB-1p, ZB-2p) are refused."""
-    import pytest
-
     for layers, pp in ((22, 8), (46, 16)):
         k = (layers + 2) // pp
         one = published_zerobubble.zero_bubble_parallel("1F1B", layers, pp)["pp_layers_per_stage"]
