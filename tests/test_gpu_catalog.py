@@ -123,3 +123,51 @@ def test_cli_refuses_a_cap_above_tdp_in_one_line(tmp_path):
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
     assert len(lines) == 1 and "cluster.gpu_power_w" in lines[0] and "750 W" in lines[0], lines
+
+
+def _net_recipe(tmp_path, nodes, network=None):
+    """Llama 3 8B FSDP over ``nodes`` H100 nodes: its reduce-scatters and all-gathers cross the network."""
+    path = tmp_path / f"net-{nodes}-{network}.yaml"
+    extra = "" if network is None else f", network_gbps: {network}"
+    path.write_text(RECIPE.format(gpu="h100-sxm", power="").replace("nodes: 1,", f"nodes: {nodes},")
+                    .replace("gpu: h100-sxm}", f"gpu: h100-sxm{extra}}}"))
+    return path
+
+
+def test_network_gbps_is_each_gpus_equal_share(tmp_path):
+    """``cluster.network_gbps`` (the node's NICs together) sets each GPU's inter-node bandwidth to its
+    equal share and nothing else; the catalog's figure is what DGX H100's 8 x 400 Gb/s give."""
+    base = GPUS["a100-80g"]
+    quarter = cluster_gpu("a100-80g", network_gbps=400, gpus_per_node=8)
+    assert quarter.internode_bytes_per_s == 400e9 / 8 / 8 == base.internode_bytes_per_s / 4
+    assert (quarter.peak_flops_bf16, quarter.nvlink_bytes_per_s, quarter.hbm_bytes_per_s, quarter.memory_bytes) == (
+        base.peak_flops_bf16, base.nvlink_bytes_per_s, base.hbm_bytes_per_s, base.memory_bytes)
+    assert cluster_gpu("a100-80g", network_gbps=1600, gpus_per_node=8) == base  # DGX A100: 8 x 200 Gb/s
+    capped = cluster_gpu("h100-sxm", 500, network_gbps=800, gpus_per_node=8)  # both settings apply
+    assert capped.internode_bytes_per_s == 800e9 / 64 and capped.peak_flops_bf16 == pytest.approx(989e12 * 5 / 7)
+
+    def cost(nodes, network=None):
+        plan = make_plan(_net_recipe(tmp_path, nodes, network))
+        return plan, estimate(plan.recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False)
+
+    default, dgx, slow = cost(2), cost(2, 3200), cost(2, 800)
+    assert dgx[1].time.step_s == default[1].time.step_s  # 3200 / 8 = the catalog's 400 Gb/s per GPU
+    assert slow[1].time.breakdown["dp_comm"] > 2 * default[1].time.breakdown["dp_comm"] > 0
+    assert slow[1].time.breakdown["compute"] == default[1].time.breakdown["compute"]
+    network = [c for c in slow[1].comms if c.link == "network"]
+    # a quarter of the bandwidth: the bytes' term x 4, NCCL's per-step latency unchanged, so just under 4x
+    assert network and all(3.5 < c.seconds / d.seconds < 4
+                           for c, d in zip(network, [c for c in default[1].comms if c.link == "network"]))
+    assert cost(1, 800)[1].time.step_s == cost(1)[1].time.step_s  # one node: nothing crosses the network
+    d = plan_to_dict(slow[0])
+    assert d["time"]["network_gbps_per_gpu"] == 100
+    out = io.StringIO()
+    render_plan(d, Console(file=out, width=400, highlight=False))
+    assert "network 100 Gb/s per GPU between nodes" in out.getvalue()
+
+
+def test_network_gbps_must_be_positive(tmp_path):
+    with pytest.raises(LLMTrainError) as exc:
+        make_plan(_net_recipe(tmp_path, 2, 0))
+    line = str(exc.value)
+    assert "cluster.network_gbps" in line and "\n" not in line.strip()

@@ -42,5 +42,6 @@ def cost_to_dict(cm: CostModel, dims: ParallelDims) -> dict:
         "time": {**cm.time.to_dict(), "compute_efficiency": efficiency(cm.gpu), "time_model": cm.time_model,
                  "planner_assumptions": cm.assumptions,
                  "peak_tflops": cm.gpu.peak_flops_bf16 / 1e12,
-                 "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12},  # differs under cluster.gpu_power_w (recipe/gpus.py)
+                 "mfu_peak_tflops": cm.gpu.mfu_peak / 1e12,  # differs under cluster.gpu_power_w (recipe/gpus.py)
+                 "network_gbps_per_gpu": cm.gpu.internode_bytes_per_s * 8 / 1e9},  # cluster.network_gbps's share
     }

@@ -76,10 +76,17 @@ def grad_shapes(inv) -> tuple[tuple, tuple]:
     return tuple(shapes[0]), tuple(shapes[1])
 
 
+def planned_gpu(recipe: Recipe, placement: Placement) -> GPUSpec:
+    """``cluster.gpu`` as the recipe's cluster has it: power cap and the nodes' network
+    (``cluster.network_gbps`` shared by the placement's GPUs per node; recipe/gpus.py)."""
+    c = recipe.cluster
+    return cluster_gpu(c.gpu, c.gpu_power_w, c.network_gbps, max(n.slots for n in placement.nodes))
+
+
 def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
              fast: bool = False, hints: bool = True) -> CostModel:
     m, p, t = recipe.model, recipe.parallel, recipe.train
-    gpu = cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)  # cluster.gpu_power_w scales the peaks
+    gpu = planned_gpu(recipe, placement)  # cluster.gpu_power_w scales the peaks, cluster.network_gbps sets the NIC
     # planner.assume_dp_overlap says in the recipe what dp_overlap=True says here (a published stack's
     # overlap the engine lacks), so `plan FILE` and `plan --search` price a published run as written
     dp_overlap = dp_overlap or recipe.planner.assume_dp_overlap

@@ -158,13 +158,15 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
     cap = t.get("mfu_peak_tflops", t["peak_tflops"])
     capped = (f", power-capped; MFU against the {cap:.3g} TFLOP/s datasheet peak"
               if cap > t["peak_tflops"] * 1.0001 else "")
+    net = (f", network {t['network_gbps_per_gpu']:.3g} Gb/s per GPU between nodes"
+           if "network_gbps_per_gpu" in t and len(d.get("layout", {}).get("nodes") or ()) > 1 else "")
     slowest = (f"; stragglers: every rank waits for the slowest of {d['world_size']:,} GPUs (cluster.gpu_variability)"
                if bd.get("stragglers") else "")
     how = (f"compute priced per operation, time model v2, {t['peak_tflops']:.3g} TFLOP/s peak"
            if t.get("time_model") == "v2" else
            f"compute modeled at {t['compute_efficiency']:.0%} of the {t['peak_tflops']:.3g} TFLOP/s peak")
     console.print(f"[bold]Time[/] {t['step_s']:.3g} s/step = {parts} s; {t['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, "
-                  f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] ({how}{hw}{capped}{slowest})", highlight=False)
+                  f"{t['tflops_per_gpu']:.3g} TFLOP/s/GPU, [bold]MFU {t['mfu']:.1%}[/] ({how}{hw}{capped}{net}{slowest})", highlight=False)
     if t.get("planner_assumptions"):
         console.print(f"  [bold]assumes[/] (planner only; the bundled engine does not do this): "
                       f"{', '.join(t['planner_assumptions'])}", highlight=False)

@@ -33,7 +33,7 @@ from math import gcd
 
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks, v2_priced
+from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, planned_gpu, probe_ranks, v2_priced
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.flops import flops_per_token, fp8_matmul_fraction
 from llmtrain.plan.hier import shard_replicas
@@ -162,7 +162,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     t0, c0 = time.perf_counter(), time.process_time()
     m, t = recipe.model, recipe.train
     world = placement.world_size
-    gpu = cluster_gpu(recipe.cluster.gpu, recipe.cluster.gpu_power_w)
+    gpu = planned_gpu(recipe, placement)
     slots = [n.slots for n in placement.nodes]
     result = SearchResult(recipe.name, world, kept=dict(keep or {}))
     own = validate(recipe, placement)

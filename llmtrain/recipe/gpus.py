@@ -171,15 +171,34 @@ def power_problem(name: str, power_w: float | None) -> str | None:
     return None
 
 
-def cluster_gpu(name: str, power_w: float | None = None) -> GPUSpec:
+def cluster_gpu(name: str, power_w: float | None = None, network_gbps: float | None = None,
+                gpus_per_node: int = 1) -> GPUSpec:
     """The catalog entry for ``cluster.gpu``, with the compute peaks scaled for ``cluster.gpu_power_w``
-    (linear in the cap, see the module docstring); the name stays, so per-GPU calibration applies."""
+    (linear in the cap, see the module docstring) and, where ``cluster.network_gbps`` says what the
+    nodes have, each GPU's equal share of it as its inter-node bandwidth (:func:`network_share`); the
+    name stays, so per-GPU calibration applies."""
     spec = GPUS[name]
+    if network_gbps is not None:
+        spec = replace(spec, internode_bytes_per_s=network_share(network_gbps, gpus_per_node))
     if power_w is None or spec.tdp_w <= 0 or power_w >= spec.tdp_w:
         return spec
     scale = power_w / spec.tdp_w
     return replace(spec, peak_flops_bf16=spec.peak_flops_bf16 * scale, peak_flops_fp8=spec.peak_flops_fp8 * scale,
                    nominal_peak_flops_bf16=spec.mfu_peak)
+
+
+def network_share(network_gbps: float, gpus_per_node: int) -> float:
+    """One GPU's inter-node bandwidth, bytes/s one direction, for ``cluster.network_gbps`` (the node's
+    NICs together, Gb/s one direction) shared by its ``gpus_per_node`` GPUs.
+
+    Decision: an equal share, whatever the NIC count. In every layout the planner prices, each GPU of a
+    node runs its own copy of a collective at the same time (the DP or FSDP group of each TP / PP / CP
+    coordinate, the pipeline sends of every TP rank), so they contend for the node's NICs, and NCCL
+    spreads its rings over all of them: 4 x 100 Gb/s for 8 GPUs prices 50 Gb/s per GPU, as 8 x 50
+    would. A collective that only one GPU of a node runs (a 1-GPU-per-node DP group with nothing beside
+    it) could use more; no layout of this planner does that.
+    """
+    return network_gbps * 1e9 / 8 / max(1, gpus_per_node)
 
 
 def _num(x: float) -> str:

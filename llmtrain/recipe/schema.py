@@ -297,6 +297,13 @@ class ClusterConfig(Strict):
         description="Board power cap in watts for power-capped parts (nvidia-smi -pl): the planner scales the compute "
                     "peaks linearly, peak x cap / TDP (bandwidths unchanged; MFU stays against the datasheet peak); "
                     "from 50 % of the TDP up to the TDP (default: uncapped).")
+    network_gbps: float | None = Field(
+        None, gt=0, le=1e6,
+        description="The nodes' inter-node network: every NIC of a node that training uses together, Gb/s one "
+                    "direction (8 x 400 = 3200 on DGX H100, 8 x 200 = 1600 on DGX A100, 4 x 100 = 400 on a node "
+                    "with four 100 Gb/s links). Each GPU gets an equal share (network_gbps / GPUs per node; "
+                    "recipe/gpus.py network_share). Default: the catalog's NIC per GPU (docs/planner.md 5.1), "
+                    "one per GPU as on DGX / HGX nodes.")
     gpu_variability: float = Field(
         0.0174, ge=0, le=0.1,
         description="Relative standard deviation of the sustained compute rate across the cluster's GPUs (time model "
