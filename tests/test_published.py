@@ -19,6 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import bloom_layouts  # noqa: E402
 import planner_vs_published  # noqa: E402
 import published_runs  # noqa: E402
 import sc21_figures  # noqa: E402
@@ -194,3 +195,31 @@ def test_sc21_figure_orderings_and_their_docs_table():
     table = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("|"))
     assert table in (REPO / "docs" / "planner.md").read_text(), \
         "docs/planner.md Rank quality is stale: paste `python benchmarks/sc21_figures.py`"
+
+
+def test_bloom_layout_sweep_order_and_its_docs_table():
+    """BigScience's timed layouts of a 181B model on 384 A100 (benchmarks/bloom_layouts.py): the
+    question behind the SC'21 rank misses, TP 8 against a smaller TP with a longer pipeline, measured
+    on A100 by someone else. Held: every planned step within 10 % of the measured one (all are within
+    9 %, median 4.8 %: the single-iteration readings themselves spread a few %, so this is about the
+    model's error on the Megatron rows); at PP 6, PP 12 and in BLOOM's final shape the best TP 4 layout
+    is planned faster than the best TP 8 one, as measured; Kendall tau over the eleven at least 0.4 (it
+    is +0.49: the layouts span 110-131 s, so pairs within the model's error flip). A model change that
+    breaks one must say why in docs/planner.md. The docs carry the script's table verbatim."""
+    result = bloom_layouts.evaluate()
+    assert len(result["rows"]) == 11
+    assert all(abs(r["error"]) < 0.10 for r in result["rows"]), result["rows"]
+    assert result["kendall_tau"] >= 0.4
+    for pp in (6, 12):  # the measured fastest TP 4 and TP 8 layouts at this depth, as the script compares them
+        fastest = {tp: min((r for r in result["rows"] if r["pp"] == pp and r["tp"] == tp), key=lambda r: r["measured_s"])
+                   for tp in (4, 8)}
+        assert fastest[8]["measured_s"] > fastest[4]["measured_s"], fastest
+        assert fastest[8]["planned_s"] > fastest[4]["planned_s"], fastest
+    final = {r["tp"]: r for r in result["final"]}
+    assert final[8]["measured_s"] > final[4]["measured_s"] and final[8]["planned_s"] > final[4]["planned_s"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        bloom_layouts.main([])
+    table = "\n".join(line for line in out.getvalue().splitlines() if line.startswith("|"))
+    assert table in (REPO / "docs" / "planner.md").read_text(), \
+        "docs/planner.md Rank quality is stale: paste `python benchmarks/bloom_layouts.py`"
