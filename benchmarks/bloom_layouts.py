@@ -132,17 +132,23 @@ def tp_pairs(result: dict) -> list[str]:
     return out
 
 
+def table_md(result: dict) -> str:
+    """docs/planner.md's table: each layout measured and planned, with both ranks."""
+    lines = ["| layout (tp x pp x dp, micro) | measured s/iteration | planned s | error | measured rank | planned rank |",
+             "|---|---:|---:|---:|---:|---:|"]
+    lines += [f"| TP {r['tp']} x PP {r['pp']} x DP {r['dp']}, micro {r['micro']} | {r['measured_s']:.2f} | "
+              f"{r['planned_s']:.1f} | {r['error']:+.1%} | {r['measured_rank']} | {r['planned_rank']} |"
+              for r in result["rows"]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="BigScience's BLOOM layout sweep on 384 A100, planned")
     ap.add_argument("--tiny", action="store_true", help="CI smoke test (the whole benchmark: it plans in about a second)")
     ap.add_argument("--out", type=Path, default=None, help="also write OUT/bloom_layouts.json")
     args = ap.parse_args(argv)
     result = evaluate()
-    print("| layout (tp x pp x dp, micro) | measured s/iteration | planned s | error | measured rank | planned rank |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in result["rows"]:
-        print(f"| TP {r['tp']} x PP {r['pp']} x DP {r['dp']}, micro {r['micro']} | {r['measured_s']:.2f} | "
-              f"{r['planned_s']:.1f} | {r['error']:+.1%} | {r['measured_rank']} | {r['planned_rank']} |")
+    print(table_md(result))
     print(f"\nKendall tau {result['kendall_tau']:+.2f} over {len(result['rows'])} layouts, median |error| "
           f"{result['median_abs_error']:.1%}; " + "; ".join(tp_pairs(result)) + f"; source: {SOURCE}", file=sys.stderr)
     if args.out:
