@@ -211,9 +211,12 @@ def torchtitan_rows() -> list[dict]:
                            precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked",
                       rope=TITAN_ROPE),
         note="compile + Float8, full AC; vanilla TP (with async TP: row 57); " + TITAN_COMPILE))
-    # Local batch 32 per DP rank; torchtitan (9dec370, 2024-12) splits it into as many micro batches as the
-    # pipeline has stages unless --experimental.pipeline_parallel_microbatches says otherwise (its
-    # build_pipeline_schedule: n_microbatches = pp degree x stages per rank): 8 of 4 for 1F1B, 16 of 2 at v = 2.
+    # Local batch 32 per DP rank; torchtitan at the table's commit (9dec370, 2024-12-26) splits it into as many
+    # micro batches as the pipeline degree unless --experimental.pipeline_parallel_microbatches says otherwise
+    # (torchtitan/parallelisms/pipelining_utils.py build_pipeline_schedule: ``n_microbatches =
+    # pipeline_parallel_degree``; the flag's help text says "the number of pipeline stages", which the code does not
+    # do; the table states no micro batches): 8 of 4 for both schedules. Until the thirty-second session the
+    # interleaved row read the help text, 16 of 2, and was +16 %.
     for sched, v, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
         out.append(dict(
             source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,
@@ -221,11 +224,11 @@ def torchtitan_rows() -> list[dict]:
             published_memory_gib=gib,
             recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v,
                                                              async_tp=True),
-                          dict(seq_len=8192, micro_batch_size=32 // (8 * v), global_batch_size=256,
+                          dict(seq_len=8192, micro_batch_size=4, global_batch_size=256,
                                activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
                           power=500, loss="unchunked", rope=TITAN_ROPE, cp_kv="repeated", cp_merge="torch"),
             note=("compile + Float8 + async TP (parallel.async_tp); FSDP under PP run as zero 2 (the engine's rule); "
-                  f"local batch 32 in {8 * v} micro batches of {32 // (8 * v)} (torchtitan's default: one per stage)"
+                  "local batch 32 in 8 micro batches of 4 (torchtitan 9dec370's default: as many as the PP degree)"
                   + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else "")
                   + "; for any CP layout the search tries, torch's context_parallel as Table 2 (planner.cp_kv repeated, "
                     "planner.cp_merge torch)")))
