@@ -171,3 +171,30 @@ def test_network_gbps_must_be_positive(tmp_path):
         make_plan(_net_recipe(tmp_path, 2, 0))
     line = str(exc.value)
     assert "cluster.network_gbps" in line and "\n" not in line.strip()
+
+
+def test_pcie_cards_plan_their_in_node_traffic_on_pcie(tmp_path):
+    """a100-pcie and l40s (PCIe cards of fine-tuning clusters): each has sources and says what is assumed;
+    a100-pcie takes the A100 SXM's measured kernel rates through its die; in-node collectives of both run
+    on PCIe Gen4 (commtime's "pci" link), so the same one-node TP 4 layout spends more of its step in TP
+    than on a100-80g's NVLink, while a100-pcie's compute is the A100's."""
+    from llmtrain.plan.commtime import _intra
+    from llmtrain.plan.gemmtime import MAMF, SMS, mamf
+
+    for key in ("a100-pcie", "l40s"):
+        assert SOURCES[key] and all(url.startswith("https://") for _, url in SOURCES[key]) and key in ASSUMED
+        assert _intra(GPUS[key]) == "pci" and GPUS[key].nvlink_bytes_per_s == 64e9
+    assert GPUS["a100-pcie"].rates_key == "a100-80g" and mamf(GPUS["a100-pcie"]) == mamf(GPUS["a100-80g"])
+    assert GPUS["l40s"].rates_key == "l40s" and "l40s" not in MAMF and SMS["l40s"] == 142
+    assert mamf(GPUS["l40s"]) == 0.75  # no reading: the default fraction (gpus.ASSUMED says so)
+    def priced(gpu):  # Llama 3 8B, TP 4 x DP 2 on one node of ``gpu``
+        path = tmp_path / f"tp4-{gpu}.yaml"
+        path.write_text(RECIPE.format(gpu=gpu, power="").replace("tp: 1,", "tp: 4,").replace("zero: 3", "zero: 1"))
+        plan = make_plan(path)
+        return estimate(plan.recipe, plan.validation.dims, plan.validation.batch, plan.placement, hints=False).time
+
+    nvlink, pcie, l40s = priced("a100-80g"), priced("a100-pcie"), priced("l40s")
+    # same GEMM and attention rates; the memory-bound kernels at 1.935 instead of 2.039 TB/s
+    assert nvlink.breakdown["compute"] < pcie.breakdown["compute"] < 1.02 * nvlink.breakdown["compute"]
+    assert pcie.breakdown["tp_comm"] > 3 * nvlink.breakdown["tp_comm"] > 0  # 64 GB/s PCIe against 600 GB/s NVLink
+    assert l40s.breakdown["tp_comm"] > 3 * nvlink.breakdown["tp_comm"]

@@ -38,7 +38,8 @@ MAMF = {"a100-80g": 0.869, "a100-40g": 0.869, "h100-sxm": 0.803, "h100-pcie": 0.
 # 2022's Table 4 (arXiv:2205.05198: forward + backward of one 22B layer on A100 with Megatron-LM, five
 # recomputation / SP experiments, each priced 9-11 % fast unfitted; the median of the five fits, which
 # span 0.837-0.862), the layer's whole shortfall charged to its GEMMs (tests/test_layer_fit.py).
-# B200, GB200, MI300X: nothing measured, MAMF alone.
+# B200, GB200, MI300X: nothing measured, MAMF alone. L40S: no MAMF reading either (the table has none), so
+# ``mamf`` gives it 0.75 of its peak (an assumption, recipe/gpus.py ASSUMED).
 GEMM_FIT = {"h100-sxm": 0.884, "h100-pcie": 0.884, "h200": 0.884, "a100-80g": 0.854, "a100-40g": 0.854}
 # The same for FP8 GEMMs (``MAMF_FP8``): fitted by the same script from a record's ``fp8_gemms``
 # (the GPU check times them since the twenty-fifth session); empty until a record has them.
@@ -47,9 +48,10 @@ GEMM_FIT_FP8: dict[str, float] = {}
 # 1453.4/1979, B200 1745 -> 3432.5/4500, GB200 3615.6/5000; H100 PCIe (not measured) at H100 SXM's.
 MAMF_FP8 = {"h100-sxm": 0.709, "h100-pcie": 0.709, "h200": 0.734, "b200": 0.763, "gb200": 0.723}
 # Streaming multiprocessors (compute units) per GPU: the vendors' architecture whitepapers
-# (A100 108, H100 SXM 132, H100 PCIe 114, H200 132, B200 148, MI300X 304 CUs).
+# (A100 108, H100 SXM 132, H100 PCIe 114, H200 132, B200 148, MI300X 304 CUs; L40S 142, the AD102 count of
+# TechPowerUp's entry, recipe/gpus.py SOURCES). A100 PCIe takes the A100's through its die (a100-80g).
 SMS = {"a100-80g": 108, "a100-40g": 108, "h100-sxm": 132, "h100-pcie": 114, "h200": 132, "b200": 148,
-       "gb200": 148, "mi300x": 304, "cpu": 1}
+       "gb200": 148, "mi300x": 304, "l40s": 142, "cpu": 1}
 # cuBLAS picks the output tile per shape: the large 128x256 tile (the guide's example) where the
 # output fills the GPU, smaller ones (fewer idle SMs in the last wave, but less data reuse per
 # tile) for small outputs. The reuse penalty of the smaller tiles is an assumption (no per-tile

@@ -79,6 +79,8 @@ GPUS: dict[str, GPUSpec] = {
     "a100-40g": GPUSpec("a100-40g", 312 * T, 40 * GB, 600 * GB, NIC_200G, 0.0, 1.555 * T, 8, 400),
     "h100-96g": GPUSpec("h100-96g", 989 * T, 96 * GB, 900 * GB, NIC_400G, 1979 * T, 2.4 * T, 8, 700, die="h100-sxm"),
     "mi300x": GPUSpec("mi300x", 1307.4 * T, 192 * GB, 896 * GB, NIC_400G, 2614.9 * T, 5.3 * T, 8, 750),
+    "a100-pcie": GPUSpec("a100-pcie", 312 * T, 80 * GB, 64 * GB, 100e9 / 8, 0.0, 1.935 * T, 2, 300, die="a100-80g"),
+    "l40s": GPUSpec("l40s", 362.05 * T, 48 * GB, 64 * GB, 50e9 / 8, 733 * T, 0.864 * T, 1, 350),
     "cpu": GPUSpec("cpu", 1e11, 16 * GB, 10 * GB, 1 * GB, 0.0, 5e10, 1, 0),
 }
 
@@ -124,6 +126,18 @@ SOURCES: dict[str, list[tuple[str, str]]] = {
                 "https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html"),
                ("third-party copy (codesota: 192 GB, 5.3 TB/s, 750 W; its '2,615 TFLOPS fp16 dense' is the with-sparsity fp16 figure)",
                 "https://www.codesota.com/hardware/mi300x")],
+    "a100-pcie": [("NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: 312 TFLOPS bf16 dense, 1,935 GB/s, NVLink bridge "
+                   "for 2 GPUs 600 GB/s, PCIe Gen4 64 GB/s, 300 W)",
+                   "https://www.nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf")],
+    "l40s": [("NVIDIA L40S datasheet (362.05 TFLOPS bf16 and 733 fp8 dense, 733 / 1,466 with sparsity; 48 GB GDDR6 "
+              "at 864 GB/s; PCIe Gen4 x16 64 GB/s both directions, no NVLink; 350 W)",
+              "https://resources.nvidia.com/en-us-l40s/l40s-datasheet-28413"),
+             ("third-party copy of the datasheet's table (L40 / L40S columns)",
+              "https://www.mullet.se/product.html?product_id=355414"),
+             ("TechPowerUp's L40S entry, read via a reseller page (AD102, SM count 142)",
+              "https://m.reach.dog/shop/computizer/products/nvidia-l40s-48gb-gddr6-graphics-card-for-ai-and-graphics-performance"),
+             ("Amazon EC2 user guide, EFA on accelerated instances (G6e: up to four network cards, up to 400 Gbps)",
+              "https://docs.amazonaws.cn/en_us/AWSEC2/latest/UserGuide/efa-acc-inst-types.html")],
     "power-cap": [("factryze.ai, Power capping (H100 at 600 W: 10-15 % longer pretraining steps; third-party, no data "
                    "published)", "https://factryze.ai/scale-atlas/power/power-capping")],
 }
@@ -141,6 +155,14 @@ ASSUMED: dict[str, str] = {
              "build, not in the datasheet)",
     "h100-pcie": "NIC: 200 Gb/s per GPU is a typical PCIe server (one 400 Gb/s NIC per two cards), not a datasheet number",
     "mi300x": "NIC: one 400 Gb/s NIC per GPU as in the HGX-style MI300X platforms (not in the GPU data sheet)",
+    "a100-pcie": "compute: the A100 SXM's kernel rates (die a100-80g: the same GA100 chip, here at 300 W, which may "
+                 "clock lower under a GEMM stream: not measured); in-node: pairs share an NVLink bridge, groups of more "
+                 "than two talk over PCIe Gen4 x16 (64 GB/s both directions), as h100-pcie; NIC: 100 Gb/s per GPU, one "
+                 "200 Gb/s HDR NIC per two cards, a typical PCIe server, not a datasheet number",
+    "l40s": "no NVLink: every in-node group talks over PCIe Gen4 x16 (nvlink_domain 1); NIC: 50 Gb/s per GPU, the "
+            "400 Gb/s of AWS's 8-GPU g6e.48xlarge (SOURCES), the commonest L40S cluster node found; kernel rates: none "
+            "measured (MAMF's default fraction, flash attention at fixed fractions), so the plan's times are rougher "
+            "than for the measured parts",
     "cpu": "nominal numbers for planning CPU debug runs; the engine measures the real peak with a matmul probe",
 }
 

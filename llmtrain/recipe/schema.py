@@ -289,7 +289,7 @@ class ClusterConfig(Strict):
 
     nodes: int = Field(1, ge=1, le=BIG, description="Nodes.")
     gpus_per_node: int = Field(8, ge=1, le=1024, description="GPUs (ranks) per node.")
-    gpu: Literal["h100-sxm", "h200", "a100-80g", "gb200", "b200", "h100-pcie", "a100-40g", "h100-96g", "mi300x", "cpu"] = Field(
+    gpu: Literal["h100-sxm", "h200", "a100-80g", "gb200", "b200", "h100-pcie", "a100-40g", "h100-96g", "mi300x", "a100-pcie", "l40s", "cpu"] = Field(
         "h100-sxm", description=f"GPU kind from the catalog (recipe/gpus.py, docs/planner.md): {', '.join(GPUS)}."
     )
     gpu_power_w: float | None = Field(
