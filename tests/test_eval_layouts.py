@@ -161,8 +161,18 @@ def eval_loss(args: list[str]) -> float:
     return json.loads(out.strip().splitlines()[-1])["loss"]
 
 
-def check_lora_run(run: Path, rows: list[dict], heldout: Path, tmp: Path) -> None:
+def check_lora_run(run: Path, rows: list[dict], heldout: Path, tmp: Path, base: Path | None = None) -> None:
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["eval_loss"] != rows[1]["eval_loss"]
+    code, out, err = cli(["ckpt", "inspect", str(run)])  # says what the checkpoint needs besides itself
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("LoRA"))
+    assert "LoRA rank 4, alpha 8 on all-linear" in line, line
+    assert (f"adapters only: the frozen base is the Hugging Face directory {base.resolve()}" in line if base else
+            "the frozen base is in this checkpoint" in line), line
+    code, out, err = cli(["ckpt", "inspect", str(run), "--json"])
+    lora = json.loads(out)["lora"]
+    assert code == 0 and lora["rank"] == 4 and lora["alpha"] == 8
+    assert (lora["base"]["path"] == str(base.resolve()) and lora["base"]["files"] >= 3) if base else lora["base"] == "in this checkpoint"
     merged = eval_loss([str(run), "--data", str(heldout)])
     code, _, err = cli(["ckpt", "export", str(run), "--hf", str(tmp / "hf"), "--dtype", "fp32"])
     assert code == 0, err
@@ -200,7 +210,7 @@ def test_lora_adapters_only_on_an_hf_base(heldout, tmp_path):
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval_loss" in r]
     meta = json.loads(next((run / "checkpoints").glob("step-*/metadata.json")).read_text())
     assert meta.get("lora_base") is not None  # adapters only: the base is read from init_from_hf
-    check_lora_run(run, rows, heldout, tmp_path)
+    check_lora_run(run, rows, heldout, tmp_path, base)
     save_tiny("llama", base, shards=2, seed=1)  # the same architecture, other weights, in the recorded place
     code, _, err = cli(["eval", str(run), "--data", str(heldout)])
     lines = [line for line in err.splitlines() if line.strip()]

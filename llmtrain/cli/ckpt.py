@@ -243,6 +243,29 @@ def model_summary(model: dict) -> str:
     return text + (f", MoE {experts} experts" if experts > 1 else ", dense")
 
 
+def lora_summary(recipe: dict, base: dict | None) -> dict | None:
+    """A LoRA checkpoint's adapters (``recipe.train.lora``) and where its frozen base is: in the
+    checkpoint, or (``lora_base``: adapters only) the Hugging Face directory it was trained on, whose
+    fingerprint ``resume``, ``eval`` and ``ckpt export`` check. None: not a LoRA run. Values are echoed
+    from an untrusted file, so each goes through :func:`printable`; a damaged ``train.lora`` is shown as
+    such, never a reason to fail inspect (the integrity check reports the file)."""
+    train = recipe.get("train") if isinstance(recipe.get("train"), dict) else {}
+    lora = train.get("lora")
+    if lora is None:
+        return None
+    try:
+        from llmtrain.recipe.schema import LoRAConfig
+
+        cfg = LoRAConfig.model_validate(lora)
+        targets = cfg.targets if isinstance(cfg.targets, str) else " ".join(cfg.targets)
+        out = {"rank": cfg.rank, "alpha": cfg.alpha, "targets": targets, "dropout": cfg.dropout}
+    except Exception:  # noqa: BLE001  (a summary, never a reason to fail inspect)
+        out = {"damaged": printable(lora, 200)}
+    out["base"] = ({"path": base.get("path"), "sha256": base.get("sha256"), "files": base.get("files")}
+                   if isinstance(base, dict) else "in this checkpoint")
+    return out
+
+
 def inspect_report(path: Path, root: Path) -> dict:
     from llmtrain.engine.checkpoint_store import committed
     from llmtrain.engine.checkpoint_verify import walk_files
@@ -268,6 +291,7 @@ def inspect_report(path: Path, root: Path) -> dict:
             "zero": (recipe.get("parallel") or {}).get("zero"), "grad_accum": meta.get("grad_accum"),
             "versions": meta.get("versions"), "created": meta.get("created"),
             "model": model_summary(recipe.get("model") or {}) if recipe.get("model") else None,
+            "lora": lora_summary(recipe, meta.get("lora_base")),
             "files": files, "bytes": sum(f["bytes"] or 0 for f in files),
             "integrity": "ok" if not problems else "damaged", "problems": problems, "intact_fallback": fallback}
 
@@ -283,6 +307,16 @@ def print_report(r: dict) -> None:
                    f"{printable(v.get('python'), 40)}, llmtrain {printable(v.get('llmtrain'), 40)}")
     if r["model"]:
         typer.echo(f"  model {r['model']}")
+    lora = r.get("lora")
+    if lora:
+        head = (f"LoRA (recipe.train.lora unreadable: {lora['damaged']})" if "damaged" in lora else
+                f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g} on {printable(lora['targets'], 80)}")
+        base = lora["base"]
+        where = ("the frozen base is in this checkpoint" if isinstance(base, str) else
+                 f"adapters only: the frozen base is the Hugging Face directory {printable(base['path'], 300)} "
+                 f"(fingerprint {printable(base['sha256'], 64)[:12]}..., {base['files']} files; resume, eval and ckpt "
+                 "export check it, or take --base)")
+        typer.echo(f"  {head}; {where}")
     if r["files"]:
         typer.echo(f"  files ({human(r['bytes'])}):")
         typer.echo(table([[f"    {printable(f['file'])}", human(f["bytes"]) if f["bytes"] is not None else "missing",
