@@ -28,7 +28,7 @@ stage 1 equivalent"), gradients reduced after the pipeline's last backward (not 
 (``planner.loss megatron``), its fused kernels (``planner.block_kernels fused``), pipeline sends that
 wait (``planner.pp_p2p blocking``). The model as the SC'21 rows' ``gpt()`` (ALiBi and the 4h GeLU MLP
 priced as a fused RoPE and a SwiGLU of equal FLOPs), vocabulary 250,880 (the final run's padding of the
-250k tokenizer; the sweep's is not stated). The cluster (BLOOM paper, arXiv:2211.05100, section 3.4.1):
+250k tokenizer; the sweep's is not stated). The cluster (BLOOM paper, arXiv:2211.05100, its hardware section):
 Jean Zay's A100 80GB nodes, four 100 Gb/s Omni-Path links per node (``cluster.network_gbps: 400``);
 inside a node the paper says "four NVLink GPU-to-GPU interconnects", planned as the catalog's NVSwitch
 board (``a100-80g``).
