@@ -79,8 +79,8 @@ def grad_shapes(inv) -> tuple[tuple, tuple]:
 def planned_gpu(recipe: Recipe, placement: Placement) -> GPUSpec:
     """``cluster.gpu`` as the recipe's cluster has it: power cap and the nodes' network
     (``cluster.network_gbps`` shared by the placement's GPUs per node; recipe/gpus.py)."""
-    c = recipe.cluster
-    return cluster_gpu(c.gpu, c.gpu_power_w, c.network_gbps, max(n.slots for n in placement.nodes))
+    c = recipe.cluster  # the largest node's GPUs share its NICs (distinct_slots: cached, not O(nodes) per layout)
+    return cluster_gpu(c.gpu, c.gpu_power_w, c.network_gbps, placement.distinct_slots[-1])
 
 
 def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Placement, dp_overlap: bool = False,
