@@ -46,14 +46,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
-
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner_vs_published import plan_json  # noqa: E402
+from planner_vs_published import median, plan_recipe_json  # noqa: E402
 from published_megatron import KERNELS, LOSS, P2P, WHOLE  # noqa: E402
 from published_runs import gpt, recipe  # noqa: E402
 from search_rank import kendall_tau  # noqa: E402
@@ -83,10 +80,7 @@ def layout_recipe(tp: int, pp: int, mbs: int, layers: int = 72, stages: list[int
 
 
 def step_s(r: dict) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.yaml"
-        path.write_text(yaml.safe_dump(r, sort_keys=False))
-        return plan_json(path)["time"]["step_s"]
+    return plan_recipe_json(r)["time"]["step_s"]
 
 
 def ranks(values: list[float]) -> list[int]:
@@ -102,29 +96,35 @@ def evaluate() -> dict:
     keys = list(SWEEP)
     planned = [step_s(layout_recipe(*k)) for k in keys]
     measured = [SWEEP[k] for k in keys]
-    final_stages = [5] + [6] * 10 + [5]  # 70 layers + the two embedding slots, 6 per stage
-    final = {k: step_s(layout_recipe(*k, layers=70, stages=final_stages if k[1] == 12 else None)) for k in FINAL}
-    errors = sorted(abs(p / m - 1) for p, m in zip(planned, measured))
+    final_stages = [5] + [6] * 10 + [5]  # FINAL's PP 12: 70 layers + the two embedding slots, 6 per stage
+    final = {k: step_s(layout_recipe(*k, layers=70, stages=final_stages)) for k in FINAL}
     return dict(
         rows=[dict(tp=k[0], pp=k[1], dp=GPUS // (k[0] * k[1]), micro=k[2], measured_s=m, planned_s=round(p, 2),
                    error=round(p / m - 1, 4), measured_rank=mr, planned_rank=pr)
               for k, m, p, mr, pr in zip(keys, measured, planned, ranks(measured), ranks(planned))],
         kendall_tau=round(kendall_tau(measured, planned), 3),
-        median_abs_error=round(errors[len(errors) // 2], 4),
+        median_abs_error=round(median([abs(p / m - 1) for p, m in zip(planned, measured)]), 4),
         final=[dict(tp=k[0], pp=k[1], micro=k[2], measured_s=FINAL[k], planned_s=round(p, 2)) for k, p in final.items()])
+
+
+def fastest_tp_pairs(result: dict) -> dict[int, dict[int, dict]]:
+    """{pp: {4: row, 8: row}}: at each pipeline depth timed with both, the measured fastest TP 4 and TP 8 layouts."""
+    rows, out = result["rows"], {}
+    for pp in sorted({r["pp"] for r in rows}):
+        best = {tp: min((r for r in rows if r["pp"] == pp and r["tp"] == tp), key=lambda r: r["measured_s"], default=None)
+                for tp in (4, 8)}
+        if best[4] and best[8]:
+            out[pp] = best
+    return out
 
 
 def tp_pairs(result: dict) -> list[str]:
     """At each pipeline depth, the fastest TP 4 layout against the fastest TP 8 one, measured and planned."""
     out = []
-    rows = result["rows"]
-    for pp in sorted({r["pp"] for r in rows}):
-        best = {tp: min((r for r in rows if r["pp"] == pp and r["tp"] == tp), key=lambda r: r["measured_s"], default=None)
-                for tp in (4, 8)}
-        if best[4] and best[8]:
-            m = best[8]["measured_s"] / best[4]["measured_s"]
-            p = best[8]["planned_s"] / best[4]["planned_s"]
-            out.append(f"PP {pp}: TP 8 / TP 4 step time {m:.3f} measured, {p:.3f} planned")
+    for pp, best in fastest_tp_pairs(result).items():
+        m = best[8]["measured_s"] / best[4]["measured_s"]
+        p = best[8]["planned_s"] / best[4]["planned_s"]
+        out.append(f"PP {pp}: TP 8 / TP 4 step time {m:.3f} measured, {p:.3f} planned")
     f = {r["tp"]: r for r in result["final"]}
     out.append(f"final shape (70 layers, PP 12, micro 2): TP 8 / TP 4 {f[8]['measured_s'] / f[4]['measured_s']:.3f} "
                f"measured ({f[8]['measured_s']} / {f[4]['measured_s']} s), {f[8]['planned_s'] / f[4]['planned_s']:.3f} "

@@ -52,6 +52,18 @@ def plan_json(path: Path, overrides: list[str] = ()) -> dict:
     return json.loads(result.stdout)
 
 
+def plan_recipe_json(recipe: dict) -> dict:
+    """:func:`plan_json` of a recipe given as a dict (written to a temporary file: the CLI reads files)."""
+    import tempfile  # noqa: PLC0415
+
+    import yaml  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "run.yaml"
+        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+        return plan_json(path)
+
+
 def predict(row: dict, time_model: str = "v1", path: Path | None = None, overrides: list[str] = ()) -> dict:
     """The row's metric as ``plan --json`` predicts it (``path``: default the row's recipe file;
     ``overrides``: more ``--set KEY=VALUE`` for every row)."""

@@ -211,12 +211,9 @@ def torchtitan_rows() -> list[dict]:
                            precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked",
                       rope=TITAN_ROPE),
         note="compile + Float8, full AC; vanilla TP (with async TP: row 57); " + TITAN_COMPILE))
-    # Local batch 32 per DP rank; torchtitan at the table's commit (9dec370, 2024-12-26) splits it into as many
-    # micro batches as the pipeline degree unless --experimental.pipeline_parallel_microbatches says otherwise
-    # (torchtitan/parallelisms/pipelining_utils.py build_pipeline_schedule: ``n_microbatches =
-    # pipeline_parallel_degree``; the flag's help text says "the number of pipeline stages", which the code does not
-    # do; the table states no micro batches): 8 of 4 for both schedules. Until the thirty-second session the
-    # interleaved row read the help text, 16 of 2, and was +16 %.
+    # Local batch 32 per DP rank in as many micro batches as the PP degree: 8 of 4 for both schedules (torchtitan
+    # 9dec370, parallelisms/pipelining_utils.py build_pipeline_schedule, when --experimental.pipeline_parallel_
+    # microbatches is unset; its help text's "number of pipeline stages" is not what the code does: docs/planner.md 9.1).
     for sched, v, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
         out.append(dict(
             source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,

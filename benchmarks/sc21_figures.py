@@ -17,7 +17,7 @@ after the backward, one fp16 bucket), the 1F1B schedule unless the script asks f
 attention with the scores in HBM (``planner.attention_kernel: materialized``), whole layers recomputed
 (``planner.full_recompute: whole_block``): the stack of the
 Table 1 rows (``published_megatron.megatron_parallel``). Each run is a recipe planned by ``llmtrain plan
---json`` in this process (``planner_vs_published.plan_json``), and its throughput is the paper's
+--json`` in this process (``planner_vs_published.plan_recipe_json``), and its throughput is the paper's
 y axis, TFLOP/s per GPU counted by the paper's eq. 3 (``published_megatron.megatron_flops``) over the
 predicted step time.
 
@@ -32,14 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
-
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from planner_vs_published import plan_json  # noqa: E402
+from planner_vs_published import plan_recipe_json  # noqa: E402
 from published_megatron import KERNELS, LOSS, WHOLE, megatron_flops, megatron_parallel  # noqa: E402
 from published_runs import MEGATRON_GRADS, MEGATRON_PARAMS, gpt, recipe  # noqa: E402
 
@@ -57,10 +54,7 @@ def run(h: int, heads: int, layers: int, tp: int, pp: int, gpus: int, mbs: int, 
 
 def tflops(r: dict) -> float:
     """Predicted TFLOP/s per GPU as the paper counts them (eq. 3 over the predicted step time)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "run.yaml"
-        path.write_text(yaml.safe_dump(r, sort_keys=False))
-        data = plan_json(path)
+    data = plan_recipe_json(r)
     m, t = r["model"], r["train"]
     return megatron_flops(t["global_batch_size"], m["layers"], m["hidden"]) / (data["world_size"] * data["time"]["step_s"]) / 1e12
 

@@ -210,9 +210,9 @@ def test_bloom_layout_sweep_order_and_its_docs_table():
     assert len(result["rows"]) == 11
     assert all(abs(r["error"]) < 0.10 for r in result["rows"]), result["rows"]
     assert result["kendall_tau"] >= 0.4
-    for pp in (6, 12):  # the measured fastest TP 4 and TP 8 layouts at this depth, as the script compares them
-        fastest = {tp: min((r for r in result["rows"] if r["pp"] == pp and r["tp"] == tp), key=lambda r: r["measured_s"])
-                   for tp in (4, 8)}
+    pairs = bloom_layouts.fastest_tp_pairs(result)  # the measured fastest TP 4 and TP 8 layouts per depth
+    assert sorted(pairs) == [6, 12]
+    for fastest in pairs.values():
         assert fastest[8]["measured_s"] > fastest[4]["measured_s"], fastest
         assert fastest[8]["planned_s"] > fastest[4]["planned_s"], fastest
     final = {r["tp"]: r for r in result["final"]}
