@@ -33,26 +33,20 @@ from math import gcd
 
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, planned_gpu, probe_ranks, v2_priced
+from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, planned_gpu, probe_ranks
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import flops_per_token, fp8_matmul_fraction
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.search_bounds import (
-    ep_floor,
+    StepFloor,
     make_variant,
-    moe_flops_per_token,
     needs_full_recompute,
     recompute_tok,
-    skipped_attention,
     state_lower_bound,
-    tp_floor,
     zero_lower_bound,
 )
 from llmtrain.plan.search_keep import allowed
 from llmtrain.plan.search_render import explain, format_result, layout_label, set_flags  # noqa: F401 (the CLI imports these from here)
-from llmtrain.plan.steptime import efficiency, matmul_peak
-from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.validate import SELECTIVE, divisors, validate
 from llmtrain.recipe.gpus import cluster_gpu
 from llmtrain.recipe.schema import SPLIT_BACKWARD_SCHEDULES, Recipe
@@ -175,22 +169,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     cps = [c for c in divisors(world) if (c == 1 or (t.seq_len % (2 * c) == 0 and t.seq_len // c >= MIN_CP_TOKENS))
            and allowed(keep, "parallel.cp", c)]
     capacity = gpu.memory_bytes
-    # the compute floor at the rate the cost model uses (fp8: the blended FP8/bf16 peak); at the bf16
-    # peak an fp8 recipe's floor overstates its compute and prunes splits that would win
-    fp8 = fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0
-    rate = matmul_peak(gpu, t.precision, fp8) * efficiency(gpu)
-    if recipe.cluster.time_model == "v2":  # v2 never runs a FLOP faster than the measured matmul ceiling
-        from llmtrain.plan.ops import mamf  # noqa: PLC0415
-
-        # bf16's fitted fraction (MAMF x GEMM_FIT), and the FP8 one where FP8 GEMMs run: the fastest
-        # any priced GEMM goes (the unfitted MAMF left the floor 12 % low on H100: 27 % more layouts priced)
-        ceiling = max(mamf(gpu), mamf(gpu, gpu.peak_flops_fp8) if fp8 else 0.0)
-        rate = matmul_peak(gpu, t.precision, fp8) * max(efficiency(gpu), ceiling)
-        if v2_priced(recipe):  # every rank's compute runs at the slowest GPU's pace (plan/stragglers.py)
-            rate /= straggler_factor(world, recipe.cluster.gpu_variability)
-    tokens_gpu = gbs * t.seq_len / world
-    moe_tok = moe_flops_per_token(m, t.seq_len)
-    dense_tok = flops_per_token(m, t.seq_len, t.lora) - moe_tok  # LoRA: fewer FLOPs, the floor must stay a lower bound
+    floors = StepFloor.of(recipe, placement, gbs)
 
     splits = []
     for tp in tps:
@@ -209,8 +188,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 eps = [e for e in eps if allowed(keep, "parallel.ep", e)]
                 # compute (MoE blocks are replicated over TP ranks; causal SDPA skips half the
                 # scores, as in the step-time model) and TP communication, per GPU
-                skip = skipped_attention(recipe, cp)
-                floor = (dense_tok - skip + moe_tok * tp) * tokens_gpu / rate + tp_floor(recipe, gpu, tp, pp, cp, dp, gbs)
+                floor = floors.compute_and_tp(tp, cp, pp, dp)
                 for schedule, v in _schedules(recipe, pp, m.layers, keep):
                     split = balanced_split(m.layers, pp * v)  # None for pp 1: one stage holds every layer
                     if not (allowed(keep, "parallel.pp_schedule", schedule) and allowed(keep, "parallel.pp_virtual_stages", v)
@@ -219,7 +197,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                     for ep in eps:
                         if state_lower_bound(recipe, tp, pp, ep, dp * cp) > capacity:
                             continue
-                        ep_s = ep_floor(recipe, gpu, tp, pp, cp, dp, gbs, ep)
+                        ep_s = floors.ep(tp, cp, pp, dp, ep)
                         bound = (floor + ep_s) * (1 + bubble_fraction(schedule, pp, v, gbs // dp))
                         splits.append((bound, tp, cp, pp, schedule, v, ep, dp, split))
     result.splits = len(splits)
@@ -244,7 +222,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
-            if bound + recompute_tok(recipe, tp, cp) * tokens_gpu / rate >= kth():
+            if bound + recompute_tok(recipe, tp, cp) * floors.tokens_gpu / floors.rate >= kth():
                 continue
         result.splits_evaluated += 1
         for zero in (0, 1, 2, 3):

@@ -5,12 +5,65 @@ search with ``exhaustive=True``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from llmtrain.plan.asynctp import tp_overlap_kind
-from llmtrain.plan.costmodel import peak_bytes, probe_ranks
+from llmtrain.plan.costmodel import peak_bytes, planned_gpu, probe_ranks, v2_priced
 from llmtrain.plan.memory import compute_bytes
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.validate import validate
 from llmtrain.recipe.schema import Recipe
+
+
+@dataclass(frozen=True)
+class StepFloor:
+    """A split's step-time floor before its bubble (``search`` multiplies by ``1 + bubble``): the
+    compute of a rank at the fastest rate any priced GEMM runs, plus the TP and EP communication
+    no layout of the split can hide. ``rate`` and ``tokens_gpu`` also price recomputation's floor."""
+
+    recipe: Recipe
+    gpu: object  # GPUSpec as the cluster has it (power cap, network share)
+    gbs: int
+    rate: float  # FLOP/s
+    tokens_gpu: float  # tokens per GPU per step
+    moe_tok: float  # the MoE blocks' replicated-over-TP FLOPs per token (routers)
+    dense_tok: float  # the other FLOPs per token
+    node_slots: int  # GPUs of node 0 (where rank 0's groups start: plan/links.py)
+
+    @classmethod
+    def of(cls, recipe: Recipe, placement: Placement, gbs: int) -> StepFloor:
+        from llmtrain.plan.flops import flops_per_token, fp8_matmul_fraction  # noqa: PLC0415
+        from llmtrain.plan.steptime import efficiency, matmul_peak  # noqa: PLC0415
+        from llmtrain.plan.stragglers import straggler_factor  # noqa: PLC0415
+
+        m, t = recipe.model, recipe.train
+        gpu = planned_gpu(recipe, placement)
+        # the compute floor at the rate the cost model uses (fp8: the blended FP8/bf16 peak); at the bf16
+        # peak an fp8 recipe's floor overstates its compute and prunes splits that would win
+        fp8 = fp8_matmul_fraction(m, t.seq_len) if t.precision == "fp8" else 0.0
+        rate = matmul_peak(gpu, t.precision, fp8) * efficiency(gpu)
+        if recipe.cluster.time_model == "v2":  # v2 never runs a FLOP faster than the measured matmul ceiling
+            from llmtrain.plan.ops import mamf  # noqa: PLC0415
+
+            # bf16's fitted fraction (MAMF x GEMM_FIT), and the FP8 one where FP8 GEMMs run: the fastest
+            # any priced GEMM goes (the unfitted MAMF left the floor 12 % low on H100: 27 % more layouts priced)
+            ceiling = max(mamf(gpu), mamf(gpu, gpu.peak_flops_fp8) if fp8 else 0.0)
+            rate = matmul_peak(gpu, t.precision, fp8) * max(efficiency(gpu), ceiling)
+            if v2_priced(recipe):  # every rank's compute runs at the slowest GPU's pace (plan/stragglers.py)
+                rate /= straggler_factor(placement.world_size, recipe.cluster.gpu_variability)
+        moe_tok = moe_flops_per_token(m, t.seq_len)
+        dense_tok = flops_per_token(m, t.seq_len, t.lora) - moe_tok  # LoRA: fewer FLOPs, the floor must stay a lower bound
+        return cls(recipe, gpu, gbs, rate, gbs * t.seq_len / placement.world_size, moe_tok, dense_tok,
+                   placement.nodes[0].slots)
+
+    def compute_and_tp(self, tp: int, cp: int, pp: int, dp: int) -> float:
+        """Compute (MoE routers are replicated over TP ranks; causal SDPA skips half the scores, as in
+        the step-time model) and TP communication, per GPU and step."""
+        flops = self.dense_tok - skipped_attention(self.recipe, cp) + self.moe_tok * tp
+        return flops * self.tokens_gpu / self.rate + tp_floor(self.recipe, self.gpu, tp, pp, cp, dp, self.gbs)
+
+    def ep(self, tp: int, cp: int, pp: int, dp: int, ep: int) -> float:
+        return ep_floor(self.recipe, self.gpu, tp, pp, cp, dp, self.gbs, ep, self.node_slots)
 
 
 def make_variant(recipe: Recipe, par: dict, train: dict) -> Recipe:
@@ -64,17 +117,32 @@ def moe_flops_per_token(m, seq_len: int) -> float:
     return (m.layers - m.moe.first_dense_layers) * block_flops_per_token(m, m.layers - 1, seq_len)[1]
 
 
-def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, ep: int) -> float:
-    """Seconds of EP all-to-all per step on one rank over NVLink (a lower bound)."""
+def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, ep: int, node_slots: int | None = None) -> float:
+    """Seconds of EP all-to-all per step on one rank (a lower bound): 4 all-to-alls per MoE layer and
+    micro batch (dispatch and combine, forward and backward; recomputation adds more), each rank's
+    ``(ep - 1) / ep`` share over NVLink, and, where rank 0's EP group leaves its node (``node_slots``
+    GPUs: the test :func:`llmtrain.plan.links.spans_nodes_ep_fast` makes, ``(ep - 1) x tp >= slots``,
+    the group's members being ``tp`` ranks apart), the share sent to members on other nodes over the
+    rank's NIC: at most ``slots // tp`` members share a node, so at least ``(ep - slots // tp) / ep``
+    of the data leaves it, which both time models price at the NIC's bandwidth or slower (v1: all of
+    it; v2, ``commtime.collective_seconds``: the slower of the NVLink and the NIC shares). Without
+    the NIC term the floor of a layout whose experts talk across nodes was 10-15x below its price
+    (DeepSeek-V3, tp 8 x ep 2: 9 s against 136 s), and the search priced nearly every split."""
     m, t = recipe.model, recipe.train
     if ep == 1 or not m.is_moe:
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
+    from llmtrain.plan.steptime import EP_EXPOSED  # noqa: PLC0415
 
     e = compute_bytes(t.precision)
     tokens = gbs // dp * t.seq_len // cp
     moe_layers = (m.layers - m.moe.first_dense_layers) / pp
-    return 4 * (ep - 1) / ep * e * tokens * m.moe.top_k * m.hidden * moe_layers / link(gpu, False).bandwidth
+    volume = 4 * e * tokens * m.moe.top_k * m.hidden * moe_layers
+    seconds = (ep - 1) / ep * volume / link(gpu, False).bandwidth
+    if node_slots is not None and (ep - 1) * tp >= node_slots:
+        off_node = (ep - min(ep, max(1, node_slots // tp))) / ep
+        seconds = max(seconds, off_node * volume / link(gpu, True).bandwidth)
+    return EP_EXPOSED * seconds  # the step-time model's exposed share of EP (all of it)
 
 
 def needs_full_recompute(recipe: Recipe, placement: Placement, base: dict, gbs: int, dp: int, capacity: float) -> bool:
