@@ -285,9 +285,10 @@ def kill(args: argparse.Namespace) -> int:
     result = terminate(alive, args.grace)
     if helper:  # SIGKILL the helper only if it did not finish once everything else is gone
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and read_stat(helper) is not None and read_stat(helper).state != "Z":
+        info = read_stat(helper)  # read once per look: the helper may exit (and be reaped) between two reads
+        while time.monotonic() < deadline and info is not None and info.state != "Z":
             time.sleep(0.02)
-        info = read_stat(helper)
+            info = read_stat(helper)
         if info is not None and info.state != "Z" and info.start == helper_start:
             os.kill(helper, signal.SIGKILL)
             result.killed += 1
