@@ -12,6 +12,7 @@ from llmtrain.plan.costmodel import peak_bytes, planned_gpu, probe_ranks, v2_pri
 from llmtrain.plan.memory import compute_bytes
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.validate import validate
+from llmtrain.recipe.gpus import GPUSpec
 from llmtrain.recipe.schema import Recipe
 
 
@@ -22,7 +23,7 @@ class StepFloor:
     no layout of the split can hide. ``rate`` and ``tokens_gpu`` also price recomputation's floor."""
 
     recipe: Recipe
-    gpu: object  # GPUSpec as the cluster has it (power cap, network share)
+    gpu: GPUSpec  # as the cluster has it (power cap, network share)
     gbs: int
     rate: float  # FLOP/s
     tokens_gpu: float  # tokens per GPU per step
@@ -117,7 +118,7 @@ def moe_flops_per_token(m, seq_len: int) -> float:
     return (m.layers - m.moe.first_dense_layers) * block_flops_per_token(m, m.layers - 1, seq_len)[1]
 
 
-def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, ep: int, node_slots: int | None = None) -> float:
+def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, ep: int, node_slots: int) -> float:
     """Seconds of EP all-to-all per step on one rank (a lower bound): 4 all-to-alls per MoE layer and
     micro batch (dispatch and combine, forward and backward; recomputation adds more), each rank's
     ``(ep - 1) / ep`` share over NVLink, and, where rank 0's EP group leaves its node (``node_slots``
@@ -139,7 +140,7 @@ def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, 
     moe_layers = (m.layers - m.moe.first_dense_layers) / pp
     volume = 4 * e * tokens * m.moe.top_k * m.hidden * moe_layers
     seconds = (ep - 1) / ep * volume / link(gpu, False).bandwidth
-    if node_slots is not None and (ep - 1) * tp >= node_slots:
+    if (ep - 1) * tp >= node_slots:
         off_node = (ep - min(ep, max(1, node_slots // tp))) / ep
         seconds = max(seconds, off_node * volume / link(gpu, True).bandwidth)
     return EP_EXPOSED * seconds  # the step-time model's exposed share of EP (all of it)
