@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     device = init_distributed()
     from llmtrain.engine.trainer import train
 
+    # torch's and the engine's import-time objects (~300,000) live as long as the rank: frozen,
+    # Python's full collections and the collect() of shutdown() no longer walk them (each walk took
+    # 0.15 s alone on the test machines, 0.3 s with 4 ranks on 2 cores).
+    gc.freeze()
     # On an exception the rank exits at once (non-zero) and torchrun stops the others; a
     # barrier here would wait for peers that are themselves blocked in a collective.
     # A worker group restarted by torchrun (--max-restarts) resumes from the latest checkpoint.
