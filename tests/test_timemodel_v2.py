@@ -61,6 +61,17 @@ def test_gemm_memory_bound_and_membound_op():
     assert ops.membound_seconds(1e9, H100) == pytest.approx(1e9 / (3.35e12 * 0.8), rel=1e-9)
 
 
+def test_gemm_of_less_than_one_row_is_priced_not_a_crash():
+    """An expert's expected rows can be under one (seq_len 1, top-2 of 8 experts: 0.25 tokens each);
+    such a GEMM runs one tile, priced between zero and a one-row GEMM. (int(0.25) tiles used to
+    divide by zero: `llmtrain plan` of a valid recipe died with a ZeroDivisionError traceback, found
+    by the recipe fuzz run unseeded, thirty-fourth session.)"""
+    quarter, one = ops.gemm_seconds(0.25, 128, 64, H100), ops.gemm_seconds(1, 128, 64, H100)
+    assert 0 < quarter <= one
+    fwd, bwd = ops.gemm_fwd_bwd(0.25, 128, 64, H100)
+    assert fwd > 0 and bwd > 0
+
+
 def test_allreduce_in_node_vs_two_nodes():
     """1 GiB all-reduce: 8 GPUs on NVLink (360 GB/s NCCL bus bandwidth one way, 14 ring steps of
     3.4 us + 8.4 us base); 16 GPUs on 2 nodes with 8 per node (all 8 NICs: 8 x 40 GB/s, 28 NVLink

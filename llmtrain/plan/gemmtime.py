@@ -92,8 +92,10 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GPUSpec, peak: float | None 
         peak *= sms / SMS.get(gpu.rates_key, 108)
     hbm = gpu.hbm_bytes_per_s or 2e12
     intensity = flops / (e * (m * k + k * n + m * n))
-    # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes
-    rate = min(peak * fraction * wave_efficiency(int(m), int(n), gpu, sms), intensity * hbm)
+    # compute-bound: the measured ceiling, less the idle SMs of the last wave; memory-bound: the bytes.
+    # A dimension under one row (an expert's expected tokens: seq_len 1, top-2 of 8 experts gives 0.25)
+    # still runs one tile: at least 1 (int(0.25) was 0 tiles, 0 waves, a ZeroDivisionError in plan)
+    rate = min(peak * fraction * wave_efficiency(max(1, int(m)), max(1, int(n)), gpu, sms), intensity * hbm)
     return flops / rate
 
 
