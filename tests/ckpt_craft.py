@@ -162,8 +162,15 @@ def torch_saved(obj) -> bytes:
 
 
 def real_index(ckpt: Path):
-    """The checkpoint's own DCP index (read with plain pickle: the original run's file is trusted)."""
-    return pickle.loads((ckpt / ".metadata").read_bytes())
+    """The checkpoint's own DCP index, read through llmtrain's allow-list unpickler
+    (engine/dcp_index.py): a fuzz case may already have replaced ``.metadata`` with a code-running
+    pickle, and plain ``pickle.loads`` then ran it in the test itself, leaving the marker that the
+    fuzz reads as "a payload ran" (seen unseeded, thirty-fourth session). A replaced index raises."""
+    import io
+
+    from llmtrain.engine.dcp_index import IndexUnpickler
+
+    return IndexUnpickler(io.BytesIO((ckpt / ".metadata").read_bytes())).load()
 
 
 def index_with_bytes_entry(ckpt: Path, marker: str, shard: str = "__9_0.distcp") -> None:
