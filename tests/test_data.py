@@ -167,7 +167,12 @@ def test_prepare_errors_are_one_line(corpus, tmp_path):
     empty.write_text("")
     weird = tmp_path / "data.csv"
     weird.write_text("a,b")
+    # an unpaired surrogate escape (valid JSON, not Unicode) crashed every tokenizer with a traceback;
+    # a paired one (an emoji) and an escaped backslash before "ud800" are text
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('{"text": "pair \\ud83d\\ude00 and \\\\ud800 ok"}\n{"text": "cut \\ud83d"}\n')
     cases = [([bad], "bad.jsonl:2: invalid JSON"), ([nofield], "nofield.jsonl:3: JSON line has no string field 'text'"),
+             ([lone], "lone.jsonl:2: field 'text' holds an unpaired surrogate escape"),
              ([empty], "no text found"), ([weird], "unsupported file type '.csv'"),
              ([tmp_path / "missing.txt"], "missing.txt: no such file")]
     for inputs, needle in cases:

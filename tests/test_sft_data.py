@@ -199,6 +199,9 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": 3}]}, "no string 'content'"),
     ({"messages": [{"role": "user", "content": "only a question"}]}, "renders no assistant reply"),
     ("{not json", "invalid JSON"),
+    # valid JSON, not Unicode: the tokenizer raised a TypeError traceback (unseeded fuzz, thirty-fourth session)
+    ('{"messages": [{"role": "user", "content": "a \\udc00"}, {"role": "assistant", "content": "b"}]}',
+     "unpaired surrogate escape"),
 ]
 
 
@@ -217,6 +220,7 @@ def test_bad_chat_rows_name_file_and_line(gen_tok, tmp_path, bad, why, tokenizer
     ("instruction", {"prompt": 1, "completion": "c"}, "field 'prompt' is a int"),
     ("text", {"body": "x"}, "field 'text' is missing"),
     ("text", [1, 2], "not a JSON object"),
+    ("instruction", '{"prompt": "p \\ud800", "completion": "c"}', "unpaired surrogate escape"),
 ])
 def test_bad_instruction_and_text_rows_name_file_and_line(tmp_path, source, row, why):
     good = {"prompt": "a", "completion": "b", "text": "c"}

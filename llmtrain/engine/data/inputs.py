@@ -27,6 +27,7 @@ Design decisions:
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -92,6 +93,26 @@ def input_size(path: Path, split: str | None = None) -> int:
     return path.stat().st_size
 
 
+# A JSON escape of a UTF-16 surrogate: \ud800-\udfff. json.loads pairs a high and a low escape into one
+# character, but an unpaired one becomes a lone surrogate in the str, which is not Unicode: UTF-8
+# cannot encode it and HF tokenizers refuse it (TypeError / UnicodeEncodeError deep in a tokenizer,
+# seen in data prepare and in fine-tuning data; scraped text cut inside an emoji's pair has them).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SURROGATE_HINT = "fix or drop the line (text cut between the two halves of an escaped pair, e.g. an emoji)"
+
+
+def lone_surrogate(line: bytes, value: object) -> bool:
+    """Whether ``value`` (``json.loads(line)``, any nesting, keys too) holds an unpaired surrogate.
+    Only lines with a surrogate escape are checked (a byte search), so valid lines cost nothing."""
+    if SURROGATE_ESCAPE.search(line) is None:
+        return False
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _read_txt(path: Path, text_field: str = "text") -> Iterator[tuple[str | None, int]]:
     f, _ = open_regular(path, "input file", MAX_TXT_BYTES, field=printable(path),
                         hint=f"a .txt is one document (at most {human_bytes(MAX_TXT_BYTES)}); split it or use .jsonl")
@@ -128,6 +149,9 @@ def _read_jsonl(path: Path, text_field: str = "text") -> Iterator[tuple[str | No
                 what = f"has no string field {text_field!r}" if isinstance(record, dict) else f"is a {type(record).__name__}, not an object"
                 raise LLMTrainError(f"{path}:{lineno}: JSON line {what}",
                                     f'each line must be one JSON object like {{"{text_field}": "..."}} (or pass --text-field NAME)')
+            if lone_surrogate(line, record[text_field]):
+                raise LLMTrainError(f"{printable(path)}:{lineno}: field {text_field!r} holds an unpaired surrogate escape "
+                                    "(\\ud800-\\udfff), which is not Unicode text", SURROGATE_HINT)
             yield record[text_field], len(line)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from datetime import datetime
 
 from llmtrain.engine.data.chat_template import ChatTemplate, encode_chat, select_template, special_tokens_of
-from llmtrain.engine.data.inputs import MAX_JSONL_LINE, _read_txt
+from llmtrain.engine.data.inputs import MAX_JSONL_LINE, SURROGATE_HINT, _read_txt, lone_surrogate
 from llmtrain.errors import LLMTrainError
 from llmtrain.safeio import human_bytes, open_regular, printable
 
@@ -94,12 +94,16 @@ def iter_rows(path: Path) -> Iterator[tuple[int, object]]:
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                value = json.loads(line)
             except RecursionError:
                 raise LLMTrainError(f"{printable(path)}:{lineno}: JSON nested too deeply", "write one flat JSON object per line") from None
             except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
                 reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
                 raise LLMTrainError(f"{printable(path)}:{lineno}: invalid JSON ({reason})", "each line must be one JSON object") from None
+            if lone_surrogate(line, value):  # the whole row: a chat template may render any field of a message
+                raise LLMTrainError(f"{printable(path)}:{lineno}: a string holds an unpaired surrogate escape "
+                                    "(\\ud800-\\udfff), which is not Unicode text", SURROGATE_HINT)
+            yield lineno, value
 
 
 def _string_field(record: object, name: str, where: str, example: str) -> str:
