@@ -167,6 +167,9 @@ def test_config_disagreements_are_all_listed(tiny):
     ({"hidden_act": "gelu"}, ["model_type='llama'", "hidden_act='gelu'"]),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, ["rope_type='yarn'"]),
     ({"num_hidden_layers": "2"}, ["num_hidden_layers='2' is not a positive integer"]),
+    # not a string: `mt not in FAMILIES` raised TypeError (unhashable) with a traceback (unseeded fuzz)
+    ({"model_type": {"rope_type": "llama3"}}, ["model_type={'rope_type': 'llama3'} is not supported"]),
+    ({"model_type": ["llama"]}, ["model_type=['llama'] is not supported"]),
 ])
 def test_unsupported_config_is_one_line(tiny, change, words):
     conf, _ = check_hf_dir(tiny["llama"])

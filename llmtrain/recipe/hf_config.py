@@ -111,7 +111,7 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
     """Every reason the engine cannot run ``conf``'s model, each naming the model_type and field."""
     mt = conf.get("model_type")
     name = printable(repr(mt), 40)
-    if mt not in FAMILIES:
+    if not isinstance(mt, str) or mt not in FAMILIES:  # an object or a list is not hashable: checked first
         why = NOT_SUPPORTED.get(mt) if isinstance(mt, str) else None
         return [Problem(where, f"config.json model_type={name} is not supported" + (f" ({why})" if why else ""),
                         f"use one of: {SUPPORTED}")]
