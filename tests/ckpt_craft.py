@@ -173,9 +173,10 @@ def real_index(ckpt: Path):
     return IndexUnpickler(io.BytesIO((ckpt / ".metadata").read_bytes())).load()
 
 
-def index_with_bytes_entry(ckpt: Path, marker: str, shard: str = "__9_0.distcp") -> None:
+def index_with_bytes_entry(ckpt: Path, marker: str, shard: str = "__9_0.distcp", seal: bool = True) -> str:
     """Add a non-tensor (bytes) entry to the index whose data is a torch-saved code-running object
-    in a new listed shard, and reseal: DCP would load it with ``torch.load(weights_only=False)``."""
+    in a new shard, and reseal (``seal``) listing it: DCP would load it with
+    ``torch.load(weights_only=False)``. Returns the shard's name."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
@@ -187,7 +188,9 @@ def index_with_bytes_entry(ckpt: Path, marker: str, shard: str = "__9_0.distcp")
         index.planner_data["model.extra"] = ("model", "extra")
     replace(ckpt / shard, data)
     replace(ckpt / ".metadata", pickle.dumps(index))
-    reseal(ckpt, extra=(shard,))
+    if seal:
+        reseal(ckpt, extra=(shard,))
+    return shard
 
 
 def index_pointing_at(ckpt: Path, relative_path: str) -> None:
