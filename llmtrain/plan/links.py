@@ -59,12 +59,15 @@ def spans_nodes_fast(dims: ParallelDims, placement: Placement, names: tuple[str,
     return largest >= placement.nodes[0].slots
 
 
+def ep_group_leaves_node(ep: int, tp: int, node_slots: int) -> bool:
+    """Whether rank 0's EP group reaches past node 0 (``node_slots`` GPUs). Its members are the
+    first ``ep`` of the dp_shard x cp grid, ``tp`` ranks apart: member ``j`` is rank
+    ``(j // cp) * cp * tp + (j % cp) * tp = j * tp``, so the last is ``(ep - 1) * tp``."""
+    return (ep - 1) * tp >= node_slots
+
+
 def spans_nodes_ep_fast(dims: ParallelDims, placement: Placement) -> bool:
-    last = dims.ep - 1  # dp_shard x cp index of the last member of rank 0's EP group
-    cp_stride = dims.tp
-    shard_stride = dims.cp * dims.tp
-    largest = (last // dims.cp) * shard_stride + (last % dims.cp) * cp_stride
-    return largest >= placement.nodes[0].slots
+    return ep_group_leaves_node(dims.ep, dims.tp, placement.nodes[0].slots)
 
 
 def spans_nodes(dims: ParallelDims, placement: Placement, names: tuple[str, ...] | str, fast: bool = False) -> bool:

@@ -33,7 +33,7 @@ from math import gcd
 
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
-from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, planned_gpu, probe_ranks
+from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
@@ -41,7 +41,6 @@ from llmtrain.plan.search_bounds import (
     StepFloor,
     make_variant,
     needs_full_recompute,
-    recompute_tok,
     state_lower_bound,
     zero_lower_bound,
 )
@@ -156,7 +155,6 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     t0, c0 = time.perf_counter(), time.process_time()
     m, t = recipe.model, recipe.train
     world = placement.world_size
-    gpu = planned_gpu(recipe, placement)
     slots = [n.slots for n in placement.nodes]
     result = SearchResult(recipe.name, world, kept=dict(keep or {}))
     own = validate(recipe, placement)
@@ -168,8 +166,8 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
            and allowed(keep, "parallel.tp", x)]
     cps = [c for c in divisors(world) if (c == 1 or (t.seq_len % (2 * c) == 0 and t.seq_len // c >= MIN_CP_TOKENS))
            and allowed(keep, "parallel.cp", c)]
-    capacity = gpu.memory_bytes
     floors = StepFloor.of(recipe, placement, gbs)
+    capacity = floors.gpu.memory_bytes  # the planned GPU (power cap, network share), as the floors price it
 
     splits = []
     for tp in tps:
@@ -222,7 +220,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
-            if bound + recompute_tok(recipe, tp, cp) * floors.tokens_gpu / floors.rate >= kth():
+            if bound + floors.recompute(tp, cp) >= kth():
                 continue
         result.splits_evaluated += 1
         for zero in (0, 1, 2, 3):

@@ -63,6 +63,10 @@ class StepFloor:
         flops = self.dense_tok - skipped_attention(self.recipe, cp) + self.moe_tok * tp
         return flops * self.tokens_gpu / self.rate + tp_floor(self.recipe, self.gpu, tp, pp, cp, dp, self.gbs)
 
+    def recompute(self, tp: int, cp: int) -> float:
+        """The forward that full recomputation runs again, per GPU and step, at the floor's rate."""
+        return recompute_tok(self.recipe, tp, cp) * self.tokens_gpu / self.rate
+
     def ep(self, tp: int, cp: int, pp: int, dp: int, ep: int) -> float:
         return ep_floor(self.recipe, self.gpu, tp, pp, cp, dp, self.gbs, ep, self.node_slots)
 
@@ -122,8 +126,7 @@ def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, 
     """Seconds of EP all-to-all per step on one rank (a lower bound): 4 all-to-alls per MoE layer and
     micro batch (dispatch and combine, forward and backward; recomputation adds more), each rank's
     ``(ep - 1) / ep`` share over NVLink, and, where rank 0's EP group leaves its node (``node_slots``
-    GPUs: the test :func:`llmtrain.plan.links.spans_nodes_ep_fast` makes, ``(ep - 1) x tp >= slots``,
-    the group's members being ``tp`` ranks apart), the share sent to members on other nodes over the
+    GPUs: :func:`llmtrain.plan.links.ep_group_leaves_node`, the cost model's test), the share sent to members on other nodes over the
     rank's NIC: at most ``slots // tp`` members share a node, so at least ``(ep - slots // tp) / ep``
     of the data leaves it, which both time models price at the NIC's bandwidth or slower (v1: all of
     it; v2, ``commtime.collective_seconds``: the slower of the NVLink and the NIC shares). Without
@@ -133,6 +136,7 @@ def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, 
     if ep == 1 or not m.is_moe:
         return 0.0
     from llmtrain.plan.comm import link  # noqa: PLC0415
+    from llmtrain.plan.links import ep_group_leaves_node  # noqa: PLC0415
     from llmtrain.plan.steptime import EP_EXPOSED  # noqa: PLC0415
 
     e = compute_bytes(t.precision)
@@ -140,7 +144,7 @@ def ep_floor(recipe: Recipe, gpu, tp: int, pp: int, cp: int, dp: int, gbs: int, 
     moe_layers = (m.layers - m.moe.first_dense_layers) / pp
     volume = 4 * e * tokens * m.moe.top_k * m.hidden * moe_layers
     seconds = (ep - 1) / ep * volume / link(gpu, False).bandwidth
-    if (ep - 1) * tp >= node_slots:
+    if ep_group_leaves_node(ep, tp, node_slots):
         off_node = (ep - min(ep, max(1, node_slots // tp))) / ep
         seconds = max(seconds, off_node * volume / link(gpu, True).bandwidth)
     return EP_EXPOSED * seconds  # the step-time model's exposed share of EP (all of it)
