@@ -50,7 +50,7 @@ from llmtrain.cli import resume as _resume  # noqa: F401
 from tests import ckpt_craft as cc
 from tests.ckpt_mutate import apply, time_limit
 
-EXAMPLES = 520
+EXAMPLES = 320  # 520 until the suite neared its 30-minute budget; unseeded runs go wider by hand
 FUZZ = dict(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 LISTED = [".metadata", "__0_0.distcp", "rng/rank-0.pt"]
@@ -195,8 +195,8 @@ def test_fuzz_checkpoint_directories(base, tmp_path_factory, capsys):
         print(f"\nckpt fuzz: {stats['directories']} directories x 4 commands = {4 * stats['directories']} runs; "
               f"refusals (exit 2, each naming a file) {stats['refusals']}; tracebacks 0; markers created "
               f"{len(os.listdir(markers))}\nckpt fuzz counts: {json.dumps(summary)}")
-    assert stats["directories"] >= 500 and not os.listdir(markers)
-    assert stats["hostile directories"] >= 100 and stats["refusals"] >= 500, summary
+    assert stats["directories"] >= 300 and not os.listdir(markers)
+    assert stats["hostile directories"] >= 60 and stats["refusals"] >= 300, summary
 
 
 FIXED = {

@@ -4,8 +4,8 @@
 * **Layouts** (ONE 4-rank torchrun job, tests/dist_worker.py, against one in-process 1-rank
   run): the ``metrics.jsonl`` eval rows (steps 2 and 4) of PP 2 under every placement the
   trainer has (1f1b; interleaved-1f1b with FSDP zero 3; zbv and dualpipev, V-shaped: rank r
-  holds stages r and 3 - r; zero-bubble with TP 2 + SP), CP 2 (ring, ulysses, allgather x TP 2)
-  and PP 2 x CP 2 equal the 1-process rows to 1e-5 relative. Why 1e-5: fp32 forwards whose
+  holds stages r and 3 - r; zero-bubble with TP 2 + SP), CP 2 (ring, ulysses, allgather; allgather x TP 2 is the
+  fine-tuning case below) and PP 2 x CP 2 equal the 1-process rows to 1e-5 relative. Why 1e-5: fp32 forwards whose
   layouts differ only in reduction order (TP matmuls, the vocabulary-parallel cross-entropy,
   online-softmax merges of ring attention), ~1e-7 per forward; and the weights being evaluated
   differ by the same rounding only, because AdamW runs with ``eps = 1``: its update is then
@@ -64,7 +64,7 @@ CASES = {
                             "parallel.pp_schedule=zero-bubble", V2],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero=2"],
-    "cp2_allgather_tp2": ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2"],
+    "cp2_allgather": ["parallel.cp=2", "parallel.cp_method=allgather"],
     "pp2_cp2": ["parallel.pp=2", "parallel.cp=2", "parallel.pp_schedule=1f1b"],
 }
 TWINS = ("pp2_interleaved_zero3", "pp2_zbv")  # run again without eval
