@@ -170,6 +170,14 @@ def test_config_disagreements_are_all_listed(tiny):
     # not a string: `mt not in FAMILIES` raised TypeError (unhashable) with a traceback (unseeded fuzz)
     ({"model_type": {"rope_type": "llama3"}}, ["model_type={'rope_type': 'llama3'} is not supported"]),
     ({"model_type": ["llama"]}, ["model_type=['llama'] is not supported"]),
+    # partial rotary, where Phi-3-style configs keep it (top level) and where transformers 5 does; a string
+    # there was a ValueError traceback from float()
+    ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75", "partial rotary is not implemented"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     ["partial_rotary_factor=0.5"]),
+    ({"partial_rotary_factor": "half"}, ["partial_rotary_factor='half' is not a positive number"]),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": [1]}},
+     ["partial_rotary_factor=[1] is not a positive number"]),
 ])
 def test_unsupported_config_is_one_line(tiny, change, words):
     conf, _ = check_hf_dir(tiny["llama"])

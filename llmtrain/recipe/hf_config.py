@@ -129,8 +129,10 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
     if _rope_type(conf) not in ROPE_TYPES:
         bad("rope_type", _rope_type(conf), f"only {'/'.join(ROPE_TYPES)} RoPE is implemented")
-    if float(_rope(conf).get("partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        bad("partial_rotary_factor", _rope(conf).get("partial_rotary_factor"), "partial rotary is not implemented")
+    for params in (conf, _rope(conf)):  # Phi-3 style configs keep it at the top level, transformers 5 in rope_parameters
+        if float(params.get("partial_rotary_factor") or 1.0) != 1.0:  # its type: _type_problems (FLOAT_KEYS)
+            bad("partial_rotary_factor", params.get("partial_rotary_factor"), "partial rotary is not implemented")
+            break
     if mt == "mixtral" and conf.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
         bad("router_jitter_noise", conf.get("router_jitter_noise"), "router jitter is not implemented")
     if mt in ("qwen2", "qwen3", "qwen3_moe") and conf.get("use_sliding_window") and conf.get("max_window_layers", 0):
@@ -243,7 +245,8 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
 INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
-FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef")
+FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
+              "partial_rotary_factor")
 BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
 HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
 
