@@ -1,5 +1,5 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe -- import, export, config.json, parameter counts, and every parallel layout.
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up) -- import, export, config.json, parameter counts, and every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
 shards (tests/hf_tiny.py); references are transformers' own forward passes.
@@ -178,6 +178,8 @@ def test_config_disagreements_are_all_listed(tiny):
     ({"partial_rotary_factor": "half"}, ["partial_rotary_factor='half' is not a positive number"]),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": [1]}},
      ["partial_rotary_factor=[1] is not a positive number"]),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+      "rope_parameters": None}, ["model_type='phi3'", "rope_type='longrope'"]),
 ])
 def test_unsupported_config_is_one_line(tiny, change, words):
     conf, _ = check_hf_dir(tiny["llama"])
@@ -188,6 +190,15 @@ def test_unsupported_config_is_one_line(tiny, change, words):
     assert len(lines) == 1 and all(w in lines[0] for w in words), lines
     cfg = ModelConfig(**model_from_hf_config(conf))
     assert [p.line() for p in config_problems(bad, cfg, "config.json")] == lines  # the same single finding
+
+
+def test_phi3_refuses_llama3_rope_scaling():
+    """transformers' Phi3Config accepts only default and longrope RoPE: a phi3 model with llama3 scaling
+    would write a config.json transformers refuses."""
+    cfg = ModelConfig(preset="llama3.1-8b", family="phi3")
+    assert [p.path for p in family_problems(cfg)] == ["model.rope_scaling"]
+    with pytest.raises(LLMTrainError, match=r"model\.rope_scaling"):
+        hf_config(cfg)
 
 
 @pytest.mark.parametrize("moe, path", [
@@ -211,6 +222,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "llama3.2-3b": (3_212_749_824, None), "qwen2.5-7b": (7_615_616_512, None), "qwen3-8b": (8_190_735_360, None),
     "qwen3-32b": (32_762_123_264, None), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
     "mistral-7b": (7_248_023_552, None), "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
+    "phi3-mini-4k": (3_821_079_552, None), "phi4-14b": (14_659_507_200, None),
 }
 
 
@@ -218,7 +230,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
 def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
-    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active)."""
+    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -231,7 +243,7 @@ def test_preset_counts_are_the_published_architectures(preset):
 def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b"):
+    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()

@@ -9,7 +9,10 @@ resume, real ``llmtrain`` CLI commands.
   (head_dim 12 != hidden/heads, q/k norms) TP 2; qwen3_moe (stacked experts, dense layer 0) EP 2
   (expert shards are ``_StridedShard`` DTensors); llama PP 2; mixtral TP 2 (experts replicated).
   The streamed model's full weights must equal, with ``torch.equal``, those of the same layout
-  loaded by reading every tensor and keeping the shard (``load_hf_weights_whole``): both copy
+  loaded by reading every tensor and keeping the shard (``load_hf_weights_whole``); and phi3
+  TP 2 (each rank's rows of the q, k, v blocks of the fused ``qkv_proj`` and of the gate and
+  up halves of ``gate_up_proj``; a Phi-3 run trained at TP 2 is exported in 12 KB shards and
+  loads in transformers with equal logits): both copy
   the same file values (one dtype, no arithmetic), so any difference is a wrong box.
 * **Each rank reads only its bytes**: per rank, the elements read from the files equal the
   elements of its local shards, plus only the whole-head cover of a head-permuted tensor split
@@ -59,7 +62,7 @@ from hf_tiny import save_tiny  # noqa: E402
 LOGIT_TOL = 1e-5
 LOAD_CASES = {"llama3_fsdp": ("llama3", ["parallel.dp_shard=2"]), "qwen3_tp": ("qwen3", ["parallel.tp=2"]),
               "qwen3_moe_ep": ("qwen3_moe", ["parallel.ep=2"]), "llama_pp": ("llama", ["parallel.pp=2", "parallel.zero=1"]),
-              "mixtral_tp": ("mixtral", ["parallel.tp=2"])}
+              "mixtral_tp": ("mixtral", ["parallel.tp=2"]), "phi3_tp": ("phi3", ["parallel.tp=2"])}
 TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]
 
 
@@ -103,7 +106,7 @@ def run_worker(spec: dict, path: Path, nproc: int | None) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hfio")
-    hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral")}
+    hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral", "phi3")}
     tok = write_tokenizer(tmp / "tok")
     cases = [{"kind": "load", "name": name, "recipe": str(write_recipe(hf[fam], tmp / f"{fam}.yaml")), "set": sets,
               "hf": str(hf[fam])} for name, (fam, sets) in LOAD_CASES.items()]
@@ -111,6 +114,10 @@ def world(tmp_path_factory) -> dict:
     ckpts = tmp / "ckpts"
     common = [f"checkpoint.dir={ckpts}", f"checkpoint.init_from_hf={hf['qwen3_moe']}"]
     cases.append({"kind": "train", "name": "train", "recipe": str(moe), "set": common + TRAIN, "steps": 2})
+    phi3 = write_recipe(hf["phi3"], tmp / "phi3_train.yaml")
+    cases.append({"kind": "train", "name": "phi3_train", "recipe": str(phi3), "steps": 2,
+                  "set": [f"checkpoint.dir={tmp / 'ckpts_phi3'}", f"checkpoint.init_from_hf={hf['phi3']}", "parallel.tp=2",
+                          "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]})
     results = run_worker({"cases": cases, "out": str(tmp / "res.pt")}, tmp / "spec.json", nproc=2)
     one = [*common, "parallel.ep=1", "cluster.gpus_per_node=1", "train.steps=3", "train.optimizer.lr=1e-30",
            "checkpoint.interval=1", "checkpoint.async=false"]
@@ -216,6 +223,38 @@ def test_export_loads_in_transformers_with_equal_logits(world, exports):
     assert (out / "tokenizer.json").read_bytes() == (world["tok"] / "tokenizer.json").read_bytes()
     gen = json.loads((out / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (0, 1)
+
+
+def test_fused_phi3_export_from_tp2_loads_in_transformers(world):
+    """Phi-3's fused qkv_proj / gate_up_proj, trained from the tiny HF weights at TP 2 (each rank
+    holds half the rows of every block) and exported in 12 KB shards by 2 workers: the blocks of a
+    fused tensor land in one shard, joined in order; transformers' logits equal ours (LOGIT_TOL)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine.hf import read_checkpoint_model
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.schema import ModelConfig
+
+    ckpts = world["tmp"] / "ckpts_phi3"
+    out = export(ckpts, "step-2", world["tmp"] / "phi3_export", "--max-shard-size", "12KB", "--workers", "2")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) >= 3 and "model.layers.1.self_attn.qkv_proj.weight" in index
+    assert not [k for k in index if k.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight"))]
+    meta = json.loads((ckpts / "step-2" / "metadata.json").read_text())
+    assert meta["dims"]["tp"] == 2
+    cfg = ModelConfig.model_validate(meta["recipe"]["model"])
+    ours = Transformer(cfg)
+    ours.load_state_dict(read_checkpoint_model(ckpts / "step-2"))
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert theirs.config.model_type == "phi3"
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = float((ours.eval()(ids) - theirs(ids).logits).abs().max())
+    print(f"phi3 export -> transformers: logits max abs error {err:.3g}")
+    assert err <= LOGIT_TOL, err
+    trained, start = shard_tensors(out), shard_tensors(world["hf"]["phi3"])
+    assert not torch.equal(trained["model.layers.0.self_attn.qkv_proj.weight"],
+                           start["model.layers.0.self_attn.qkv_proj.weight"])  # training moved the fused weights
 
 
 def test_export_bf16_is_the_fp32_export_rounded(world, exports):

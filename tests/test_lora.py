@@ -140,6 +140,22 @@ def test_adapters_freeze_init_and_merge():
     assert (want - before).abs().max() > 1e-2  # the random B matter: the check above is not vacuous
 
 
+def test_peft_export_of_a_fused_family_is_refused_before_writing(tmp_path):
+    """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters; ours are per projection, so
+    ``--peft`` is refused in one line naming --hf before anything is read or written."""
+    from llmtrain.engine.finetune.lora_export import export_lora
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.recipe.load import load_recipe
+    from llmtrain.recipe.schema import ModelConfig
+
+    lora = load_recipe(ROOT / "recipes/debug.yaml", COMMON).train.lora
+    with pytest.raises(LLMTrainError) as info:
+        export_lora(tmp_path / "missing", {}, {}, ModelConfig(preset="phi4-14b"), lora, None, tmp_path / "peft", None,
+                    "fp32", 1, 1, None)
+    assert [p.path for p in info.value.problems] == ["--peft"] and "--hf" in info.value.lines()[0]
+    assert not (tmp_path / "peft").exists()
+
+
 def test_peft_names_and_fingerprint(tmp_path):
     """PEFT key names; the base fingerprint sees a re-saved base with other weights (headers equal)."""
     from llmtrain.engine.finetune.base import fingerprint

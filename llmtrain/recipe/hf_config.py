@@ -36,7 +36,6 @@ NOT_SUPPORTED = {
     "gemma": "GeLU MLPs, (1 + w) RMSNorm and scaled embeddings are not implemented",
     "gemma2": "soft-capping, sliding/global layers and GeLU MLPs are not implemented",
     "gemma3": "sliding/global layers, q/k norms and GeLU MLPs are not implemented",
-    "phi3": "fused qkv / gate_up projections and partial rotary are not mapped",
 }
 ROPE_TYPES = ("default", "llama3")
 OPTIONAL = ("model.rope_scaling", "model.sliding_window")  # None is a value here, not a missing key
@@ -70,6 +69,8 @@ def hf_config(cfg: ModelConfig) -> dict:
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if f.name in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if f.name == "phi3":  # no dropout (as trained); the RoPE length before any (longrope) extension
+        out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_seq_len)
     if f.sliding == "plain":
         out["sliding_window"] = cfg.sliding_window
     elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers: all of them

@@ -28,6 +28,8 @@ class Family:
     expert_names: tuple[str, str, str] = ("", "", "")  # HF per-expert names of our w1, w3, w2
     dense_layers: bool = False        # MoE models may have dense layers (mlp_only_layers, sparse step)
     fixed_norm_topk: bool = False     # top-k weights always renormalized (Mixtral)
+    fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
+    llama3_rope: bool = True          # transformers accepts rope_type llama3 (Phi-3 takes default/longrope only)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -39,6 +41,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("w1", "w3", "w2"), fixed_norm_topk=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm=True, sliding="qwen", moe_prefix="mlp",
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
+    Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, llama3_rope=False),  # Phi-3 (full rotary), Phi-4
 )}
 
 SUPPORTED = ", ".join(FAMILIES)
@@ -63,7 +66,7 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
             "use model.family mixtral or qwen3_moe, or a dense model (model.moe.num_experts: 1)")
     if f.moe and not cfg.is_moe:
         bad("model.family", f"{f.name} is a mixture-of-experts family but the model is dense",
-            "use model.family llama/mistral/qwen2/qwen3, or set model.moe.num_experts")
+            "use model.family llama/mistral/qwen2/qwen3/phi3, or set model.moe.num_experts")
     if cfg.qkv_bias != f.qkv_bias:
         bad("model.qkv_bias", f"qkv_bias is {cfg.qkv_bias}; {f.name} {'always has' if f.qkv_bias else 'has no'} "
             "q/k/v biases", "use model.family qwen2 for q/k/v biases" if cfg.qkv_bias else
@@ -72,6 +75,9 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         bad("model.qk_norm", f"qk_norm is {cfg.qk_norm}; {f.name} {'always has' if f.qk_norm else 'has no'} "
             "q/k norms", "use model.family qwen3 or qwen3_moe for q/k norms" if cfg.qk_norm else
             f"set model.qk_norm: {str(f.qk_norm).lower()}")
+    if cfg.rope_scaling is not None and not f.llama3_rope:
+        bad("model.rope_scaling", f"llama3 RoPE scaling; transformers' {f.name} accepts only default (and longrope) RoPE",
+            "drop model.rope_scaling or use model.family llama")
     if cfg.sliding_window is not None and f.sliding == "none":
         bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
             "drop model.sliding_window or use model.family mistral")

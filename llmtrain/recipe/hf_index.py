@@ -23,9 +23,10 @@ Decisions:
   ``NAME-0000i-of-0000N.safetensors`` with a member missing is named.
 * **Against the model** (:func:`model_problems`): every HF tensor the family's tensor map
   (:func:`llmtrain.engine.hf.families.tensor_map`) asks for exists, with the shape our tensor
-  implies (a stacked source: our shape without dim 0) and a floating-point dtype; any other
-  tensor is unexpected, except RoPE ``inv_freq`` buffers that old exports carry and a
-  redundant ``lm_head.weight`` of a tied model (some hub checkpoints store both).
+  implies (a stacked source: our shape without dim 0; a fused one: all its blocks' rows) and a
+  floating-point dtype; any other tensor is unexpected, except RoPE ``inv_freq`` buffers that
+  old exports carry and a redundant ``lm_head.weight`` of a tied model (some hub checkpoints
+  store both).
 """
 
 from __future__ import annotations
@@ -218,8 +219,10 @@ def model_problems(tensors: dict[str, TensorHeader], tmap: dict, our_shapes: dic
             problems.append(Problem(flag, f"our tensor {ours} has no Hugging Face counterpart in the tensor map",
                                     "this model family cannot be loaded from Hugging Face weights"))
             continue
-        want = tuple(shape[1:]) if src.stacked else tuple(shape)
+        want = (src.rows[2], *shape[1:]) if src.rows is not None else tuple(shape[1:]) if src.stacked else tuple(shape)
         for name in src.hf:
+            if name in used:  # a fused tensor (Phi-3 qkv_proj): one check for its blocks
+                continue
             used.add(name)
             h = tensors.get(name)
             if h is None:

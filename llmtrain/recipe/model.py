@@ -101,7 +101,7 @@ class ModelConfig(Strict):
         None, ge=1, le=BIG,
         description="Sliding-window attention span (Mistral v0.1). Only train.seq_len <= sliding_window is supported, where it has no effect.",
     )
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"] | None = Field(
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",

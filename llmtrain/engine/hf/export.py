@@ -9,7 +9,8 @@
    experts become E tensors); they are packed greedily into shards of at most
    ``max_shard_size`` bytes in the output dtype, as transformers' ``save_pretrained`` does (a
    tensor larger than the limit gets a shard of its own; the HF tensors of one of ours stay in
-   one shard, so each of ours is read exactly once). Same checkpoint and options, same files.
+   one shard, so each of ours is read exactly once, and so do the blocks of a fused HF tensor,
+   Phi-3's ``qkv_proj`` from our wq/wk/wv). Same checkpoint and options, same files.
 2. **Write**: shards are split over ``workers`` processes (largest first onto the least
    loaded); each reads from the checkpoint only the tensors of its own shards, one shard at a
    time, through :class:`~llmtrain.engine.safe_reader.SafeReader` (DCP's index via the
@@ -46,7 +47,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmtrain.engine.hf.families import Source, tensor_map
+from llmtrain.engine.hf.families import Source, hf_shape, tensor_map
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
@@ -74,7 +75,7 @@ class Entry:
 
     key: str                    # DCP key, ``model.<our name>``
     src: Source
-    shape: tuple[int, ...]      # of each HF tensor
+    shape: tuple[int, ...]      # of each HF tensor (a fused one whole)
     nbytes: int                 # all its HF tensors, in the output dtype
 
 
@@ -102,16 +103,23 @@ def plan_export(index_sizes: dict[str, tuple[int, ...]], cfg: ModelConfig, dtype
             raise LLMTrainError(f"the checkpoint has no {key}", "the checkpoint is damaged or of another model",
                                 path="--ckpt")
         shape = tuple(index_sizes[key])
-        hf_shape = shape[1:] if src.stacked else shape
-        entries.append(Entry(key, src, hf_shape, len(src.hf) * math.prod(hf_shape) * item))
+        each = shape[1:] if src.stacked else shape  # a fused block: its own rows (the blocks sum to the tensor)
+        entries.append(Entry(key, src, hf_shape(src, shape), len(src.hf) * math.prod(each) * item))
+    groups: list[list[Entry]] = []  # the blocks of one fused HF tensor (adjacent in the map) stay together
+    for e in entries:
+        if groups and e.src.rows is not None and groups[-1][-1].src.hf == e.src.hf:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
     shards: list[list[Entry]] = [[]]
     size = 0
-    for e in entries:
-        if shards[-1] and size + e.nbytes > max_bytes:
+    for g in groups:
+        nbytes = sum(e.nbytes for e in g)
+        if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(e)
-        size += e.nbytes
+        shards[-1].extend(g)
+        size += nbytes
     n = len(shards)
     files = [SINGLE] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     return ExportPlan(dtype, files, shards)
@@ -138,7 +146,7 @@ def write_shards(ckpt: str, files: dict, plan: ExportPlan, shard_ids: list[int],
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     from llmtrain.engine.finetune.lora_export import HFTensorReader, base_tensor, checkpoint_keys
-    from llmtrain.engine.hf.families import to_hf
+    from llmtrain.engine.hf.families import hf_tensors
     from llmtrain.engine.safe_reader import SafeReader, dcp_guard
 
     dtype = getattr(torch, DTYPES[plan.dtype][0])
@@ -152,12 +160,17 @@ def write_shards(ckpt: str, files: dict, plan: ExportPlan, shard_ids: list[int],
                     warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process": it is
                     reader = SafeReader(ckpt, files)
                     state = _load_state_dict_from_keys(keys, storage_reader=reader)["model"]
-            tensors = {}
+            tensors, blocks = {}, []
             with HFTensorReader(lora.hf_files if lora is not None else {}) as base:
                 for e in entries:
                     ours = state.pop(e.key.removeprefix("model.")) if lora is None else base_tensor(e, state, lora, base)
-                    tensors.update((n, t.to(dtype).contiguous()) for n, t in zip(e.src.hf, to_hf(e.src, ours)))
+                    if e.src.rows is None:
+                        tensors.update((n, t.to(dtype).contiguous()) for n, t in hf_tensors([(e.src, ours)]).items())
+                    else:  # a block of a fused tensor (its blocks share this shard): joined below
+                        blocks.append((e.src, ours.to(dtype)))
                     del ours
+            tensors.update(hf_tensors(blocks))
+            del blocks
             target = Path(out) / plan.files[i]
             tmp = target.with_name(target.name + ".tmp")
             save_file(tensors, str(tmp), metadata={"format": "pt"})

@@ -1,7 +1,7 @@
 """Hugging Face model families: our state dict <-> theirs, per family (config.json: :mod:`.config_json`).
 
 Families: ``llama`` (Llama 2/3/3.1/3.2), ``mistral``, ``qwen2`` (Qwen2/2.5), ``qwen3``, ``mixtral``,
-``qwen3_moe``. One engine model with switches (:mod:`llmtrain.engine.models.llama`) stands for all
+``qwen3_moe``, ``phi3`` (Phi-3 with full rotary, Phi-4). One engine model with switches (:mod:`llmtrain.engine.models.llama`) stands for all
 of them; this module says, per family, which switches it has and which HF tensor is which of ours.
 No ``transformers`` import: the files are plain safetensors + JSON.
 
@@ -26,6 +26,14 @@ Decisions:
   ``moe.experts.{w1,w3,w2}`` [E, ...] are the per-expert tensors transformers writes on disk
   (``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``).
   Dense layers of an MoE model (Qwen3-MoE ``mlp_only_layers``) use the dense names.
+* **Fused projections** (Phi-3, ``Family.fused``): HF keeps q, k and v as row blocks of one
+  ``self_attn.qkv_proj.weight`` ``[(heads + 2 kv_heads) * head_dim, hidden]`` (q, then k, then v)
+  and gate and up as the two halves of ``mlp.gate_up_proj.weight`` ``[2 ffn, hidden]`` (gate
+  first: transformers' ``chunk(2)``). Our model keeps its separate ``wq``/``wk``/``wv`` and
+  ``w1``/``w3`` (TP, FSDP, LoRA and the planner see one model for every family): each is a row
+  range of the fused tensor (``Source.rows``). The q/k blocks start at whole heads, so the RoPE
+  permutation applies within the block as for separate tensors. Export concatenates the blocks
+  back in row order (:func:`hf_tensors`).
 * **What no family has is refused**, naming the recipe field (:func:`family_problems`): shared
   experts, the sigmoid router, bias balancing (``expert_bias``), a dense-only family with experts,
   Mixtral without renormalized top-k or with dense layers, q/k norm outside Qwen3, q/k/v biases
@@ -66,6 +74,9 @@ BIAS_NAMES = {"attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias":
 QK_NORM_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
 ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
            "attention.q_norm.weight", "attention.k_norm.weight")
+FUSED_NAMES = {"attention.wq.weight": "self_attn.qkv_proj.weight", "attention.wk.weight": "self_attn.qkv_proj.weight",
+               "attention.wv.weight": "self_attn.qkv_proj.weight", "feed_forward.w1.weight": "mlp.gate_up_proj.weight",
+               "feed_forward.w3.weight": "mlp.gate_up_proj.weight"}
 TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
              "output.weight": "lm_head.weight"}
 
@@ -83,14 +94,18 @@ class Source:
       HF's half-split RoPE order; ours is interleaved (:func:`half_to_interleaved` per head).
       Set for q/k projection weights and biases and for q/k norm weights (one head).
 
+    * ``rows``: ``(start, stop, total)``: our tensor is rows ``start:stop`` of the one HF tensor
+      (of ``total`` rows), a block of a fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``).
+
     Readers that want only a slice of our tensor: dim 0 of ours maps to experts (stacked) or to
-    rows of the HF tensor (a row slice needs whole heads when ``head_dim`` is set: read the
-    covering heads, permute, cut); every other dim maps 1:1.
+    rows of the HF tensor (offset by ``rows[0]``; a row slice needs whole heads when
+    ``head_dim`` is set: read the covering heads, permute, cut); every other dim maps 1:1.
     """
 
     hf: tuple[str, ...]
     stacked: bool = False
     head_dim: int | None = None
+    rows: tuple[int, int, int] | None = None
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
@@ -114,8 +129,11 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
             names.update(BIAS_NAMES)
         if cfg.qk_norm:
             names.update(QK_NORM_NAMES)
+        blocks = fused_rows(cfg) if f.fused else {}
         for ours, theirs in names.items():
-            out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if ours in ROTATED else None)
+            theirs = FUSED_NAMES.get(ours, theirs) if f.fused else theirs
+            out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if ours in ROTATED else None,
+                                   rows=blocks.get(ours))
         if cfg.is_moe_layer(i):
             moe = f"{hp}{f.moe_prefix}."
             out[p + "moe.router.weight"] = Source((moe + "gate.weight",))
@@ -125,10 +143,34 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
     return out
 
 
+def fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
+    """Our per-layer suffix -> ``(start, stop, total)`` rows of the fused HF tensor (``Family.fused``)."""
+    q, kv, ffn = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
+    qkv = q + 2 * kv
+    return {"attention.wq.weight": (0, q, qkv), "attention.wk.weight": (q, q + kv, qkv),
+            "attention.wv.weight": (q + kv, qkv, qkv), "feed_forward.w1.weight": (0, ffn, 2 * ffn),
+            "feed_forward.w3.weight": (ffn, 2 * ffn, 2 * ffn)}
+
+
+def hf_shape(src: Source, ours: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of each HF tensor of ``src``, given our tensor's shape."""
+    if src.rows is not None:
+        return (src.rows[2], *ours[1:])
+    return tuple(ours[1:]) if src.stacked else tuple(ours)
+
+
 def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Our tensor from the HF tensors ``src.hf`` names (in that order)."""
+    """Our tensor from the HF tensors ``src.hf`` names (in that order; a fused one whole)."""
     import torch
 
+    if src.rows is not None:
+        start, stop, total = src.rows
+        t = tensors[0]
+        if t.dim() == 0 or t.shape[0] != total:
+            raise LLMTrainError(f"{src.hf[0]}: shape {list(t.shape)} does not have the {total} rows of the fused "
+                                "projection", "the weights do not match the model's heads, kv_heads, head_dim and "
+                                "ffn_hidden", path="model")
+        tensors = [t.narrow(0, start, stop - start)]
     if src.head_dim is not None:
         for name, t in zip(src.hf, tensors):
             if t.dim() == 0 or t.shape[0] % src.head_dim:
@@ -145,7 +187,8 @@ def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def to_hf(src: Source, ours: torch.Tensor) -> list[torch.Tensor]:
-    """The HF tensors (in ``src.hf`` order) of our tensor (new, contiguous tensors)."""
+    """The HF tensors (in ``src.hf`` order) of our tensor (new, contiguous tensors); with ``src.rows``,
+    its block of the fused tensor (:func:`hf_tensors` joins the blocks)."""
     parts = list(ours.detach().unbind(0)) if src.stacked else [ours.detach()]
     if src.head_dim is not None:
         return [interleaved_to_half(t, t.shape[0] // src.head_dim) for t in parts]
@@ -169,6 +212,27 @@ def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 # -- whole state dicts (via the tensor map) ------------------------------------------------------
 
+def hf_tensors(pairs) -> dict[str, torch.Tensor]:
+    """HF name -> tensor for ``(Source, our tensor)`` pairs; the blocks of a fused tensor are
+    joined in row order (every block of it must be among the pairs)."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, list] = {}
+    for src, ours in pairs:
+        if src.rows is None:
+            out.update(zip(src.hf, to_hf(src, ours)))
+        else:
+            blocks.setdefault(src.hf[0], []).append((src.rows, to_hf(src, ours)[0]))
+    for name, parts in blocks.items():
+        parts.sort(key=lambda p: p[0][0])
+        edges = [0] + [r[1] for r, _ in parts]
+        if [r[0] for r, _ in parts] != edges[:-1] or edges[-1] != parts[0][0][2]:  # never from tensor_map
+            raise LLMTrainError(f"{name}: blocks {[r for r, _ in parts]} do not tile the fused tensor")
+        out[name] = torch.cat([t for _, t in parts])
+    return out
+
+
 def to_hf_state(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our full (unsharded) model state dict -> the family's ``*ForCausalLM`` state dict (new tensors,
     per-expert names as transformers writes them on disk)."""
@@ -178,11 +242,7 @@ def to_hf_state(ours: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
         raise LLMTrainError(f"checkpoint tensor {unknown[0]!r} has no Hugging Face {cfg.hf_family} counterpart"
                             + (f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""),
                             "the checkpoint's model does not match its recipe.model", path="model")
-    out: dict[str, torch.Tensor] = {}
-    for name, src in sources.items():
-        if name in ours:
-            out.update(zip(src.hf, to_hf(src, ours[name])))
-    return out
+    return hf_tensors((src, ours[name]) for name, src in sources.items() if name in ours)
 
 
 def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -197,7 +257,7 @@ def from_hf_state(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
                             + (f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""),
                             "the weights are not of the recipe's model (check model.family and the moe settings)",
                             path="checkpoint.init_from_hf")
-    missing = sorted(n for src in sources.values() for n in src.hf if n not in hf)
+    missing = sorted({n for src in sources.values() for n in src.hf if n not in hf})
     if missing:
         raise LLMTrainError(f"no Hugging Face tensor {missing[0]!r}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""),
                             "the safetensors do not hold the whole model", path="checkpoint.init_from_hf")

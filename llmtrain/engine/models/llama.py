@@ -7,7 +7,7 @@ and SwiGLU MLPs; block ``i`` uses the MoE block (:mod:`.moe`) when ``cfg.is_moe_
 The parameter count equals :func:`llmtrain.plan.params.count_params`.
 
 One definition covers the Hugging Face families (llama, mistral, qwen2, qwen3, mixtral,
-qwen3_moe) through switches rather than per-family copies, so every parallel layout works for
+qwen3_moe, phi3: its fused projections are a matter of the tensor map) through switches rather than per-family copies, so every parallel layout works for
 every family by construction:
 
 * ``qkv_bias`` (Qwen2/2.5): biases on ``wq``/``wk``/``wv`` only (``wo`` and the MLPs have none).
