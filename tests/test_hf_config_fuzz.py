@@ -1,0 +1,151 @@
+"""Fuzz: hostile Hugging Face ``config.json`` documents through the torch-free config checks.
+
+``launch --init-from-hf``, ``eval`` and ``ckpt export`` read a model directory's config.json
+(untrusted, docs/security.md) with :func:`~llmtrain.recipe.hf_config.model_from_hf_config` and
+compare it with the recipe's model with :func:`~llmtrain.recipe.hf_config.config_problems`.
+Two tracebacks were found there by hand (``model_type`` an object: unhashable; a string
+``partial_rotary_factor``: ``float()``), so this runs the same path over generated documents
+(hypothesis, derandomized): each starts from a real config.json of every family (our
+``hf_config`` of each preset, transformers 4.x and 5.x RoPE fields both written; and Phi-4's
+hub config as released, ``rope_scaling: null`` at the top level) and gets 1-4 mutations: a key
+(top level or inside ``rope_parameters``/``rope_scaling``) set to a hostile value (wrong types,
+NaN, infinities, huge, zero and negative numbers, control characters, deep nesting), deleted,
+or an unknown key added; ``model_type`` replaced; the whole document replaced by JSON that is
+not an object.
+
+Asserted for every document, as the CLI would run it:
+
+* ``model_from_hf_config`` returns recipe fields or raises :class:`LLMTrainError`, whose lines
+  are single printable lines;
+* returned fields validate as a ``ModelConfig`` or raise pydantic's ``ValidationError``, which
+  ``validation_line`` turns into one line (``eval``'s path);
+* ``config_problems`` against each family's preset model returns problems (never raises), each
+  one printable line; and a model that validated has a tensor map or a one-line refusal.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from llmtrain.engine.checkpoint_meta import validation_line
+from llmtrain.errors import LLMTrainError
+from llmtrain.recipe.hf_config import config_problems, hf_config, model_from_hf_config
+from llmtrain.recipe.schema import ModelConfig
+
+EXAMPLES = 1000  # 12,000 unseeded by hand: clean (thirty-fifth session)
+FUZZ = dict(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+PRESETS = ["llama3.1-8b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b",
+           "phi3-mini-4k", "phi4-14b"]
+PHI4_HUB = {  # microsoft/phi-4 config.json as released (transformers 4.47): top-level RoPE fields, no head_dim
+    "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 100257,
+    "embd_pdrop": 0.0, "eos_token_id": 100265, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
+    "intermediate_size": 17920, "max_position_embeddings": 16384, "model_type": "phi3", "num_attention_heads": 40,
+    "num_hidden_layers": 40, "num_key_value_heads": 10, "original_max_position_embeddings": 16384,
+    "pad_token_id": 100349, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 250000,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 100352}
+BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [PHI4_HUB]
+MODELS = [ModelConfig(preset=p) for p in PRESETS]
+
+KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
+                                                 "use_sliding_window", "max_window_layers", "router_jitter_noise",
+                                                 "mlp_bias", "attention_bias", "num_experts", "rope_type"})
+ROPE_KEYS = ["rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+             "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor"]
+HOSTILE = ["", "8", "half", "llama", "phi3", "longrope", "yarn", "\x00\x1b[31m\n", "ü" * 50, "x" * 5000, True, False,
+           None, 0, -1, 1, 2, 3, 7, 10**30, -(10**30), 2**63, 1e-300, 0.5, 0.75, 1.0, float("nan"), float("inf"),
+           float("-inf"), [], [1], ["llama"], [0, 1, -1], {}, {"rope_type": "llama3"}, {"a": {"b": {"c": [1]}}},
+           [[[[[]]]]]]
+json_leaf = st.sampled_from(HOSTILE) | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
+json_any = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.sampled_from(ROPE_KEYS + KEYS[:8]), inner, max_size=4), max_leaves=12)
+
+mutation = st.one_of(
+    st.tuples(st.just("set"), st.sampled_from(KEYS), json_any),
+    st.tuples(st.just("rope"), st.sampled_from(["rope_parameters", "rope_scaling"]), st.sampled_from(ROPE_KEYS),
+              json_any),
+    st.tuples(st.just("del"), st.sampled_from(KEYS)),
+    st.tuples(st.just("model_type"), st.sampled_from(
+        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma3", "deepseek_v3", "phi",
+         "", "LLAMA", None, 3, ["llama"], {"x": 1}])),
+    st.tuples(st.just("doc"), st.sampled_from([None, [], [1, 2], "config", 3, True])),
+)
+
+
+def apply(base: dict, muts: list) -> object:
+    conf: object = copy.deepcopy(base)
+    for m in muts:
+        if not isinstance(conf, dict):
+            break
+        if m[0] == "set":
+            conf[m[1]] = m[2]
+        elif m[0] == "rope":
+            sub = conf.get(m[1])
+            conf[m[1]] = {**(sub if isinstance(sub, dict) else {}), m[2]: m[3]}
+        elif m[0] == "del":
+            conf.pop(m[1], None)
+        elif m[0] == "model_type":
+            conf["model_type"] = m[1]
+        else:
+            conf = m[1]
+    return conf
+
+
+def one_printable_line(line: str) -> bool:
+    return "\n" not in line and "\r" not in line and all(c.isprintable() for c in line)
+
+
+def test_fuzz_hf_config_json():
+    stats: Counter = Counter()
+
+    @settings(**FUZZ)
+    @given(base=st.sampled_from(BASES), muts=st.lists(mutation, min_size=1, max_size=4))
+    def case(base, muts) -> None:
+        conf = apply(base, muts)
+        try:
+            fields = model_from_hf_config(conf, "--init-from-hf")
+        except LLMTrainError as exc:
+            assert all(one_printable_line(line) for line in exc.lines()), exc.lines()
+            stats["refused"] += 1
+            fields = None
+        if fields is not None:
+            try:
+                cfg = ModelConfig.model_validate(fields)
+            except ValidationError as exc:
+                assert one_printable_line(validation_line(exc)), validation_line(exc)
+                stats["schema refused"] += 1
+            else:
+                stats["accepted"] += 1
+                try:
+                    from llmtrain.engine.hf.families import tensor_map
+
+                    assert tensor_map(cfg)
+                except LLMTrainError as exc:
+                    assert all(one_printable_line(line) for line in exc.lines()), exc.lines()
+                    stats["no tensor map"] += 1
+        for model in MODELS:
+            for p in config_problems(conf, model, "--init-from-hf"):
+                assert one_printable_line(p.line()), p.line()
+        stats["documents"] += 1
+
+    case()
+    print(f"\nconfig.json fuzz: {dict(sorted(stats.items()))}")
+    assert stats["documents"] >= EXAMPLES and stats["refused"] >= 300 and stats["accepted"] >= 100, stats
+
+
+def test_bases_are_accepted_as_they_are():
+    """The unmutated documents load: the fuzz starts from real configs, not from refused ones."""
+    for base, model in zip(BASES, MODELS):
+        assert config_problems(base, model) == [], base["model_type"]
+    fields = model_from_hf_config(PHI4_HUB)
+    assert (fields["family"], fields["hidden"], fields["kv_heads"], fields["sliding_window"]) == ("phi3", 5120, 10, None)
+    assert math.isclose(fields["rope_theta"], 250000.0)
+    assert config_problems(PHI4_HUB, ModelConfig(preset="phi4-14b")) == []
