@@ -15,7 +15,8 @@ Shared by the interop tests (families, loading, export). Decisions:
   Qwen3's ``head_dim`` (12) differs from hidden / heads (8); the Qwen3-MoE expert width (24)
   differs from the dense width (64), its ``mlp_only_layers`` makes layer 0 dense and
   ``norm_topk_prob`` is False (the non-default of our recipe); Mixtral renormalizes; Phi-3's
-  fused ``qkv_proj`` has GQA blocks of unequal size.
+  fused ``qkv_proj`` has GQA blocks of unequal size; ``phi3_longrope`` has distinct per-pair
+  short factors and an attention factor of 1.13 (512 positions over an original 128).
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3")
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "phi3_longrope")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -63,6 +64,11 @@ def tiny_config(family: str, *, tie: bool | None = None):
     elif family == "phi3":  # fused qkv_proj (GQA: q 32 + k 16 + v 16 rows) and gate_up_proj (64 + 64 rows)
         conf = tf.Phi3Config(**kw, sliding_window=None, original_max_position_embeddings=128,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
+    elif family == "phi3_longrope":  # Phi-3.5 style: longrope, 512 positions over an original 128 (attention x 1.13)
+        kw.update(max_position_embeddings=512)
+        conf = tf.Phi3Config(**kw, sliding_window=None, original_max_position_embeddings=128, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0,
+            "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 3.0, 5.0, 8.0]})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

@@ -105,7 +105,9 @@ def test_mapping_has_teeth(tiny):
     from transformers import AutoModelForCausalLM
 
     for family, change in (("llama3", {"rope_scaling": None}), ("qwen3_moe", {"moe": {"norm_topk_prob": True}}),
-                           ("qwen2", {"qkv_bias": False})):
+                           ("qwen2", {"qkv_bias": False}), ("phi3_longrope", {"rope_scaling": None}),
+                           ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
+                           ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0, 1.0]}})):
         theirs = AutoModelForCausalLM.from_pretrained(tiny[family], dtype=torch.float32).eval()
         ours, cfg = ours_from(tiny[family])
         fields = cfg.model_dump()
@@ -178,8 +180,13 @@ def test_config_disagreements_are_all_listed(tiny):
     ({"partial_rotary_factor": "half"}, ["partial_rotary_factor='half' is not a positive number"]),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": [1]}},
      ["partial_rotary_factor=[1] is not a positive number"]),
-    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
-      "rope_parameters": None}, ["model_type='phi3'", "rope_type='longrope'"]),
+    # each family takes default RoPE and the scaling its transformers config takes
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}, "rope_parameters": None},
+     ["model_type='llama'", "rope_type='longrope'", "default and llama3"]),
+    ({"model_type": "phi3", "rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
+     ["model_type='phi3'", "rope_type='llama3'", "default and longrope"]),
+    ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0, "x"], "long_factor": [2.0]},
+      "rope_parameters": None}, ["short_factor=[1.0, 'x'] is not a list of positive numbers"]),
 ])
 def test_unsupported_config_is_one_line(tiny, change, words):
     conf, _ = check_hf_dir(tiny["llama"])
@@ -285,6 +292,8 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 
 
 def layouts_of(family: str) -> list[str]:
+    if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
+        return ["tp2", "cp2"]
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
     return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies

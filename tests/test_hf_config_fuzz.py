@@ -6,8 +6,9 @@ compare it with the recipe's model with :func:`~llmtrain.recipe.hf_config.config
 Two tracebacks were found there by hand (``model_type`` an object: unhashable; a string
 ``partial_rotary_factor``: ``float()``), so this runs the same path over generated documents
 (hypothesis, derandomized): each starts from a real config.json of every family (our
-``hf_config`` of each preset, transformers 4.x and 5.x RoPE fields both written; and Phi-4's
-hub config as released, ``rope_scaling: null`` at the top level) and gets 1-4 mutations: a key
+``hf_config`` of each preset and of a longrope Phi-3.5-shaped model, transformers 4.x and 5.x
+RoPE fields both written; Phi-4's hub config as released, ``rope_scaling: null`` at the top
+level; a Phi-3.5-style one with the early ``type: su`` longrope) and gets 1-4 mutations: a key
 (top level or inside ``rope_parameters``/``rope_scaling``) set to a hostile value (wrong types,
 NaN, infinities, huge, zero and negative numbers, control characters, deep nesting), deleted,
 or an unknown key added; ``model_type`` replaced; the whole document replaced by JSON that is
@@ -52,8 +53,16 @@ PHI4_HUB = {  # microsoft/phi-4 config.json as released (transformers 4.47): top
     "pad_token_id": 100349, "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 250000,
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 100352}
-BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [PHI4_HUB]
-MODELS = [ModelConfig(preset=p) for p in PRESETS]
+LONGROPE = ModelConfig(preset="phi3-mini-4k", max_seq_len=131072, sliding_window=None, rope_scaling={
+    "type": "longrope", "original_max_seq_len": 4096, "short_factor": [1.0 + 0.02 * i for i in range(48)],
+    "long_factor": [1.5 + 0.5 * i for i in range(48)]})  # Phi-3.5-mini's shape (its factors are not these)
+PHI35_HUB = {**PHI4_HUB, "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+             "num_hidden_layers": 32, "num_key_value_heads": 32, "max_position_embeddings": 131072,
+             "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "sliding_window": 262144,
+             "vocab_size": 32064, "rope_scaling": {"type": "su", "short_factor": LONGROPE.rope_scaling.short_factor,
+                                                   "long_factor": LONGROPE.rope_scaling.long_factor}}
+BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), PHI4_HUB, PHI35_HUB]
+MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
                                                  "use_sliding_window", "max_window_layers", "router_jitter_noise",
@@ -66,7 +75,8 @@ HOSTILE = ["", "8", "half", "llama", "phi3", "longrope", "yarn", "\x00\x1b[31m\n
            [[[[[]]]]]]
 json_leaf = st.sampled_from(HOSTILE) | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20)
 json_any = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
-                        | st.dictionaries(st.sampled_from(ROPE_KEYS + KEYS[:8]), inner, max_size=4), max_leaves=12)
+                        | st.dictionaries(st.sampled_from(ROPE_KEYS + KEYS[:8]), inner, max_size=4), max_leaves=12) \
+    | st.lists(st.floats(allow_nan=True) | st.integers(-3, 3), max_size=60)  # factor lists
 
 mutation = st.one_of(
     st.tuples(st.just("set"), st.sampled_from(KEYS), json_any),
@@ -142,9 +152,11 @@ def test_fuzz_hf_config_json():
 
 
 def test_bases_are_accepted_as_they_are():
-    """The unmutated documents load: the fuzz starts from real configs, not from refused ones."""
+    """The unmutated documents load: the fuzz starts from real configs, not from refused ones. The
+    4.x-style longrope config (``type: su``, the factors at the top level) reads as the recipe's."""
     for base, model in zip(BASES, MODELS):
         assert config_problems(base, model) == [], base["model_type"]
+    assert config_problems(PHI35_HUB, LONGROPE.model_copy(update={"sliding_window": 262144})) == []
     fields = model_from_hf_config(PHI4_HUB)
     assert (fields["family"], fields["hidden"], fields["kv_heads"], fields["sliding_window"]) == ("phi3", 5120, 10, None)
     assert math.isclose(fields["rope_theta"], 250000.0)

@@ -154,6 +154,19 @@ def test_sliding_window_longer_than_seq_len_only():
     assert p.hint == "use train.seq_len <= 64"
 
 
+def test_longrope_within_its_original_length_only():
+    """longrope's long factors (transformers uses them once a sequence passes original_max_seq_len) are
+    not implemented: a longer train.seq_len is refused, as is a factor list that is not head_dim / 2
+    long (debug-dense: head_dim 16, 8 pairs)."""
+    rope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_seq_len": 128}
+    assert not [e for e in errors(debug({"model": {"rope_scaling": rope}})) if e.path.startswith("model.rope")]
+    p = find(errors(debug({"model": {"rope_scaling": {**rope, "original_max_seq_len": 64}}})),
+             "model.rope_scaling.long_factor", "seq_len (128) exceeds original_max_seq_len (64)")
+    assert p.hint == "use train.seq_len <= 64"
+    p = find(errors(debug({"model": {"rope_scaling": {**rope, "short_factor": [1.0] * 3}}})),
+             "model.rope_scaling.short_factor", "3 factors; RoPE has head_dim / 2 = 8")
+
+
 def test_seq_len_exceeds_max_seq_len():
     p = find(errors(debug({"train": {"seq_len": 1024}})), "train.seq_len", "seq_len (1024) exceeds model.max_seq_len (512)")
     assert p.hint == "use seq_len <= 512 or raise model.max_seq_len"

@@ -22,6 +22,8 @@ arithmetic or comparison.
 
 from __future__ import annotations
 
+import math
+
 from llmtrain.errors import LLMTrainError, Problem
 from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
@@ -37,7 +39,7 @@ NOT_SUPPORTED = {
     "gemma2": "soft-capping, sliding/global layers and GeLU MLPs are not implemented",
     "gemma3": "sliding/global layers, q/k norms and GeLU MLPs are not implemented",
 }
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "longrope")  # implemented; each family takes default and its own (Family.rope_scaling)
 OPTIONAL = ("model.rope_scaling", "model.sliding_window")  # None is a value here, not a missing key
 
 
@@ -50,7 +52,13 @@ def hf_config(cfg: ModelConfig) -> dict:
     theta = float(cfg.rope_theta)
     rope = {"rope_type": "default", "rope_theta": theta}
     scaling = None
-    if cfg.rope_scaling is not None:
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type == "longrope":  # "type" too: transformers 4.x's key
+        s = cfg.rope_scaling
+        scaling = {"rope_type": "longrope", "type": "longrope", "short_factor": list(s.short_factor),
+                   "long_factor": list(s.long_factor), "attention_factor": float(s.attention_factor),
+                   "original_max_position_embeddings": s.original_max_seq_len}
+        rope = {**scaling, "rope_theta": theta}
+    elif cfg.rope_scaling is not None:
         s = cfg.rope_scaling
         scaling = {"rope_type": "llama3", "factor": float(s.factor), "low_freq_factor": float(s.low_freq_factor),
                    "high_freq_factor": float(s.high_freq_factor), "original_max_position_embeddings": s.original_max_seq_len}
@@ -70,7 +78,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     if f.name in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
     if f.name == "phi3":  # no dropout (as trained); the RoPE length before any (longrope) extension
-        out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=cfg.max_seq_len)
+        original = cfg.rope_scaling.original_max_seq_len if cfg.rope_scaling is not None else cfg.max_seq_len
+        out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=original)
     if f.sliding == "plain":
         out["sliding_window"] = cfg.sliding_window
     elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers: all of them
@@ -98,7 +107,28 @@ def _rope(conf: dict) -> dict:
 
 def _rope_type(conf: dict) -> str:
     params = _rope(conf)
-    return str(params.get("rope_type", params.get("type", "default")))
+    kind = str(params.get("rope_type", params.get("type", "default")))
+    if conf.get("model_type") == "phi3" and kind in ("su", "yarn"):  # Phi3Config's own renaming (early Phi-3 128k)
+        return "longrope"
+    return kind
+
+
+def _longrope(conf: dict) -> dict:
+    """Recipe ``rope_scaling`` of a longrope config, resolved as transformers' ``_compute_longrope_parameters``:
+    the attention factor from ``factor`` or max / original positions when not given."""
+    r = _rope(conf)
+    original = r.get("original_max_position_embeddings") or conf.get("original_max_position_embeddings") \
+        or conf.get("max_position_embeddings")
+    factor = r.get("factor")
+    if factor is None and conf.get("max_position_embeddings") and original:
+        factor = conf["max_position_embeddings"] / original
+    attention = r.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if not factor or factor <= 1.0 or not original or original < 2 else \
+            math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"type": "longrope", "factor": None, "low_freq_factor": None, "high_freq_factor": None,
+            "original_max_seq_len": original, "short_factor": [float(v) for v in r.get("short_factor") or []],
+            "long_factor": [float(v) for v in r.get("long_factor") or []], "attention_factor": float(attention)}
 
 
 def _hf_theta(conf: dict) -> float | None:
@@ -128,8 +158,9 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
     if mt == "llama" and conf.get("mlp_bias", False) is not False:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
-    if _rope_type(conf) not in ROPE_TYPES:
-        bad("rope_type", _rope_type(conf), f"only {'/'.join(ROPE_TYPES)} RoPE is implemented")
+    kind = _rope_type(conf)
+    if kind not in ("default", FAMILIES[mt].rope_scaling):
+        bad("rope_type", kind, f"{mt} is implemented with default and {FAMILIES[mt].rope_scaling} RoPE")
     for params in (conf, _rope(conf)):  # Phi-3 style configs keep it at the top level, transformers 5 in rope_parameters
         if float(params.get("partial_rotary_factor") or 1.0) != 1.0:  # its type: _type_problems (FLOAT_KEYS)
             bad("partial_rotary_factor", params.get("partial_rotary_factor"), "partial rotary is not implemented")
@@ -165,7 +196,10 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
                                "low_freq_factor": float(r.get("low_freq_factor", 1.0)),
                                "high_freq_factor": float(r.get("high_freq_factor", 4.0)),
                                "original_max_seq_len": r.get("original_max_position_embeddings",
-                                                             conf.get("max_position_embeddings"))}
+                                                             conf.get("max_position_embeddings")),
+                               "short_factor": None, "long_factor": None, "attention_factor": None}
+    elif _rope_type(conf) == "longrope":
+        out["rope_scaling"] = _longrope(conf)
     sliding = FAMILIES[mt].sliding
     if sliding == "plain" or (sliding == "qwen" and conf.get("use_sliding_window")):
         out["sliding_window"] = conf.get("sliding_window")
@@ -247,7 +281,7 @@ INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_
             "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
-              "partial_rotary_factor")
+              "partial_rotary_factor", "attention_factor")
 BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
 HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
 
@@ -282,4 +316,10 @@ def _type_problems(conf: dict, where: str) -> list[Problem]:
         if v is not None and (type(v) is not int or v <= 0):
             problems.append(Problem(where, f"config.json original_max_position_embeddings={printable(repr(v), 60)} "
                                     "is not a positive integer", HINT))
+        for key in ("short_factor", "long_factor"):  # longrope: lists of positive numbers (their count: plan)
+            v = (params or {}).get(key)
+            if v is not None and (not isinstance(v, list) or len(v) > 65536 or not all(
+                    type(x) in (int, float) and 0 < x < float("inf") for x in v)):
+                problems.append(Problem(where, f"config.json {key}={printable(repr(v), 60)} is not a list of positive "
+                                        "numbers", HINT))
     return problems

@@ -29,7 +29,7 @@ class Family:
     dense_layers: bool = False        # MoE models may have dense layers (mlp_only_layers, sparse step)
     fixed_norm_topk: bool = False     # top-k weights always renormalized (Mixtral)
     fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
-    llama3_rope: bool = True          # transformers accepts rope_type llama3 (Phi-3 takes default/longrope only)
+    rope_scaling: str = "llama3"      # the RoPE scaling rule its transformers config takes (Phi-3: longrope only)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -41,7 +41,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("w1", "w3", "w2"), fixed_norm_topk=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm=True, sliding="qwen", moe_prefix="mlp",
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
-    Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, llama3_rope=False),  # Phi-3 (full rotary), Phi-4
+    Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope"),  # Phi-3/3.5 (full rotary), Phi-4
 )}
 
 SUPPORTED = ", ".join(FAMILIES)
@@ -75,9 +75,10 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         bad("model.qk_norm", f"qk_norm is {cfg.qk_norm}; {f.name} {'always has' if f.qk_norm else 'has no'} "
             "q/k norms", "use model.family qwen3 or qwen3_moe for q/k norms" if cfg.qk_norm else
             f"set model.qk_norm: {str(f.qk_norm).lower()}")
-    if cfg.rope_scaling is not None and not f.llama3_rope:
-        bad("model.rope_scaling", f"llama3 RoPE scaling; transformers' {f.name} accepts only default (and longrope) RoPE",
-            "drop model.rope_scaling or use model.family llama")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type != f.rope_scaling:
+        bad("model.rope_scaling", f"{cfg.rope_scaling.type} RoPE scaling; transformers' {f.name} takes only "
+            f"{f.rope_scaling} scaling", "use model.family " + ("phi3" if cfg.rope_scaling.type == "longrope" else "llama")
+            + " or drop model.rope_scaling")
     if cfg.sliding_window is not None and f.sliding == "none":
         bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
             "drop model.sliding_window or use model.family mistral")

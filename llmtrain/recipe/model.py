@@ -7,6 +7,7 @@ rules apply: strict types, every field described, cross-field rules in plan/vali
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -58,19 +59,48 @@ class MoEConfig(Strict):
 
 
 class RopeScaling(Strict):
-    """RoPE frequency scaling for long context (Llama 3.1's ``rope_type: llama3``)."""
+    """RoPE frequency scaling for long context: Llama 3.1's ``rope_type: llama3`` or Phi-3's ``longrope``."""
 
-    type: Literal["llama3"] = Field("llama3", description="Scaling rule; llama3 = Llama 3.1/3.2/3.3 (the only one implemented).")
-    factor: float = Field(8.0, gt=0, le=1e6, description="Wavelengths longer than original_max_seq_len / low_freq_factor are divided by this.")
-    low_freq_factor: float = Field(1.0, gt=0, le=1e6, description="Low-frequency boundary: original_max_seq_len / low_freq_factor.")
-    high_freq_factor: float = Field(4.0, gt=0, le=1e6, description="High-frequency boundary (unchanged above it): original_max_seq_len / high_freq_factor.")
+    type: Literal["llama3", "longrope"] = Field(
+        "llama3", description="Scaling rule: llama3 (Llama 3.1/3.2/3.3) or longrope (Phi-3 128k, Phi-3.5).")
+    factor: float | None = Field(None, gt=0, le=1e6, description="llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by this (default 8).")
+    low_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: low-frequency boundary original_max_seq_len / low_freq_factor (default 1).")
+    high_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: high-frequency boundary (unchanged above it), original_max_seq_len / high_freq_factor (default 4).")
     original_max_seq_len: int = Field(8192, ge=1, le=BIG, description="Context length of pretraining before scaling (HF original_max_position_embeddings).")
+    short_factor: list[float] | None = Field(None, max_length=65536, description="longrope: per-pair divisors of the frequencies (head_dim / 2 of them), used up to original_max_seq_len.")
+    long_factor: list[float] | None = Field(None, max_length=65536, description="longrope: the divisors past original_max_seq_len (train.seq_len must stay within it: not implemented).")
+    attention_factor: float | None = Field(None, gt=0, le=1e6, description="longrope: cos and sin are multiplied by this (default, as transformers: sqrt(1 + ln(s) / ln(original_max_seq_len)), s = max_seq_len / original_max_seq_len, 1 when s <= 1).")
 
     @model_validator(mode="after")
-    def _ordered(self) -> RopeScaling:
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+    def _rule(self) -> RopeScaling:
+        if self.type == "llama3":
+            if self.short_factor is not None or self.long_factor is not None or self.attention_factor is not None:
+                raise ValueError("short_factor, long_factor and attention_factor belong to type longrope")
+            self.factor = 8.0 if self.factor is None else self.factor
+            self.low_freq_factor = 1.0 if self.low_freq_factor is None else self.low_freq_factor
+            self.high_freq_factor = 4.0 if self.high_freq_factor is None else self.high_freq_factor
+            if self.high_freq_factor <= self.low_freq_factor:
+                raise ValueError(f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor ({self.low_freq_factor})")
+            return self
+        if self.factor is not None or self.low_freq_factor is not None or self.high_freq_factor is not None:
+            raise ValueError("factor, low_freq_factor and high_freq_factor belong to type llama3; longrope takes "
+                             "short_factor, long_factor and attention_factor")
+        for name in ("short_factor", "long_factor"):
+            values = getattr(self, name)
+            if values is None:
+                raise ValueError(f"type longrope needs {name} (a list of head_dim / 2 numbers)")
+            if not all(0 < v < float("inf") for v in values):
+                raise ValueError(f"{name} must hold positive finite numbers")
         return self
+
+    def longrope_attention_factor(self, max_seq_len: int) -> float:
+        """``attention_factor``, or transformers' default for a model of ``max_seq_len`` positions."""
+        if self.attention_factor is not None:
+            return self.attention_factor
+        scale = max_seq_len / self.original_max_seq_len
+        if scale <= 1.0 or self.original_max_seq_len < 2:
+            return 1.0
+        return math.sqrt(1 + math.log(scale) / math.log(self.original_max_seq_len))
 
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
@@ -96,7 +126,7 @@ class ModelConfig(Strict):
     )
     qkv_bias: bool = Field(False, description="Biases on the q, k and v projections (Qwen2 / Qwen2.5).")
     qk_norm: bool = Field(False, description="RMSNorm over head_dim on each query and key head before RoPE (Qwen3).")
-    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+); None = plain RoPE.")
+    rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+ llama3, Phi-3 longrope); None = plain RoPE.")
     sliding_window: int | None = Field(
         None, ge=1, le=BIG,
         description="Sliding-window attention span (Mistral v0.1). Only train.seq_len <= sliding_window is supported, where it has no effect.",
@@ -148,6 +178,9 @@ class ModelConfig(Strict):
         if self.head_dim is None:  # resolved here so that every reader sees one number
             self.head_dim = max(1, self.hidden // self.heads)
             self.model_fields_set.discard("head_dim")  # still "derived" for validate.py's divisibility check
+        r = self.rope_scaling
+        if r is not None and r.type == "longrope" and r.attention_factor is None:  # resolved here too
+            r.attention_factor = r.longrope_attention_factor(self.max_seq_len)
         return self
 
     @property

@@ -32,6 +32,12 @@ Design choices:
   is interpolated linearly in ``original_max_seq_len / wavelength``. The same fp32 operations
   in the same order as transformers' ``_compute_llama3_parameters`` (so the frequencies are
   bit-identical, and with them the angles); the attention scaling of that rule is 1.
+* **LongRoPE** (type ``longrope``, Phi-3 128k / Phi-3.5): each pair's inverse frequency is
+  divided by its ``short_factor`` (transformers' ``1 / (factor_i * theta ** (2i / d))``, the
+  same fp32 operations), and cos and sin are multiplied by ``attention_factor``. transformers
+  switches to ``long_factor`` for a whole forward once its largest position reaches
+  ``original_max_seq_len``; that regime is not implemented (plan refuses ``train.seq_len`` past
+  it), so every position uses the short factors, as transformers does for those sequences.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ if TYPE_CHECKING:
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
                   scaling: RopeScaling | None = None) -> torch.Tensor:
     """The per-pair frequencies ``theta ** (-2i / head_dim)`` for ``i in range(head_dim // 2)`` (fp32),
-    rescaled by ``scaling`` (Llama 3.1 rule, see the module docstring) when given."""
+    rescaled by ``scaling`` (the llama3 or longrope rule, see the module docstring) when given."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
+    if scaling is not None and scaling.type == "longrope":
+        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32, device=device) * theta**exponents)
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
@@ -79,6 +87,8 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
     """
     inv_freq = rope_inv_freq(head_dim, theta, device=positions.device, scaling=scaling)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    if scaling is not None and scaling.type == "longrope" and scaling.attention_factor not in (None, 1.0):
+        return torch.cos(angles) * scaling.attention_factor, torch.sin(angles) * scaling.attention_factor
     return torch.cos(angles), torch.sin(angles)
 
 
