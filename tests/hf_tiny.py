@@ -16,7 +16,8 @@ Shared by the interop tests (families, loading, export). Decisions:
   differs from the dense width (64), its ``mlp_only_layers`` makes layer 0 dense and
   ``norm_topk_prob`` is False (the non-default of our recipe); Mixtral renormalizes; Phi-3's
   fused ``qkv_proj`` has GQA blocks of unequal size; ``phi3_longrope`` has distinct per-pair
-  short factors and an attention factor of 1.13 (512 positions over an original 128).
+  short factors, an attention factor of 1.13 (512 positions over an original 128), RoPE on 6 of
+  each head's 8 features (partial rotary 0.75) and tied embeddings, as Phi-4-mini.
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -64,11 +65,11 @@ def tiny_config(family: str, *, tie: bool | None = None):
     elif family == "phi3":  # fused qkv_proj (GQA: q 32 + k 16 + v 16 rows) and gate_up_proj (64 + 64 rows)
         conf = tf.Phi3Config(**kw, sliding_window=None, original_max_position_embeddings=128,
                              rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0})
-    elif family == "phi3_longrope":  # Phi-3.5 style: longrope, 512 positions over an original 128 (attention x 1.13)
-        kw.update(max_position_embeddings=512)
+    elif family == "phi3_longrope":  # Phi-4-mini style: longrope over 512 positions of an original 128 (attention
+        kw.update(max_position_embeddings=512, tie_word_embeddings=True)  # x 1.13), RoPE on 6 of 8 features, tied
         conf = tf.Phi3Config(**kw, sliding_window=None, original_max_position_embeddings=128, rope_parameters={
-            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0,
-            "short_factor": [1.0, 1.5, 2.5, 4.0], "long_factor": [2.0, 3.0, 5.0, 8.0]})
+            "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.5, 2.5], "long_factor": [2.0, 3.0, 5.0]})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

@@ -107,7 +107,10 @@ def test_mapping_has_teeth(tiny):
     for family, change in (("llama3", {"rope_scaling": None}), ("qwen3_moe", {"moe": {"norm_topk_prob": True}}),
                            ("qwen2", {"qkv_bias": False}), ("phi3_longrope", {"rope_scaling": None}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
-                           ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0, 1.0]}})):
+                           ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
+                           # the third pair unrotated (the first two keep their factors): rotary_dim matters
+                           ("phi3_longrope", {"rotary_dim": 4, "rope_scaling": {"short_factor": [1.0, 1.5],
+                                                                                "long_factor": [2.0, 3.0]}})):
         theirs = AutoModelForCausalLM.from_pretrained(tiny[family], dtype=torch.float32).eval()
         ours, cfg = ours_from(tiny[family])
         fields = cfg.model_dump()
@@ -174,7 +177,8 @@ def test_config_disagreements_are_all_listed(tiny):
     ({"model_type": ["llama"]}, ["model_type=['llama'] is not supported"]),
     # partial rotary, where Phi-3-style configs keep it (top level) and where transformers 5 does; a string
     # there was a ValueError traceback from float()
-    ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75", "partial rotary is not implemented"]),
+    ({"partial_rotary_factor": 0.75}, ["partial_rotary_factor=0.75", "llama rotates whole heads"]),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.2}, ["partial_rotary_factor=0.2", "an even number >= 2"]),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      ["partial_rotary_factor=0.5"]),
     ({"partial_rotary_factor": "half"}, ["partial_rotary_factor='half' is not a positive number"]),

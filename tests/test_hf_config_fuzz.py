@@ -6,7 +6,7 @@ compare it with the recipe's model with :func:`~llmtrain.recipe.hf_config.config
 Two tracebacks were found there by hand (``model_type`` an object: unhashable; a string
 ``partial_rotary_factor``: ``float()``), so this runs the same path over generated documents
 (hypothesis, derandomized): each starts from a real config.json of every family (our
-``hf_config`` of each preset and of a longrope Phi-3.5-shaped model, transformers 4.x and 5.x
+``hf_config`` of each preset and of longrope Phi-3.5- and Phi-4-mini-shaped models, transformers 4.x and 5.x
 RoPE fields both written; Phi-4's hub config as released, ``rope_scaling: null`` at the top
 level; a Phi-3.5-style one with the early ``type: su`` longrope) and gets 1-4 mutations: a key
 (top level or inside ``rope_parameters``/``rope_scaling``) set to a hostile value (wrong types,
@@ -61,8 +61,11 @@ PHI35_HUB = {**PHI4_HUB, "hidden_size": 3072, "intermediate_size": 8192, "num_at
              "original_max_position_embeddings": 4096, "rope_theta": 10000.0, "sliding_window": 262144,
              "vocab_size": 32064, "rope_scaling": {"type": "su", "short_factor": LONGROPE.rope_scaling.short_factor,
                                                    "long_factor": LONGROPE.rope_scaling.long_factor}}
-BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), PHI4_HUB, PHI35_HUB]
-MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE]
+PHI4_MINI = LONGROPE.model_copy(update={"heads": 24, "kv_heads": 8, "head_dim": 128, "rotary_dim": 96,
+                                         "tie_embeddings": True, "vocab_size": 200064})  # its shape, not its factors
+BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), hf_config(PHI4_MINI), PHI4_HUB,
+                                                                PHI35_HUB]
+MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
                                                  "use_sliding_window", "max_window_layers", "router_jitter_noise",
@@ -156,6 +159,7 @@ def test_bases_are_accepted_as_they_are():
     4.x-style longrope config (``type: su``, the factors at the top level) reads as the recipe's."""
     for base, model in zip(BASES, MODELS):
         assert config_problems(base, model) == [], base["model_type"]
+    assert model_from_hf_config(hf_config(PHI4_MINI))["rotary_dim"] == 96
     assert config_problems(PHI35_HUB, LONGROPE.model_copy(update={"sliding_window": 262144})) == []
     fields = model_from_hf_config(PHI4_HUB)
     assert (fields["family"], fields["hidden"], fields["kv_heads"], fields["sliding_window"]) == ("phi3", 5120, 10, None)

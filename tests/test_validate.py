@@ -167,6 +167,13 @@ def test_longrope_within_its_original_length_only():
              "model.rope_scaling.short_factor", "3 factors; RoPE has head_dim / 2 = 8")
 
 
+def test_rotary_dim_even_and_within_the_head():
+    """Partial rotary turns pairs of a head's first rotary_dim features (debug-dense: head_dim 16)."""
+    assert not [e for e in errors(debug({"model": {"rotary_dim": 12}})) if e.path == "model.rotary_dim"]
+    for bad in (11, 18):
+        find(errors(debug({"model": {"rotary_dim": bad}})), "model.rotary_dim", f"rotary_dim ({bad}) must be even")
+
+
 def test_seq_len_exceeds_max_seq_len():
     p = find(errors(debug({"train": {"seq_len": 1024}})), "train.seq_len", "seq_len (1024) exceeds model.max_seq_len (512)")
     assert p.hint == "use seq_len <= 512 or raise model.max_seq_len"

@@ -120,6 +120,9 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("model.sliding_window", f"seq_len ({t.seq_len}) exceeds the sliding window ({m.sliding_window}); "
                     "sliding-window attention is not implemented, only sequences it does not affect",
                     f"use train.seq_len <= {m.sliding_window}"))
+    if m.rotary_dim is not None and (m.rotary_dim > m.head_dim or m.rotary_dim % 2):
+        err(Problem("model.rotary_dim", f"rotary_dim ({m.rotary_dim}) must be even and at most head_dim ({m.head_dim})",
+                    f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))
     r = m.rope_scaling
     if r is not None and r.type == "longrope":
         if t.seq_len > r.original_max_seq_len:
@@ -127,9 +130,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
                         f"({r.original_max_seq_len}), past which longrope switches to its long factors; that regime "
                         "is not implemented", f"use train.seq_len <= {r.original_max_seq_len}"))
         for name in ("short_factor", "long_factor"):
-            if len(getattr(r, name)) != m.head_dim // 2:
-                err(Problem(f"model.rope_scaling.{name}", f"{len(getattr(r, name))} factors; RoPE has head_dim / 2 = "
-                            f"{m.head_dim // 2} frequency pairs", f"give {m.head_dim // 2} factors"))
+            if len(getattr(r, name)) != m.rope_dim // 2:
+                err(Problem(f"model.rope_scaling.{name}", f"{len(getattr(r, name))} factors; RoPE has "
+                            f"{'rotary_dim' if m.rotary_dim else 'head_dim'} / 2 = {m.rope_dim // 2} frequency pairs",
+                            f"give {m.rope_dim // 2} factors"))
     if m.is_moe and not any(m.is_moe_layer(i) for i in range(m.layers)):
         warn(Problem("model.moe", f"{m.moe.num_experts} experts but no layer is MoE (first_dense_layers, "
                      "sparse_step, dense_layers exclude all)", "check model.moe's layer selection"))

@@ -40,7 +40,7 @@ NOT_SUPPORTED = {
     "gemma3": "sliding/global layers, q/k norms and GeLU MLPs are not implemented",
 }
 ROPE_TYPES = ("default", "llama3", "longrope")  # implemented; each family takes default and its own (Family.rope_scaling)
-OPTIONAL = ("model.rope_scaling", "model.sliding_window")  # None is a value here, not a missing key
+OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim")  # None is a value here, not a missing key
 
 
 # -- recipe -> config.json --------------------------------------------------------------------
@@ -77,6 +77,9 @@ def hf_config(cfg: ModelConfig) -> dict:
         out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     if f.name in ("qwen3", "qwen3_moe"):
         out["attention_bias"] = False
+    if cfg.rope_dim != cfg.head_dim:  # partial rotary (family_problems: phi3, and int(head_dim x factor) == rope_dim)
+        partial = cfg.rope_dim / cfg.head_dim
+        rope["partial_rotary_factor"] = out["partial_rotary_factor"] = partial  # rope is out's rope_parameters
     if f.name == "phi3":  # no dropout (as trained); the RoPE length before any (longrope) extension
         original = cfg.rope_scaling.original_max_seq_len if cfg.rope_scaling is not None else cfg.max_seq_len
         out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=original)
@@ -131,6 +134,24 @@ def _longrope(conf: dict) -> dict:
             "long_factor": [float(v) for v in r.get("long_factor") or []], "attention_factor": float(attention)}
 
 
+def _partial(conf: dict) -> float:
+    """``partial_rotary_factor``: in rope_parameters (transformers 5) or at the top level (Phi-3 style)."""
+    for params in (_rope(conf), conf):
+        if params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    return 1.0
+
+
+def _rotary_dim(conf: dict, partial: float) -> int | None:
+    """Rotated features per head, ``int(head_dim x partial)`` as transformers computes it; None: not even >= 2."""
+    heads, hidden = conf.get("num_attention_heads"), conf.get("hidden_size")
+    head_dim = conf.get("head_dim") or (hidden // heads if hidden and heads else None)
+    if head_dim is None:
+        return None
+    dim = int(head_dim * partial)
+    return dim if dim >= 2 and dim % 2 == 0 else None
+
+
 def _hf_theta(conf: dict) -> float | None:
     params = _rope(conf)
     if params.get("rope_theta") is not None:
@@ -161,10 +182,11 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
     kind = _rope_type(conf)
     if kind not in ("default", FAMILIES[mt].rope_scaling):
         bad("rope_type", kind, f"{mt} is implemented with default and {FAMILIES[mt].rope_scaling} RoPE")
-    for params in (conf, _rope(conf)):  # Phi-3 style configs keep it at the top level, transformers 5 in rope_parameters
-        if float(params.get("partial_rotary_factor") or 1.0) != 1.0:  # its type: _type_problems (FLOAT_KEYS)
-            bad("partial_rotary_factor", params.get("partial_rotary_factor"), "partial rotary is not implemented")
-            break
+    partial = _partial(conf)  # its type: _type_problems (FLOAT_KEYS)
+    if partial != 1.0 and not FAMILIES[mt].partial_rotary:
+        bad("partial_rotary_factor", partial, f"{mt} rotates whole heads (partial rotary is phi3's)")
+    elif partial != 1.0 and (partial > 1.0 or _rotary_dim(conf, partial) is None):
+        bad("partial_rotary_factor", partial, "it must leave an even number >= 2 of rotated features per head")
     if mt == "mixtral" and conf.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
         bad("router_jitter_noise", conf.get("router_jitter_noise"), "router jitter is not implemented")
     if mt in ("qwen2", "qwen3", "qwen3_moe") and conf.get("use_sliding_window") and conf.get("max_window_layers", 0):
@@ -188,7 +210,7 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         "tie_embeddings": bool(conf.get("tie_word_embeddings", False)),
         "head_dim": conf.get("head_dim") or (hidden // heads if hidden and heads else None),
         "qkv_bias": FAMILIES[mt].qkv_bias, "qk_norm": FAMILIES[mt].qk_norm, "rope_scaling": None,
-        "sliding_window": None,
+        "sliding_window": None, "rotary_dim": _rotary_dim(conf, _partial(conf)) if _partial(conf) != 1.0 else None,
     }
     if _rope_type(conf) == "llama3":
         r = _rope(conf)
@@ -246,6 +268,8 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
               ("model.heads", cfg.heads, theirs["heads"], "num_attention_heads"),
               ("model.kv_heads", cfg.kv_heads, theirs["kv_heads"], "num_key_value_heads"),
               ("model.head_dim", cfg.head_dim, theirs["head_dim"], "head_dim"),
+              ("model.rotary_dim", cfg.rope_dim if cfg.rope_dim != cfg.head_dim else None, theirs["rotary_dim"],
+               "head_dim x partial_rotary_factor"),  # None on both sides: whole heads
               ("model.vocab_size", cfg.vocab_size, theirs["vocab_size"], "vocab_size"),
               ("model.tie_embeddings", bool(cfg.tie_embeddings), theirs["tie_embeddings"], "tie_word_embeddings"),
               ("model.norm_eps", float(cfg.norm_eps), theirs["norm_eps"], "rms_norm_eps"),

@@ -30,6 +30,7 @@ class Family:
     fixed_norm_topk: bool = False     # top-k weights always renormalized (Mixtral)
     fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
     rope_scaling: str = "llama3"      # the RoPE scaling rule its transformers config takes (Phi-3: longrope only)
+    partial_rotary: bool = False      # RoPE on the first rotary_dim features only (Phi-3's partial_rotary_factor)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -41,7 +42,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("w1", "w3", "w2"), fixed_norm_topk=True),
     Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm=True, sliding="qwen", moe_prefix="mlp",
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
-    Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope"),  # Phi-3/3.5 (full rotary), Phi-4
+    Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope",
+           partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
 )}
 
 SUPPORTED = ", ".join(FAMILIES)
@@ -79,6 +81,12 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         bad("model.rope_scaling", f"{cfg.rope_scaling.type} RoPE scaling; transformers' {f.name} takes only "
             f"{f.rope_scaling} scaling", "use model.family " + ("phi3" if cfg.rope_scaling.type == "longrope" else "llama")
             + " or drop model.rope_scaling")
+    if cfg.rope_dim != cfg.head_dim and not f.partial_rotary:
+        bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim}; {f.name} rotates whole heads",
+            "drop model.rotary_dim or use model.family phi3")
+    elif cfg.rope_dim != cfg.head_dim and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
+        bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim} is no partial_rotary_factor "
+            "transformers turns back into it (int(head_dim x factor))", "use a rotary_dim such as head_dim x 3/4")
     if cfg.sliding_window is not None and f.sliding == "none":
         bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
             "drop model.sliding_window or use model.family mistral")

@@ -124,6 +124,10 @@ class ModelConfig(Strict):
     head_dim: int | None = Field(
         None, ge=2, le=BIG, description="Width of one attention head (default hidden / heads; Qwen3 sets it explicitly)."
     )
+    rotary_dim: int | None = Field(
+        None, ge=2, le=BIG,
+        description="Features of each head that RoPE rotates, the first ones (partial rotary: Phi-4-mini's 96 of 128); None = head_dim.",
+    )
     qkv_bias: bool = Field(False, description="Biases on the q, k and v projections (Qwen2 / Qwen2.5).")
     qk_norm: bool = Field(False, description="RMSNorm over head_dim on each query and key head before RoPE (Qwen3).")
     rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+ llama3, Phi-3 longrope); None = plain RoPE.")
@@ -182,6 +186,11 @@ class ModelConfig(Strict):
         if r is not None and r.type == "longrope" and r.attention_factor is None:  # resolved here too
             r.attention_factor = r.longrope_attention_factor(self.max_seq_len)
         return self
+
+    @property
+    def rope_dim(self) -> int:
+        """Features of each head that RoPE rotates (``rotary_dim``, else all of ``head_dim``)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:

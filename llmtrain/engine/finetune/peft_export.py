@@ -65,7 +65,7 @@ def peft_tensors(adapters: dict, cfg) -> dict:
     for key, t in adapters.items():
         t = t.detach()
         if key.endswith(("attention.wq.lora_b.weight", "attention.wk.lora_b.weight")):
-            t = interleaved_to_half(t, t.shape[0] // cfg.head_dim)
+            t = interleaved_to_half(t, t.shape[0] // cfg.head_dim, cfg.rope_dim)
         out[peft_name(key)] = t.contiguous()
     return out
 

@@ -94,6 +94,8 @@ class Source:
       HF's half-split RoPE order; ours is interleaved (:func:`half_to_interleaved` per head).
       Set for q/k projection weights and biases and for q/k norm weights (one head).
 
+    * ``rotary``: with ``head_dim``, the rows of each head that RoPE rotates (partial rotary,
+      ``model.rotary_dim``): only they are permuted, the others pass; None: all ``head_dim``.
     * ``rows``: ``(start, stop, total)``: our tensor is rows ``start:stop`` of the one HF tensor
       (of ``total`` rows), a block of a fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``).
 
@@ -106,6 +108,7 @@ class Source:
     stacked: bool = False
     head_dim: int | None = None
     rows: tuple[int, int, int] | None = None
+    rotary: int | None = None  # partial rotary: only the first ``rotary`` rows of each head are permuted
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
@@ -132,8 +135,9 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
         blocks = fused_rows(cfg) if f.fused else {}
         for ours, theirs in names.items():
             theirs = FUSED_NAMES.get(ours, theirs) if f.fused else theirs
-            out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if ours in ROTATED else None,
-                                   rows=blocks.get(ours))
+            rotated = ours in ROTATED
+            out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if rotated else None, rows=blocks.get(ours),
+                                   rotary=cfg.rope_dim if rotated and cfg.rope_dim != cfg.head_dim else None)
         if cfg.is_moe_layer(i):
             moe = f"{hp}{f.moe_prefix}."
             out[p + "moe.router.weight"] = Source((moe + "gate.weight",))
@@ -176,7 +180,7 @@ def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
             if t.dim() == 0 or t.shape[0] % src.head_dim:
                 raise LLMTrainError(f"{name}: shape {list(t.shape)} is not a whole number of heads of {src.head_dim}",
                                     "the weights do not match the model's head_dim", path="model.head_dim")
-        tensors = [half_to_interleaved(t, t.shape[0] // src.head_dim) for t in tensors]
+        tensors = [half_to_interleaved(t, t.shape[0] // src.head_dim, src.rotary) for t in tensors]
     if src.stacked:
         shapes = {tuple(t.shape) for t in tensors}
         if len(shapes) > 1:
@@ -191,23 +195,37 @@ def to_hf(src: Source, ours: torch.Tensor) -> list[torch.Tensor]:
     its block of the fused tensor (:func:`hf_tensors` joins the blocks)."""
     parts = list(ours.detach().unbind(0)) if src.stacked else [ours.detach()]
     if src.head_dim is not None:
-        return [interleaved_to_half(t, t.shape[0] // src.head_dim) for t in parts]
+        return [interleaved_to_half(t, t.shape[0] // src.head_dim, src.rotary) for t in parts]
     return [t.clone().contiguous() for t in parts]
 
 
 # -- the RoPE row permutation ------------------------------------------------------------------
 
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def interleaved_to_half(w: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
     """Rows of a q/k projection ``[n_heads * d, ...]`` (or a bias / norm weight ``[n_heads * d]``):
-    per head ``[0, 2, 4, ..., 1, 3, 5, ...]``."""
+    per head ``[0, 2, 4, ..., 1, 3, 5, ...]`` over its first ``rotary`` rows (default all ``d``),
+    the rest unchanged (partial rotary)."""
     d = w.shape[0] // n_heads
-    return w.reshape(n_heads, d // 2, 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+    r = rotary or d
+    heads = w.reshape(n_heads, d, -1)
+    turned = heads[:, :r].reshape(n_heads, r // 2, 2, -1).transpose(1, 2).reshape(n_heads, r, -1)
+    return _join_rest(turned, heads[:, r:]).reshape(w.shape).contiguous()
 
 
-def half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def half_to_interleaved(w: torch.Tensor, n_heads: int, rotary: int | None = None) -> torch.Tensor:
     """The inverse of :func:`interleaved_to_half`."""
     d = w.shape[0] // n_heads
-    return w.reshape(n_heads, 2, d // 2, -1).transpose(1, 2).reshape(w.shape).contiguous()
+    r = rotary or d
+    heads = w.reshape(n_heads, d, -1)
+    turned = heads[:, :r].reshape(n_heads, 2, r // 2, -1).transpose(1, 2).reshape(n_heads, r, -1)
+    return _join_rest(turned, heads[:, r:]).reshape(w.shape).contiguous()
+
+
+def _join_rest(turned: torch.Tensor, rest: torch.Tensor) -> torch.Tensor:
+    """``turned`` with the pass-through rows ``rest`` after it (per head, dim 1); ``turned`` when none."""
+    import torch
+
+    return turned if rest.shape[1] == 0 else torch.cat((turned, rest), dim=1)
 
 
 # -- whole state dicts (via the tensor map) ------------------------------------------------------

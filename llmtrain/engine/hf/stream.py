@@ -148,7 +148,7 @@ def read_box(reader: SliceReader, src: Source, spans: list[tuple[int, int, torch
         start = src.rows[0]
         box[0] = slice(box[0].start + start, box[0].stop + start)
     parts = [reader.read(n, tuple(box)) for n in names]
-    value = to_ours(Source(tuple(names), src.stacked, src.head_dim), parts)
+    value = to_ours(Source(tuple(names), src.stacked, src.head_dim, rotary=src.rotary), parts)
     if cut is not None:
         value = value.narrow(1 if src.stacked else 0, cut[0], cut[1] - cut[0])
     for d, (_, _, pos) in enumerate(spans):

@@ -230,7 +230,7 @@ class Transformer(nn.Module):
             # (and in Megatron-LM and torchtitan): half the bytes of every block input, one bf16
             # input saved for q/k/v (w1/w3) instead of autocast's cast per projection.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, self.rope_scaling)
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
         mask = None if segments is None else packed_mask(segments)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)

@@ -32,6 +32,10 @@ Design choices:
   is interpolated linearly in ``original_max_seq_len / wavelength``. The same fp32 operations
   in the same order as transformers' ``_compute_llama3_parameters`` (so the frequencies are
   bit-identical, and with them the angles); the attention scaling of that rule is 1.
+* **Partial rotary** (``model.rotary_dim`` < ``head_dim``, Phi-4-mini): only the first
+  ``rotary_dim`` features of each head are rotated, their frequencies are those of a head of
+  ``rotary_dim`` (``theta ** (-2i / rotary_dim)``, as transformers' ``partial_rotary_factor``),
+  and the other features pass unchanged.
 * **LongRoPE** (type ``longrope``, Phi-3 128k / Phi-3.5): each pair's inverse frequency is
   divided by its ``short_factor`` (transformers' ``1 / (factor_i * theta ** (2i / d))``, the
   same fp32 operations), and cos and sin are multiplied by ``attention_factor``. transformers
@@ -107,6 +111,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     generate code for complex operators (it falls back to the eager kernel and warns, on every
     rank), while the four multiplies and two adds fuse with the cast and the copy around them.
     """
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:  # partial rotary (model.rotary_dim): the first features turn, the rest pass
+        return torch.cat((apply_rope(x[..., :rotated], cos, sin), x[..., rotated:]), dim=-1)
     if cos.dim() == 2:
         cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
     if torch.compiler.is_compiling():
