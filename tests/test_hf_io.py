@@ -172,6 +172,26 @@ def shard_tensors(d: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def logits_error(ckpt: Path, out: Path, model_type: str) -> float:
+    """Max |logit| difference between our engine model loaded from ``ckpt`` and transformers'
+    ``AutoModelForCausalLM`` of the export ``out`` (which must be of ``model_type``)."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine.hf import read_checkpoint_model
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.schema import ModelConfig
+
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    cfg = ModelConfig.model_validate(meta["recipe"]["model"])
+    ours = Transformer(cfg)
+    ours.load_state_dict(read_checkpoint_model(ckpt))
+    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert theirs.config.model_type == model_type
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return float((ours.eval()(ids) - theirs(ids).logits).abs().max())
+
+
 @pytest.fixture(scope="module")
 def exports(world) -> dict:
     tmp, ckpts = world["tmp"], world["ckpts"]
@@ -202,22 +222,8 @@ def test_export_after_2_ranks_equals_export_resharded_to_1_rank(world, exports):
 
 
 def test_export_loads_in_transformers_with_equal_logits(world, exports):
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.engine.hf import read_checkpoint_model
-    from llmtrain.engine.models.llama import Transformer
-    from llmtrain.recipe.schema import ModelConfig
-
     out = exports["two"]
-    meta = json.loads((world["ckpts"] / "step-2" / "metadata.json").read_text())
-    cfg = ModelConfig.model_validate(meta["recipe"]["model"])
-    ours = Transformer(cfg)
-    ours.load_state_dict(read_checkpoint_model(world["ckpts"] / "step-2"))
-    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert theirs.config.model_type == "qwen3_moe"
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        err = float((ours.eval()(ids) - theirs(ids).logits).abs().max())
+    err = logits_error(world["ckpts"] / "step-2", out, "qwen3_moe")
     print(f"export -> transformers: logits max abs error {err:.3g}")
     assert err <= LOGIT_TOL, err
     assert (out / "tokenizer.json").read_bytes() == (world["tok"] / "tokenizer.json").read_bytes()
@@ -229,27 +235,13 @@ def test_fused_phi3_export_from_tp2_loads_in_transformers(world):
     """Phi-3's fused qkv_proj / gate_up_proj, trained from the tiny HF weights at TP 2 (each rank
     holds half the rows of every block) and exported in 12 KB shards by 2 workers: the blocks of a
     fused tensor land in one shard, joined in order; transformers' logits equal ours (LOGIT_TOL)."""
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.engine.hf import read_checkpoint_model
-    from llmtrain.engine.models.llama import Transformer
-    from llmtrain.recipe.schema import ModelConfig
-
     ckpts = world["tmp"] / "ckpts_phi3"
     out = export(ckpts, "step-2", world["tmp"] / "phi3_export", "--max-shard-size", "12KB", "--workers", "2")
     index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) >= 3 and "model.layers.1.self_attn.qkv_proj.weight" in index
     assert not [k for k in index if k.endswith((".q_proj.weight", ".gate_proj.weight", ".up_proj.weight"))]
-    meta = json.loads((ckpts / "step-2" / "metadata.json").read_text())
-    assert meta["dims"]["tp"] == 2
-    cfg = ModelConfig.model_validate(meta["recipe"]["model"])
-    ours = Transformer(cfg)
-    ours.load_state_dict(read_checkpoint_model(ckpts / "step-2"))
-    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert theirs.config.model_type == "phi3"
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        err = float((ours.eval()(ids) - theirs(ids).logits).abs().max())
+    assert json.loads((ckpts / "step-2" / "metadata.json").read_text())["dims"]["tp"] == 2
+    err = logits_error(ckpts / "step-2", out, "phi3")
     print(f"phi3 export -> transformers: logits max abs error {err:.3g}")
     assert err <= LOGIT_TOL, err
     trained, start = shard_tensors(out), shard_tensors(world["hf"]["phi3"])
