@@ -88,7 +88,7 @@ class RopeScaling(Strict):
         for name in ("short_factor", "long_factor"):
             values = getattr(self, name)
             if values is None:
-                raise ValueError(f"type longrope needs {name} (a list of head_dim / 2 numbers)")
+                raise ValueError(f"type longrope needs {name} (one number per RoPE frequency pair)")
             if not all(0 < v < float("inf") for v in values):
                 raise ValueError(f"{name} must hold positive finite numbers")
         return self

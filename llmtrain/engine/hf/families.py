@@ -1,8 +1,9 @@
 """Hugging Face model families: our state dict <-> theirs, per family (config.json: :mod:`.config_json`).
 
 Families: ``llama`` (Llama 2/3/3.1/3.2), ``mistral``, ``qwen2`` (Qwen2/2.5), ``qwen3``, ``mixtral``,
-``qwen3_moe``, ``phi3`` (Phi-3 with full rotary, Phi-4). One engine model with switches (:mod:`llmtrain.engine.models.llama`) stands for all
-of them; this module says, per family, which switches it has and which HF tensor is which of ours.
+``qwen3_moe``, ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini). One engine model with switches
+(:mod:`llmtrain.engine.models.llama`) stands for all of them; this module says, per family, which
+switches it has and which HF tensor is which of ours.
 No ``transformers`` import: the files are plain safetensors + JSON.
 
 Decisions:
