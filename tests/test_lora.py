@@ -140,20 +140,51 @@ def test_adapters_freeze_init_and_merge():
     assert (want - before).abs().max() > 1e-2  # the random B matter: the check above is not vacuous
 
 
-def test_peft_export_of_a_fused_family_is_refused_before_writing(tmp_path):
-    """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters; ours are per projection, so
-    ``--peft`` is refused in one line naming --hf before anything is read or written."""
-    from llmtrain.engine.finetune.lora_export import export_lora
-    from llmtrain.errors import LLMTrainError
-    from llmtrain.recipe.load import load_recipe
-    from llmtrain.recipe.schema import ModelConfig
+@pytest.mark.parametrize("targets", [None, ["wq", "wv", "w3", "wo"]])
+def test_peft_adapters_of_a_fused_family_load_in_peft(tmp_path, targets):
+    """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters: our per-projection adapters
+    become one block-diagonal adapter per fused module (peft_export.py). On transformers' own tiny
+    Phi-3 base, PEFT with the exported adapter equals our LoRA model's forward (LOGIT_TOL), with
+    every projection adapted (rank 12 on qkv_proj, 8 on gate_up_proj) and with some (k and gate
+    not: their rows of B stay zero)."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
 
-    lora = load_recipe(ROOT / "recipes/debug.yaml", COMMON).train.lora
-    with pytest.raises(LLMTrainError) as info:
-        export_lora(tmp_path / "missing", {}, {}, ModelConfig(preset="phi4-14b"), lora, None, tmp_path / "peft", None,
-                    "fp32", 1, 1, None)
-    assert [p.path for p in info.value.problems] == ["--peft"] and "--hf" in info.value.lines()[0]
-    assert not (tmp_path / "peft").exists()
+    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key
+    from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
+    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
+
+    base = save_tiny("phi3", tmp_path / "base", shards=1)
+    conf, files = check_hf_dir(base)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    lora_cfg = LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
+    ours = Transformer(cfg)
+    ours.load_state_dict(from_hf_state(read_hf_state(files), cfg))
+    apply_lora(ours, lora_cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if is_adapter_key(name):  # B is zero at init: draw both so that every adapter matters
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
+    out = tmp_path / "peft"
+    out.mkdir()
+    save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), fused=True)))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        base_logits = plain(tokens).logits
+        theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
+        want = ours.eval()(tokens)
+    diff = (theirs - want).abs().max().item()
+    print(f"phi3 PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
+          f"{(want - base_logits).abs().max().item():.2e}")
+    assert diff <= LOGIT_TOL, diff
+    assert (want - base_logits).abs().max().item() > 1e-2
 
 
 def test_peft_names_and_fingerprint(tmp_path):

@@ -145,12 +145,6 @@ def export_lora(path, meta, files, cfg, lora_cfg, hf, peft, base, dtype, max_byt
     from llmtrain.engine.finetune.peft_export import export_peft
     from llmtrain.engine.hf.export import export_hf
 
-    from llmtrain.recipe.hf_families import family_of
-
-    if peft is not None and family_of(cfg).fused:  # before anything is written
-        raise LLMTrainError(f"{cfg.hf_family}'s PEFT adapters target its fused qkv_proj and gate_up_proj; this run's "
-                            "adapters are per projection (q, k, v, gate, up), which a PEFT adapter of the same rank "
-                            "cannot hold", "export the merged model with --hf", path="--peft")
     recorded = meta.get("lora_base")
     base_dir = None
     if base is not None and recorded is None:

@@ -19,6 +19,12 @@
   writes it next to the adapters, unmerged, as ``OUT/base/`` (the ``--hf`` layout) and names
   that directory (absolute path; move both together). The alternative, refusing, would leave
   such a run with only the merged export.
+* **Fused families** (Phi-3): PEFT adapts the fused ``qkv_proj`` / ``gate_up_proj``. Our adapters
+  of q, k and v (rank r each) are one adapter of rank 3 r there: ``lora_A`` the three stacked,
+  ``lora_B`` block-diagonal (each projection's ``B`` at its rows of the fused weight and its own
+  r columns), so ``B A`` is each projection's update in its rows, zero elsewhere (a projection
+  not targeted adds no columns). ``rank_pattern`` / ``alpha_pattern`` give such a module rank
+  n r and alpha n alpha: PEFT's scale alpha / r stays ours.
 * MoE models are refused: their experts' ``gate/up/down_proj`` would match the target names in
   PEFT, which would add adapters the run never trained (the planner refuses LoRA + MoE anyway).
 """
@@ -49,24 +55,59 @@ def peft_name(ours: str) -> str:
     return f"{PREFIX}model.layers.{parts[1]}.{hf_module}.{ab}.weight"
 
 
-def adapter_config(lora_cfg, base: str) -> dict:
+# fused families (Phi-3): our projections -> the fused HF module their adapters join, in row order
+FUSED = {"attention": (("wq", "wk", "wv"), "self_attn.qkv_proj"), "feed_forward": (("w1", "w3"), "mlp.gate_up_proj")}
+FUSED_TARGETS = {"wq": "qkv_proj", "wk": "qkv_proj", "wv": "qkv_proj", "w1": "gate_up_proj", "w3": "gate_up_proj"}
+
+
+def adapter_config(lora_cfg, base: str, fused: bool = False) -> dict:
+    """PEFT's ``adapter_config.json``. ``fused`` (Phi-3): a fused module holding n adapted projections
+    gets rank n r and alpha n alpha (``rank_pattern``/``alpha_pattern``), so its scale stays alpha / r."""
+    names = {t: (FUSED_TARGETS.get(t, HF_TARGETS[t]) if fused else HF_TARGETS[t]) for t in lora_cfg.target_names}
+    count = {m: list(names.values()).count(m) for m in set(names.values())}
+    ranks = {m: n * lora_cfg.rank for m, n in sorted(count.items()) if n > 1}
+    alphas = {m: n * lora_cfg.alpha for m, n in sorted(count.items()) if n > 1}
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
             "lora_dropout": lora_cfg.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "target_modules": sorted(HF_TARGETS[t] for t in lora_cfg.target_names),
-            "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base}
+            "target_modules": sorted(count), "layers_to_transform": None, "rank_pattern": ranks,
+            "alpha_pattern": alphas, "base_model_name_or_path": base}
 
 
 def peft_tensors(adapters: dict, cfg) -> dict:
-    """Our adapter tensors (keys without ``model.``) -> PEFT's names and row order."""
-    from llmtrain.engine.hf.families import interleaved_to_half
+    """Our adapter tensors (keys without ``model.``) -> PEFT's names and row order. A fused family's
+    adapters of one module are joined: ``lora_A`` stacked ``[n r, hidden]``, ``lora_B`` block-diagonal
+    ``[fused rows, n r]`` with each projection's rows at its block of the fused weight, so
+    ``B_fused @ A_fused`` is each projection's ``B @ A`` in its rows (zero rows: a projection not adapted)."""
+    import torch
 
-    out = {}
+    from llmtrain.engine.hf.families import fused_rows, interleaved_to_half
+    from llmtrain.recipe.hf_families import family_of
+
+    fused = family_of(cfg).fused
+    out, groups = {}, {}
     for key, t in adapters.items():
         t = t.detach()
         if key.endswith(("attention.wq.lora_b.weight", "attention.wk.lora_b.weight")):
             t = interleaved_to_half(t, t.shape[0] // cfg.head_dim, cfg.rope_dim)
-        out[peft_name(key)] = t.contiguous()
+        parts = key.split(".")  # layers N attention|feed_forward wX lora_a|lora_b weight
+        if fused and parts[3] in FUSED_TARGETS:
+            groups.setdefault((parts[1], parts[2]), {}).setdefault(parts[3], {})[parts[4]] = t
+        else:
+            out[peft_name(key)] = t.contiguous()
+    rows = fused_rows(cfg) if fused else {}
+    for (layer, section), members in sorted(groups.items()):
+        order, module = FUSED[section]
+        present = [n for n in order if n in members]
+        first = members[present[0]]
+        r, total = first["lora_a"].shape[0], rows[f"{section}.{present[0]}.weight"][2]
+        b = torch.zeros(total, len(present) * r, dtype=first["lora_b"].dtype)
+        for j, n in enumerate(present):
+            start, stop, _ = rows[f"{section}.{n}.weight"]
+            b[start:stop, j * r:(j + 1) * r] = members[n]["lora_b"]
+        where = f"{PREFIX}model.layers.{layer}.{module}"
+        out[f"{where}.lora_A.weight"] = torch.cat([members[n]["lora_a"] for n in present]).contiguous()
+        out[f"{where}.lora_B.weight"] = b
     return out
 
 
@@ -100,5 +141,8 @@ def export_peft(ckpt: Path, files: dict, cfg, lora_cfg, out: Path, base: str, dt
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS)
-    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, base), indent=2, sort_keys=True) + "\n")
+    from llmtrain.recipe.hf_families import family_of
+
+    config = adapter_config(lora_cfg, base, family_of(cfg).fused)
+    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [out / CONFIG, out / WEIGHTS]
