@@ -251,6 +251,17 @@ def test_dump_keeps_overrides():
     assert again == r and again.model.moe.top_k == 1 and again.parallel.tp == 2
 
 
+def test_dump_quotes_strings_the_loader_reads_as_numbers():
+    """The loader reads YAML 1.2 floats (``1e5``); PyYAML's dumper wrote the string ``"1e5"`` plain, so
+    a run named so had a recipe.lock.yaml its ranks and ``resume`` could not load (found through the
+    secrets fuzz, whose random value ``97e44982000000`` came back as inf)."""
+    r = load_recipe_text("model: {preset: debug-dense}\nname: '1e5'\ndata: {source: synthetic, tokenizer: '2E-3'}")
+    text = dump_recipe(r)
+    assert "name: '1e5'" in text
+    again = load_recipe_text(text)
+    assert again == r and again.name == "1e5" and again.data.tokenizer == "2E-3"
+
+
 # -- files ----------------------------------------------------------------------------------------------
 
 def test_empty_file(tmp_path):

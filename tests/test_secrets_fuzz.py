@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 
 from llmtrain.launch.envpolicy import Redactor, policy_env
 from llmtrain.launch.secrets import MASK, secret_name
-from llmtrain.recipe.load import load_recipe
+from llmtrain.recipe.load import load_recipe, yaml_dump
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "debug.yaml"
@@ -140,7 +140,7 @@ def recipe_text(env: dict[str, str], env_file: str | None, passthrough: list[str
     launch = {"env": env, "env_passthrough": passthrough}
     if env_file:
         launch["env_file"] = env_file
-    return RECIPE.read_text() + yaml.safe_dump({"launch": launch})
+    return RECIPE.read_text() + yaml_dump({"launch": launch})  # the loader's YAML 1.2 floats quoted ("1e5")
 
 
 def env_file_text(vs: list[Var]) -> str:

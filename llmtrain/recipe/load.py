@@ -110,6 +110,20 @@ YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-
 SafeLineLoader.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
 
 
+class RecipeDumper(yaml.SafeDumper):
+    """SafeDumper that quotes what :class:`SafeLineLoader` would read as something else: with
+    PyYAML's YAML 1.1 resolver alone, the string ``"1e5"`` (a run name, a path, an env value) was
+    written plain and read back as the float 100000.0, so a recipe.lock.yaml could not be loaded."""
+
+
+RecipeDumper.add_implicit_resolver("tag:yaml.org,2002:float", YAML12_FLOAT, list("-+0123456789."))
+
+
+def yaml_dump(data: Any) -> str:
+    """``data`` as YAML that :func:`parse_yaml_mapping` reads back equal (block style, keys in order)."""
+    return yaml.dump(data, Dumper=RecipeDumper, sort_keys=False)
+
+
 def yaml_error_position(exc: yaml.YAMLError, text: str) -> tuple[int, int | None]:
     """1-based (line, column) of a YAML error; column is None when only the line is known."""
     mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
@@ -288,6 +302,6 @@ def dump_recipe(recipe: Recipe) -> str:
         # Only what differs from the defaults: reloading must not read every default MoE field of
         # a dense model as "set" (plan.validate rejects MoE settings on a dense model).
         data["model"]["moe"] = {"num_experts": moe.num_experts, **moe.model_dump(mode="json", exclude_defaults=True)}
-    return yaml.safe_dump(data, sort_keys=False)
+    return yaml_dump(data)
 
 
