@@ -22,9 +22,8 @@ arithmetic or comparison.
 
 from __future__ import annotations
 
-import math
-
 from llmtrain.errors import LLMTrainError, Problem
+from llmtrain.recipe.model import longrope_attention
 from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
 
@@ -127,8 +126,7 @@ def _longrope(conf: dict) -> dict:
         factor = conf["max_position_embeddings"] / original
     attention = r.get("attention_factor")
     if attention is None:
-        attention = 1.0 if not factor or factor <= 1.0 or not original or original < 2 else \
-            math.sqrt(1 + math.log(factor) / math.log(original))
+        attention = longrope_attention(factor, original)
     return {"type": "longrope", "factor": None, "low_freq_factor": None, "high_freq_factor": None,
             "original_max_seq_len": original, "short_factor": [float(v) for v in r.get("short_factor") or []],
             "long_factor": [float(v) for v in r.get("long_factor") or []], "attention_factor": float(attention)}

@@ -97,10 +97,14 @@ class RopeScaling(Strict):
         """``attention_factor``, or transformers' default for a model of ``max_seq_len`` positions."""
         if self.attention_factor is not None:
             return self.attention_factor
-        scale = max_seq_len / self.original_max_seq_len
-        if scale <= 1.0 or self.original_max_seq_len < 2:
-            return 1.0
-        return math.sqrt(1 + math.log(scale) / math.log(self.original_max_seq_len))
+        return longrope_attention(max_seq_len / self.original_max_seq_len, self.original_max_seq_len)
+
+
+def longrope_attention(scale: float | None, original: int | None) -> float:
+    """transformers' default longrope attention factor for a context ``scale`` x ``original`` positions."""
+    if not scale or scale <= 1.0 or not original or original < 2:
+        return 1.0
+    return math.sqrt(1 + math.log(scale) / math.log(original))
 
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
