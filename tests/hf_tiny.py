@@ -17,7 +17,8 @@ Shared by the interop tests (families, loading, export). Decisions:
   ``norm_topk_prob`` is False (the non-default of our recipe); Mixtral renormalizes; Phi-3's
   fused ``qkv_proj`` has GQA blocks of unequal size; ``phi3_longrope`` has distinct per-pair
   short factors, an attention factor of 1.13 (512 positions over an original 128), RoPE on 6 of
-  each head's 8 features (partial rotary 0.75) and tied embeddings, as Phi-4-mini.
+  each head's 8 features (partial rotary 0.75) and tied embeddings, as Phi-4-mini; ``mistral_swa``
+  a sliding window of 8 tokens, shorter than every sequence the tests run (32, 48).
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -29,7 +30,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "phi3_longrope")
+FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
+            "phi3_longrope")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -50,6 +52,8 @@ def tiny_config(family: str, *, tie: bool | None = None):
             "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
     elif family == "mistral":
         conf = tf.MistralConfig(**kw, sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    elif family == "mistral_swa":  # Mistral v0.1: a sliding window (8) shorter than the tests' sequences (32, 48)
+        conf = tf.MistralConfig(**kw, sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     elif family == "qwen2":
         conf = tf.Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     elif family == "qwen3":

@@ -105,7 +105,8 @@ def test_mapping_has_teeth(tiny):
     from transformers import AutoModelForCausalLM
 
     for family, change in (("llama3", {"rope_scaling": None}), ("qwen3_moe", {"moe": {"norm_topk_prob": True}}),
-                           ("qwen2", {"qkv_bias": False}), ("phi3_longrope", {"rope_scaling": None}),
+                           ("qwen2", {"qkv_bias": False}), ("mistral_swa", {"sliding_window": None}),
+                           ("mistral_swa", {"sliding_window": 9}), ("phi3_longrope", {"rope_scaling": None}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters
@@ -234,6 +235,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "qwen3-32b": (32_762_123_264, None), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
     "mistral-7b": (7_248_023_552, None), "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
     "phi3-mini-4k": (3_821_079_552, None), "phi4-14b": (14_659_507_200, None),
+    "mistral-7b-v0.1": (7_241_732_096, None),
 }
 
 
@@ -241,7 +243,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
 def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
-    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B)."""
+    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -254,7 +256,7 @@ def test_preset_counts_are_the_published_architectures(preset):
 def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b"):
+    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()
@@ -298,6 +300,8 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 def layouts_of(family: str) -> list[str]:
     if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
         return ["tp2", "cp2"]
+    if family == "mistral_swa":  # the window (8 of 32 tokens) as a band mask, and in Ulysses' attention (ring and
+        return ["tp2", "pp2", "fsdp2", "ulysses2"]  # all-gather CP refuse it: test_validate.py)
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
     return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies

@@ -121,3 +121,45 @@ def test_gradients_do_not_cross_samples():
     s0, _, s2 = spans()
     out[0, s0].sum().backward()
     assert emb.grad[0, s2].abs().max() == 0 and emb.grad[0, s0].abs().max() > 0
+
+
+def test_sliding_window_in_packed_rows_counts_within_each_sample():
+    """A window of 4 (shorter than samples of 5, 9 and 7 tokens): each packed sample's logits equal
+    its logits alone (same window), and differ from full causal attention (the window acts). The
+    band is by position, which restarts per sample, so a sample never sees the previous one's tail."""
+    model, full = tiny(sliding_window=4), tiny()
+    parts = samples(3)
+    with torch.no_grad():
+        p = pack(parts)
+        packed = model(p["inputs"], positions=p["positions"], segments=p["segments"])
+        for sl, s in zip(spans(), parts):
+            alone = model(s[:-1].unsqueeze(0))
+            assert (packed[0, sl] - alone[0]).abs().max() <= 1e-5
+            assert (alone - full(s[:-1].unsqueeze(0))).abs().max() > 1e-3  # every sample is longer than 4
+
+
+def test_window_mask_is_saved_once_per_forward_and_planned_so():
+    """Every layer's attention saves the band mask for its backward; given the additive float mask
+    (``attention_bias``) they all save the same tensor, so one ``[s, s]`` mask per forward is held,
+    which is what the plan counts (``activations.stage_terms``: e x S^2, S = s x cp under Ulysses;
+    nothing when the window covers the sequence). With SDPA's own conversion of a boolean mask it
+    would be one per layer."""
+    from dataclasses import replace
+
+    from llmtrain.plan.activations import ActShape, stage_terms
+
+    model = tiny(sliding_window=4)
+    seen: dict[int, tuple] = {}
+
+    def pack_hook(t):
+        if t.dim() >= 2 and t.shape[-2:] == (SEQ, SEQ) and t.is_floating_point():
+            seen[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        model(torch.randint(0, 97, (2, SEQ))).sum().backward()
+    assert len(seen) == 1 and model.cfg.layers == 2, seen
+    x = ActShape(b=2, s=SEQ, h=32, heads=4, kv_heads=2, ffn=64, vocab=97, e=4, window=4)
+    assert stage_terms(x)["window_mask"] == 4 * SEQ * SEQ
+    assert stage_terms(replace(x, cp=2, cp_method="ulysses"))["window_mask"] == 4 * (2 * SEQ) ** 2
+    assert "window_mask" not in stage_terms(replace(x, window=SEQ))

@@ -146,12 +146,20 @@ def test_odd_head_dim():
     find(errors(debug({"model": {"head_dim": 15}})), "model.head_dim", "head_dim (15) is odd")
 
 
-def test_sliding_window_longer_than_seq_len_only():
-    """Sliding-window attention is not implemented: a window the sequence never exceeds is exact
-    (full causal attention), a shorter one is refused naming the field."""
-    assert not [e for e in errors(debug({"model": {"sliding_window": 128}})) if e.path == "model.sliding_window"]
-    p = find(errors(debug({"model": {"sliding_window": 64}})), "model.sliding_window", "seq_len (128) exceeds")
-    assert p.hint == "use train.seq_len <= 64"
+def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
+    """A sliding window shorter than the sequence is a band mask (without CP, and in Ulysses' own
+    attention, which holds whole sequences); ring and all-gather CP have no windowed blocks and are
+    refused naming cp_method, with a window the sequence never exceeds (full causal) accepted."""
+    assert not [e for e in errors(debug({"model": {"sliding_window": 64}})) if "sliding" in e.message]
+    ulysses = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
+    assert not [e for e in errors(debug(ulysses), gpus=2) if e.path == "parallel.cp_method"]
+    for method in ("ring", "allgather"):
+        ring = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": method}}
+        p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "sliding window (64) is shorter than seq_len (128)",
+                 method)
+        assert p.hint == "set parallel.cp_method: ulysses, or parallel.cp: 1"
+        wide = {"model": {"sliding_window": 128}, "parallel": {"cp": 2, "cp_method": method}}
+        assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
 def test_longrope_within_its_original_length_only():

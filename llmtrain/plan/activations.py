@@ -118,6 +118,7 @@ class ActShape:
     # the backward turning the softmax into the gradient in place and casting it
     megatron_loss: bool = False
     materialized: bool = False  # planner.attention_kernel materialized: the s x s scores kept (core_attention_terms)
+    window: int = 0  # model.sliding_window (0: none); shorter than the sequence, a band mask (stage_terms)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -344,8 +345,16 @@ def first_stage_terms(x: ActShape) -> dict[str, int]:
 
 
 def stage_terms(x: ActShape) -> dict[str, int]:
-    """Per micro batch on every stage: RoPE cos/sin (fp32 [s, head_dim/2] each, shared by its layers)."""
-    return {"rope": 2 * LSE * x.s * (x.head_dim // 2)}
+    """Per micro batch on every stage: RoPE cos/sin (fp32 [s, head_dim/2] each, shared by its layers)
+    and, when a sliding window is shorter than the sequence ``S`` (``s x cp``: Ulysses' attention
+    holds the whole sequence; ring and all-gather refuse windows), the additive band mask
+    ``[S, S]`` in the compute dtype that every layer's attention saves (models/llama.py
+    ``attention_bias``: one tensor per forward, not one per layer)."""
+    out = {"rope": 2 * LSE * x.s * (x.head_dim // 2)}
+    full = x.s * x.cp
+    if x.window and full > x.window:
+        out["window_mask"] = x.e * full * full
+    return out
 
 
 def last_stage_terms(x: ActShape) -> dict[str, int]:

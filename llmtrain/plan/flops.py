@@ -227,7 +227,12 @@ def attention_counted(cp: int, method: str) -> float:
     raise ValueError(f"attention_counted: unknown cp_method {method!r}")
 
 
-def attention_executed(cp: int, method: str) -> float:
+def windowed(m, seq_len: int) -> bool:
+    """Whether a sliding window shorter than the sequence makes the engine's attention masked."""
+    return m.sliding_window is not None and seq_len > m.sliding_window
+
+
+def attention_executed(cp: int, method: str, masked: bool = False) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
     Causal SDPA without CP and Ulysses (each rank a causal kernel over the whole sequence of its
@@ -237,7 +242,16 @@ def attention_executed(cp: int, method: str) -> float:
     chunks at offsets ``r c`` and ``(2 cp - 1 - r) c`` run ``c (r c) + c (2 cp - 1 - r) c + c^2 =
     s_local S / 2`` scores (diagonals counted half) on every rank. (Contiguous all-gather shards,
     before, gave rank ``r`` ``(r + 1/2) / cp``, the last rank setting the pace.) ``method`` stays
-    a parameter for a method that is not balanced."""
+    a parameter for a method that is not balanced.
+
+    ``masked`` (a sliding window shorter than the sequence, :func:`windowed`): 1. The engine runs
+    the window as SDPA with a dense band mask (models/llama.py ``window_mask``; Ulysses the same
+    over its heads), and kernels given a mask execute every score block, visible or not (CUDA's
+    memory-efficient kernel, CPU's flash kernel); the FLOP convention of MFU still counts the
+    unmasked attention, as for any causal model. A block-sparse kernel (FlexAttention) would run
+    about ``window / seq_len`` of them: not what the engine does."""
+    if masked:
+        return 1.0
     if cp == 1 or method in ("ulysses", "ring", "allgather"):
         return 0.5
     raise ValueError(f"attention_executed: unknown cp_method {method!r}")

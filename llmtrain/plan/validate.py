@@ -116,10 +116,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if m.head_dim % 2 and (m.hidden % m.heads == 0 or m.explicit_head_dim):
         err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
                     "choose an even head_dim (or hidden and heads with an even quotient)"))
-    if m.sliding_window is not None and t.seq_len > m.sliding_window:
-        err(Problem("model.sliding_window", f"seq_len ({t.seq_len}) exceeds the sliding window ({m.sliding_window}); "
-                    "sliding-window attention is not implemented, only sequences it does not affect",
-                    f"use train.seq_len <= {m.sliding_window}"))
+    if m.sliding_window is not None and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method != "ulysses":
+        err(Problem("parallel.cp_method", f"the sliding window ({m.sliding_window}) is shorter than seq_len "
+                    f"({t.seq_len}), and {p.cp_method} context parallelism has no windowed attention blocks "
+                    "(engine/parallel/context.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))
     if m.rotary_dim is not None and (m.rotary_dim > m.head_dim or m.rotary_dim % 2):
         err(Problem("model.rotary_dim", f"rotary_dim ({m.rotary_dim}) must be even and at most head_dim ({m.head_dim})",
                     f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))

@@ -137,7 +137,7 @@ class ModelConfig(Strict):
     rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+ llama3, Phi-3 longrope); None = plain RoPE.")
     sliding_window: int | None = Field(
         None, ge=1, le=BIG,
-        description="Sliding-window attention span (Mistral v0.1). Only train.seq_len <= sliding_window is supported, where it has no effect.",
+        description="Sliding-window attention span: a token sees itself and the window - 1 before it (Mistral v0.1, Phi-3-mini-4k's 2047); None = full causal attention.",
     )
     family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3"] | None = Field(
         None,

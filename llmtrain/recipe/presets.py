@@ -23,11 +23,13 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   6144 is unused: no dense layer).
 - Mistral-7B v0.3: mistralai/Mistral-7B-v0.3/config.json (32 layers, hidden 4096, 32 heads,
   8 KV heads, ffn 14336, vocab 32768, rope_theta 1e6, 32768 positions, sliding_window null).
+  Mistral-7B v0.1: mistralai/Mistral-7B-v0.1/config.json (the same shape with vocab 32000,
+  rope_theta 1e4 and sliding_window 4096: sequences past 4,096 tokens attend to a band).
 - Mixtral 8x7B: mistralai/Mixtral-8x7B-v0.1/config.json (8 experts, top-2, softmax router,
   router_aux_loss_coef 0.02, rope_theta 1e6, vocab 32000, 32768 positions).
 - Phi-3-mini-4k: microsoft/Phi-3-mini-4k-instruct/config.json (32 layers, hidden 3072, 32 heads,
   32 KV heads, ffn 8192, vocab 32064, rope_theta 1e4, rms_norm_eps 1e-5, 4096 positions,
-  sliding_window 2047: train.seq_len up to 2047, where the window has no effect; untied;
+  sliding_window 2047: past 2,047 tokens each token sees itself and the 2,046 before it; untied;
   3,821,079,552 parameters). Phi-4: microsoft/phi-4/config.json (40 layers, hidden 5120, 40
   heads, 10 KV heads, ffn 17920, vocab 100352, rope_theta 250000, rms_norm_eps 1e-5, 16384
   positions, no sliding window, untied). Both ``phi3`` (fused qkv_proj / gate_up_proj on disk).
@@ -120,6 +122,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b": dict(
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32768,
         max_seq_len=32768, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False, family="mistral",
+    ),
+    "mistral-7b-v0.1": dict(
+        layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000,
+        max_seq_len=32768, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, sliding_window=4096,
+        family="mistral",
     ),
     "phi3-mini-4k": dict(
         layers=32, hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, vocab_size=32064, max_seq_len=4096,

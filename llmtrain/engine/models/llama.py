@@ -18,8 +18,12 @@ every family by construction:
   ranks) and under context parallelism (it acts before ``attn_fn``).
 * ``head_dim`` may differ from ``hidden / heads`` (Qwen3): q/k/v widths are ``heads * head_dim``
   and ``kv_heads * head_dim``, ``wo`` takes ``heads * head_dim``.
-* Mistral is a plain Llama block; ``sliding_window`` is not implemented (the planner refuses
-  ``seq_len > sliding_window``, where it would matter).
+* ``sliding_window`` (Mistral v0.1, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``): query ``i``
+  sees keys ``i - window < j <= i``, transformers' rule (``masking_utils.sliding_window_overlay``).
+  Where the sequence is longer than the window, :meth:`Transformer.forward` builds one additive
+  band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
+  parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
+  refuse a window the sequence exceeds).
 
 Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
 checkpoints, init), so they are fixed and layout-independent:
@@ -76,8 +80,30 @@ def packed_mask(segments: torch.Tensor) -> torch.Tensor:
     return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
 
 
+def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Sliding-window causal mask (True = may attend) of global ``positions`` [s] or [b, s]:
+    ``[s, s]`` or ``[b, 1, s, s]``; the query at position ``p`` sees keys at ``p - window < q <= p``,
+    itself included (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). In
+    packed rows positions restart per sample, and :func:`packed_mask` keeps samples apart; within
+    a sample the position difference is the index difference, as transformers counts it."""
+    d = positions.unsqueeze(-1) - positions.unsqueeze(-2)
+    mask = (d >= 0).logical_and(d < window)
+    return mask if mask.dim() == 2 else mask.unsqueeze(1)
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive float mask (0 where visible, -inf elsewhere) in the
+    queries' dtype, built once per forward and shared by every layer. Why not the boolean mask:
+    SDPA converts a boolean mask to this form inside every call, and the fused kernels save
+    their mask for backward, so each layer would keep its own ``s x s`` copy in the compute
+    dtype until its backward (32 layers at s = 4096 in bf16: 1 GiB per microbatch); given the
+    float mask, every layer saves the same tensor."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
+
+
 def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Core attention of packed rows: SDPA with an explicit boolean mask (see :func:`packed_mask`).
+    """Core attention of packed rows or a sliding window: SDPA with an explicit mask
+    (:func:`packed_mask`, :func:`window_mask`, as :func:`attention_bias`).
 
     Why SDPA with a dense mask and not FlexAttention: it is one code path that runs, and is
     verified, on CPU/gloo and on CUDA alike (CUDA dispatches a masked SDPA to the
@@ -139,8 +165,11 @@ class Attention(nn.Module):
             out = self.attn_fn(q, k, v)
         elif self.attn_fn is causal_sdpa:
             out = masked_sdpa(q, k, v, mask)
-        else:  # context parallelism swapped attn_fn; plan refuses packing with cp > 1
-            raise ValueError("packed rows (data.packing) cannot run with context-parallel attention")
+        elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses: a window's band over the whole sequence
+            out = self.attn_fn(q, k, v, mask)
+        else:  # ring / all-gather CP; plan refuses packing with cp > 1, and a window these methods cannot run
+            raise ValueError("an attention mask (data.packing, a sliding window) cannot run with ring or all-gather "
+                             "context-parallel attention")
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -182,6 +211,10 @@ class Transformer(nn.Module):
         # Positions used when forward() gets none: set by the trainer for pipeline stages that
         # receive (possibly sequence-sharded) hidden states and for context parallelism.
         self.positions: torch.Tensor | None = None
+        # Sliding window: one band mask per forward, shared by the layers. Ulysses CP sets
+        # ``window_shards`` to cp: its attention sees the whole sequence, cp times the local tokens.
+        self.window: int | None = cfg.sliding_window
+        self.window_shards = 1
         # Return the final norm's output instead of logits (the loss applies ``output`` itself,
         # chunked: engine/parallel/loss.py). The default of forward's ``return_hidden``; the trainer
         # sets it on a pipeline's last stage, whose forward the schedule calls without our kwargs.
@@ -215,7 +248,8 @@ class Transformer(nn.Module):
         context parallelism passes the positions of the local, possibly non-contiguous chunks,
         packed rows their per-sample positions [b, s] (restarting at 0 for each sample).
         ``segments`` [b, s]: the sample number of each token of a packed row; attention is then
-        block-diagonal causal (:func:`packed_mask`). Pipeline stages get both per microbatch
+        block-diagonal causal (:func:`packed_mask`), and banded where a sliding window is shorter
+        than the sequence (:func:`window_mask`). Pipeline stages get both per microbatch
         as keyword arguments of the schedule (torch passes a step's kwargs to every stage).
         """
         if positions is None:
@@ -232,6 +266,13 @@ class Transformer(nn.Module):
             h = h.to(torch.get_autocast_dtype(h.device.type))
         cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
         mask = None if segments is None else packed_mask(segments)
+        full = positions.shape[-1] * self.window_shards
+        if self.window is not None and full > self.window:  # else the window changes nothing
+            band = window_mask(positions if self.window_shards == 1 else torch.arange(full, device=h.device),
+                               self.window)
+            mask = band if mask is None else mask.logical_and(band)
+        if mask is not None:
+            mask = attention_bias(mask, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         if self.norm is not None:

@@ -156,10 +156,17 @@ def _take_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int):
-    """All-to-all from (all heads, local sequence) to (heads / cp, full sequence) and back."""
+def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None):
+    """All-to-all from (all heads, local sequence) to (heads / cp, full sequence) and back.
+
+    ``mask``: a sliding window's additive band over the whole sequence (``[S, S]``, built once per
+    forward by the model, ``models.llama.window_mask``): each rank holds whole sequences, in order,
+    of its heads, so the band is the one without CP."""
     qh, kh, vh = (_seq_to_heads(t, group, cp) for t in (q, k, v))
-    out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    if mask is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
     return _heads_to_seq(out, group, cp)
 
 
@@ -183,9 +190,12 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
-    Ulysses takes them repeated to the query heads."""
+    Ulysses takes them repeated to the query heads, and a sliding window's mask (``takes_mask``)."""
     if method == "ulysses":
-        return lambda q, k, v: ulysses_attention(q, k, v, group, cp)
+        def ulysses(q, k, v, mask=None):
+            return ulysses_attention(q, k, v, group, cp, mask)
+        ulysses.takes_mask = True
+        return ulysses
     if method == "ring":
         def fn(q, k, v):
             return ring_attention(q, k, v, group, cp)
@@ -199,5 +209,10 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
 def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
     """Swap every block's core attention for the CP one (before AC/compile/FSDP wrap blocks)."""
     cp, cp_rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
+    if model.window is not None and model.window < seq_len:  # validation refuses it first, naming the field
+        if method != "ulysses":
+            raise ValueError(f"a sliding window ({model.window}) shorter than seq_len ({seq_len}) needs cp_method "
+                             f"ulysses, not {method}: ring and all-gather have no windowed blocks")
+        model.window_shards = cp  # the band spans the whole sequence, which Ulysses' attention holds
     for block in model.layers.values():
         block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len)
