@@ -133,6 +133,35 @@ def test_mapping_has_teeth(tiny):
         assert rel_err(ours(ids(cfg.vocab_size)), theirs(ids(cfg.vocab_size)).logits) > 1e-3
 
 
+def test_longrope_long_factors_past_the_original_length(tiny):
+    """A forward whose longest row passes original_max_position_embeddings (128 in the tiny Phi-4-mini)
+    uses the long factors for every position, as transformers does: equal logits at 100, 128 (short),
+    129 and 200 tokens (long); with the long factors replaced by the short ones the 200-token logits
+    move by far more than the tolerance. Packed rows decide by their longest sample, as transformers
+    does by the largest position id: samples of <= 128 tokens in a 200-token row keep the short factors."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(tiny["phi3_longrope"], dtype=torch.float32).eval()
+    ours, cfg = ours_from(tiny["phi3_longrope"])
+    fields = cfg.model_dump()
+    fields["rope_scaling"]["long_factor"] = fields["rope_scaling"]["short_factor"]
+    short_only = Transformer(ModelConfig(**fields)).eval()
+    short_only.load_state_dict(ours.state_dict(), strict=False)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n in (100, 128, 129, 200):
+            x = torch.randint(0, cfg.vocab_size, (2, n), generator=gen)
+            want = theirs(x).logits
+            assert rel_err(ours(x), want) <= LOGIT_RTOL, n
+            assert (rel_err(short_only(x), want) > 1e-2) == (n > 128), n
+        a, b = torch.randint(0, cfg.vocab_size, (1, 120), generator=gen), torch.randint(0, cfg.vocab_size, (1, 80), generator=gen)
+        positions = torch.cat([torch.arange(120), torch.arange(80)]).unsqueeze(0)
+        segments = torch.cat([torch.zeros(120), torch.ones(80)]).long().unsqueeze(0)
+        packed = ours(torch.cat([a, b], 1), positions=positions, segments=segments)
+        assert rel_err(packed[:, :120], theirs(a).logits) <= LOGIT_RTOL
+        assert rel_err(packed[:, 120:], theirs(b).logits) <= LOGIT_RTOL
+
+
 def test_from_hf_state_names_missing_and_unknown_tensors(tiny):
     conf, files = check_hf_dir(tiny["qwen3_moe"])
     cfg = ModelConfig(**model_from_hf_config(conf))
@@ -336,6 +365,11 @@ def test_every_layout_starts_from_the_checkpoint(tiny, tmp_path):
         sets = [f"model={json.dumps(model_from_hf_config(conf))}", f"checkpoint.init_from_hf={tiny[family]}"]
         expected[family] = hf_step1_loss(tiny[family], load_recipe(recipe_path, sets))
         cases += [{"name": f"{family}/{layout}", "set": sets + LAYOUTS[layout]} for layout in layouts_of(family)]
+        if family == "phi3_longrope":  # rows of 160 > original 128: the long factors, by the whole row's length
+            long = sets + ["train.seq_len=160"]  # (a CP rank holds 80 tokens, a shard of the row)
+            expected["phi3_longrope@160"] = hf_step1_loss(tiny[family], load_recipe(recipe_path, long))
+            cases += [{"name": f"phi3_longrope@160/{layout}", "set": long + LAYOUTS[layout]}
+                      for layout in ("tp2", "cp2", "ulysses2")]
     results = run_cases(tmp_path, 2, str(recipe_path), cases, steps=1)
     worst = 0.0
     for case in cases:

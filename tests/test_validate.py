@@ -162,17 +162,17 @@ def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
         assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
-def test_longrope_within_its_original_length_only():
-    """longrope's long factors (transformers uses them once a sequence passes original_max_seq_len) are
-    not implemented: a longer train.seq_len is refused, as is a factor list that is not head_dim / 2
-    long (debug-dense: head_dim 16, 8 pairs)."""
+def test_longrope_factor_counts_and_any_length():
+    """longrope needs head_dim / 2 short and long factors (debug-dense: head_dim 16, 8 pairs); a
+    train.seq_len past original_max_seq_len is the long factors' regime, not a refusal."""
     rope = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_seq_len": 128}
-    assert not [e for e in errors(debug({"model": {"rope_scaling": rope}})) if e.path.startswith("model.rope")]
-    p = find(errors(debug({"model": {"rope_scaling": {**rope, "original_max_seq_len": 64}}})),
-             "model.rope_scaling.long_factor", "seq_len (128) exceeds original_max_seq_len (64)")
-    assert p.hint == "use train.seq_len <= 64"
-    p = find(errors(debug({"model": {"rope_scaling": {**rope, "short_factor": [1.0] * 3}}})),
-             "model.rope_scaling.short_factor", "3 factors; RoPE has head_dim / 2 = 8")
+    for original in (128, 64):
+        assert not [e for e in errors(debug({"model": {"rope_scaling": {**rope, "original_max_seq_len": original}}}))
+                    if e.path.startswith("model.rope")]
+    find(errors(debug({"model": {"rope_scaling": {**rope, "short_factor": [1.0] * 3}}})),
+         "model.rope_scaling.short_factor", "3 factors; RoPE has head_dim / 2 = 8")
+    find(errors(debug({"model": {"rope_scaling": {**rope, "long_factor": [1.0] * 9}}})),
+         "model.rope_scaling.long_factor", "9 factors; RoPE has head_dim / 2 = 8")
 
 
 def test_rotary_dim_even_and_within_the_head():

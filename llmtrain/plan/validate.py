@@ -125,10 +125,6 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
                     f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))
     r = m.rope_scaling
     if r is not None and r.type == "longrope":
-        if t.seq_len > r.original_max_seq_len:
-            err(Problem("model.rope_scaling.long_factor", f"seq_len ({t.seq_len}) exceeds original_max_seq_len "
-                        f"({r.original_max_seq_len}), past which longrope switches to its long factors; that regime "
-                        "is not implemented", f"use train.seq_len <= {r.original_max_seq_len}"))
         for name in ("short_factor", "long_factor"):
             if len(getattr(r, name)) != m.rope_dim // 2:
                 err(Problem(f"model.rope_scaling.{name}", f"{len(getattr(r, name))} factors; RoPE has "

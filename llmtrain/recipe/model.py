@@ -68,7 +68,7 @@ class RopeScaling(Strict):
     high_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: high-frequency boundary (unchanged above it), original_max_seq_len / high_freq_factor (default 4).")
     original_max_seq_len: int = Field(8192, ge=1, le=BIG, description="Context length of pretraining before scaling (HF original_max_position_embeddings).")
     short_factor: list[float] | None = Field(None, max_length=65536, description="longrope: per-pair divisors of the frequencies (head_dim / 2 of them), used up to original_max_seq_len.")
-    long_factor: list[float] | None = Field(None, max_length=65536, description="longrope: the divisors past original_max_seq_len (train.seq_len must stay within it: not implemented).")
+    long_factor: list[float] | None = Field(None, max_length=65536, description="longrope: the divisors for a forward whose longest row passes original_max_seq_len (all its positions), as transformers.")
     attention_factor: float | None = Field(None, gt=0, le=1e6, description="longrope: cos and sin are multiplied by this (default, as transformers: sqrt(1 + ln(s) / ln(original_max_seq_len)), s = max_seq_len / original_max_seq_len, 1 when s <= 1).")
 
     @model_validator(mode="after")

@@ -211,10 +211,11 @@ class Transformer(nn.Module):
         # Positions used when forward() gets none: set by the trainer for pipeline stages that
         # receive (possibly sequence-sharded) hidden states and for context parallelism.
         self.positions: torch.Tensor | None = None
-        # Sliding window: one band mask per forward, shared by the layers. Ulysses CP sets
-        # ``window_shards`` to cp: its attention sees the whole sequence, cp times the local tokens.
+        # Context parallelism sets ``seq_shards`` to cp: a row is then cp times the local tokens, which
+        # the sliding window (one band mask per forward, shared by the layers; Ulysses' attention sees
+        # the whole row) and longrope's regime (by the row's length, rope.py) need.
         self.window: int | None = cfg.sliding_window
-        self.window_shards = 1
+        self.seq_shards = 1
         # Return the final norm's output instead of logits (the loss applies ``output`` itself,
         # chunked: engine/parallel/loss.py). The default of forward's ``return_hidden``; the trainer
         # sets it on a pipeline's last stage, whose forward the schedule calls without our kwargs.
@@ -264,11 +265,12 @@ class Transformer(nn.Module):
             # (and in Megatron-LM and torchtitan): half the bytes of every block input, one bf16
             # input saved for q/k/v (w1/w3) instead of autocast's cast per projection.
             h = h.to(torch.get_autocast_dtype(h.device.type))
-        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling)
+        full = positions.shape[-1] * self.seq_shards  # tokens of a whole row
+        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling,
+                                longest=full if self.seq_shards > 1 else None)  # CP rows are unpacked: all full
         mask = None if segments is None else packed_mask(segments)
-        full = positions.shape[-1] * self.window_shards
         if self.window is not None and full > self.window:  # else the window changes nothing
-            band = window_mask(positions if self.window_shards == 1 else torch.arange(full, device=h.device),
+            band = window_mask(positions if self.seq_shards == 1 else torch.arange(full, device=h.device),
                                self.window)
             mask = band if mask is None else mask.logical_and(band)
         if mask is not None:

@@ -38,10 +38,12 @@ Design choices:
   and the other features pass unchanged.
 * **LongRoPE** (type ``longrope``, Phi-3 128k / Phi-3.5): each pair's inverse frequency is
   divided by its ``short_factor`` (transformers' ``1 / (factor_i * theta ** (2i / d))``, the
-  same fp32 operations), and cos and sin are multiplied by ``attention_factor``. transformers
-  switches to ``long_factor`` for a whole forward once its largest position reaches
-  ``original_max_seq_len``; that regime is not implemented (plan refuses ``train.seq_len`` past
-  it), so every position uses the short factors, as transformers does for those sequences.
+  same fp32 operations), and cos and sin are multiplied by ``attention_factor``. A forward whose
+  longest row (largest position + 1) exceeds ``original_max_seq_len`` uses ``long_factor`` for
+  every position instead, as transformers' ``longrope_frequency_update`` does (``torch.where`` on
+  the length: no host sync). The length is the whole row's, not a rank's shard
+  (``rope_cos_sin``'s ``longest``, given by the model): under context parallelism a rank's
+  positions are a shard of the row.
 """
 
 from __future__ import annotations
@@ -56,14 +58,23 @@ if TYPE_CHECKING:
 
 
 def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None,
-                  scaling: RopeScaling | None = None) -> torch.Tensor:
+                  scaling: RopeScaling | None = None, longest: int | torch.Tensor | None = None) -> torch.Tensor:
     """The per-pair frequencies ``theta ** (-2i / head_dim)`` for ``i in range(head_dim // 2)`` (fp32),
-    rescaled by ``scaling`` (the llama3 or longrope rule, see the module docstring) when given."""
+    rescaled by ``scaling`` (the llama3 or longrope rule, see the module docstring) when given.
+    ``longest``: the longest row of the forward (an int, or a 0-d tensor: no host sync), which
+    selects longrope's long factors past ``original_max_seq_len``; None = the short ones."""
     if head_dim % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     if scaling is not None and scaling.type == "longrope":
-        return 1.0 / (torch.tensor(scaling.short_factor, dtype=torch.float32, device=device) * theta**exponents)
+        def scaled(factors: list[float]) -> torch.Tensor:
+            return 1.0 / (torch.tensor(factors, dtype=torch.float32, device=device) * theta**exponents)
+        if longest is None:
+            return scaled(scaling.short_factor)
+        if not isinstance(longest, torch.Tensor):
+            return scaled(scaling.long_factor if longest > scaling.original_max_seq_len else scaling.short_factor)
+        return torch.where(longest > scaling.original_max_seq_len, scaled(scaling.long_factor),
+                           scaled(scaling.short_factor))
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
@@ -83,13 +94,18 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float, low: float, high: float
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scaling: RopeScaling | None = None,
+                 longest: int | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles for integer ``positions`` of shape ``[..., S]``.
 
     Returns two fp32 tensors of shape ``[..., S, head_dim // 2]``, on ``positions.device``.
     Positions need not be contiguous or sorted (context parallel passes global positions).
+    ``longest``: the forward's longest row (longrope's regime, :func:`rope_inv_freq`); None: the
+    largest of ``positions`` + 1, which is right when they cover whole rows (no CP).
     """
-    inv_freq = rope_inv_freq(head_dim, theta, device=positions.device, scaling=scaling)
+    if scaling is not None and scaling.type == "longrope" and longest is None:
+        longest = positions.max() + 1
+    inv_freq = rope_inv_freq(head_dim, theta, device=positions.device, scaling=scaling, longest=longest)
     angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq
     if scaling is not None and scaling.type == "longrope" and scaling.attention_factor not in (None, 1.0):
         return torch.cos(angles) * scaling.attention_factor, torch.sin(angles) * scaling.attention_factor
