@@ -18,7 +18,10 @@ Shared by the interop tests (families, loading, export). Decisions:
   fused ``qkv_proj`` has GQA blocks of unequal size; ``phi3_longrope`` has distinct per-pair
   short factors, an attention factor of 1.13 (512 positions over an original 128), RoPE on 6 of
   each head's 8 features (partial rotary 0.75) and tied embeddings, as Phi-4-mini; ``mistral_swa``
-  a sliding window of 8 tokens, shorter than every sequence the tests run (32, 48).
+  a sliding window of 8 tokens, shorter than every sequence the tests run (32, 48); ``gemma3``
+  (gemma3_text) sliding and full layers (window 8), distinct RoPE bases (1e5 with linear factor 4
+  on the full layer, 100 on the sliding ones), a softmax scale of 12 ** -0.5 with head_dim 8, GeGLU,
+  offset and post norms, scaled embeddings, q/k norms, tied embeddings.
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -31,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-            "phi3_longrope")
+            "phi3_longrope", "gemma3")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -74,6 +77,13 @@ def tiny_config(family: str, *, tie: bool | None = None):
         conf = tf.Phi3Config(**kw, sliding_window=None, original_max_position_embeddings=128, rope_parameters={
             "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
             "short_factor": [1.0, 1.5, 2.5], "long_factor": [2.0, 3.0, 5.0]})
+    elif family == "gemma3":  # gemma3_text: 3 layers (sliding, full, sliding), window 8, every switch off its default
+        kw.update(num_hidden_layers=3, max_position_embeddings=512, tie_word_embeddings=True)
+        conf = tf.Gemma3TextConfig(**kw, head_dim=8, sliding_window=8, query_pre_attn_scalar=12,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                       "rope_theta": 1e5},
+                                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

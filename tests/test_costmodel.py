@@ -151,6 +151,9 @@ COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_si
           "train.precision=fp32", "parallel.tp=1", "parallel.zero=0"]
 MOE = ["model.preset=debug-moe"]
 LORA = ["train.lora.rank=4"]
+GEMMA = ["model.norm_offset=true", "model.post_norms=true", "model.embed_scale=true", "model.mlp_activation=gelu_tanh",
+         "model.sliding_window=16", "model.full_attention_layers=[1]", "model.local_rope_theta=100",
+         "model.attention_scale=0.2", "train.seq_len=128"]
 CASES = {
     "ddp": ["parallel.zero=0"],
     "zero1": ["parallel.zero=1"],
@@ -183,6 +186,11 @@ CASES = {
     # (models/llama.py attention_bias); under Ulysses over the whole sequence
     "window_zero1": ["model.sliding_window=16", "train.seq_len=256", "parallel.zero=1"],
     "window_cp2_ulysses": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ulysses"],
+    # Gemma 3's switches (engine/models/norm.py OffsetRMSNorm keeps input + rstd on every device; two post norms
+    # per block; GeGLU keeps what SwiGLU keeps) with sliding and full layers
+    "gemma_zero1": GEMMA + ["parallel.zero=1"],
+    "gemma_tp2_sp": GEMMA + ["parallel.tp=2"],
+    "gemma_tp2_selective": GEMMA + ["parallel.tp=2", "train.activation_checkpointing=selective"],
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
                               "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
     # LoRA (engine/finetune/lora.py): frozen base (parameters only), adapters with gradients and AdamW

@@ -1,5 +1,6 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe, phi3 (fused qkv / gate_up) -- import, export, config.json, parameter counts, and every parallel layout.
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma3_text -- import, export, config.json, parameter counts, and
+every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
 shards (tests/hf_tiny.py); references are transformers' own forward passes.
@@ -107,6 +108,11 @@ def test_mapping_has_teeth(tiny):
     for family, change in (("llama3", {"rope_scaling": None}), ("qwen3_moe", {"moe": {"norm_topk_prob": True}}),
                            ("qwen2", {"qkv_bias": False}), ("mistral_swa", {"sliding_window": None}),
                            ("mistral_swa", {"sliding_window": 9}), ("phi3_longrope", {"rope_scaling": None}),
+                           # Gemma 3: each switch and each per-layer-kind setting matters
+                           ("gemma3", {"attention_scale": None}), ("gemma3", {"local_rope_theta": None}),
+                           ("gemma3", {"full_attention_layers": []}), ("gemma3", {"rope_scaling": None}),
+                           ("gemma3", {"embed_scale": False}), ("gemma3", {"mlp_activation": "silu"}),
+                           ("gemma3", {"post_norms": False}), ("gemma3", {"norm_offset": False}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters
@@ -264,7 +270,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "qwen3-32b": (32_762_123_264, None), "qwen3-30b-a3b": (30_532_122_624, 3_353_032_704),
     "mistral-7b": (7_248_023_552, None), "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
     "phi3-mini-4k": (3_821_079_552, None), "phi4-14b": (14_659_507_200, None),
-    "mistral-7b-v0.1": (7_241_732_096, None),
+    "mistral-7b-v0.1": (7_241_732_096, None), "gemma3-1b": (999_885_952, None),
 }
 
 
@@ -272,7 +278,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
 def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
-    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B)."""
+    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -285,7 +291,7 @@ def test_preset_counts_are_the_published_architectures(preset):
 def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1"):
+    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()
@@ -296,7 +302,7 @@ def test_preset_count_equals_transformers_meta_model():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_count_and_init_of_switches(tiny, family):
     """plan's count equals the engine's parameters for every switch combination; init sets biases
-    to zero and q/k norm weights to one."""
+    to zero and norm weights to the identity scale: one, or zero for Gemma's (1 + w) norms."""
     conf, _ = check_hf_dir(tiny[family])
     fields = model_from_hf_config(conf)
     for tie in (False, True):
@@ -307,15 +313,17 @@ def test_engine_count_and_init_of_switches(tiny, family):
         for name, p in model.named_parameters():
             if name.endswith(".bias"):
                 assert torch.equal(p, torch.zeros_like(p)), name
-            if "q_norm" in name or "k_norm" in name:
-                assert torch.equal(p, torch.ones_like(p)), name
+            if "norm" in name:
+                identity = torch.zeros_like(p) if cfg.norm_offset else torch.ones_like(p)
+                assert torch.equal(p, identity), name
 
 
 # -- every layout, from each family's checkpoint ------------------------------------------------------
 
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
            "fsdp2": ["parallel.dp_shard=2"], "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
-           "ulysses2": ["parallel.cp=2", "parallel.cp_method=ulysses"]}
+           "ulysses2": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+           "pp2_21": ["parallel.pp=2", "parallel.pp_layers_per_stage=[2,1]"]}  # 3 layers: a sliding + full stage
 RECIPE = """name: families
 model: {preset: debug-dense}
 parallel: {tp: 1, pp: 1, cp: 1, dp_shard: 1, zero: 3}
@@ -329,8 +337,9 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 def layouts_of(family: str) -> list[str]:
     if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
         return ["tp2", "cp2"]
-    if family == "mistral_swa":  # the window (8 of 32 tokens) as a band mask, and in Ulysses' attention (ring and
-        return ["tp2", "pp2", "fsdp2", "ulysses2"]  # all-gather CP refuse it: test_validate.py)
+    if family in ("mistral_swa", "gemma3"):  # the window (8 of 32 tokens) as a band mask, and in Ulysses' attention
+        return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2"]  # (ring and all-gather
+        # CP refuse it: test_validate.py)
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
     return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies

@@ -44,7 +44,16 @@ FUZZ = dict(max_examples=EXAMPLES, deadline=None, database=None, derandomize=Tru
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 PRESETS = ["llama3.1-8b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b",
-           "phi3-mini-4k", "phi4-14b"]
+           "phi3-mini-4k", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b"]
+GEMMA3_1B_HUB = {  # google/gemma-3-1b-pt config.json as released (transformers 4.50): the 4.x RoPE / pattern fields
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+    "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "use_cache": True, "vocab_size": 262144}
 PHI4_HUB = {  # microsoft/phi-4 config.json as released (transformers 4.47): top-level RoPE fields, no head_dim
     "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 100257,
     "embd_pdrop": 0.0, "eos_token_id": 100265, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
@@ -64,14 +73,16 @@ PHI35_HUB = {**PHI4_HUB, "hidden_size": 3072, "intermediate_size": 8192, "num_at
 PHI4_MINI = LONGROPE.model_copy(update={"heads": 24, "kv_heads": 8, "head_dim": 128, "rotary_dim": 96,
                                          "tie_embeddings": True, "vocab_size": 200064})  # its shape, not its factors
 BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), hf_config(PHI4_MINI), PHI4_HUB,
-                                                                PHI35_HUB]
+                                                                PHI35_HUB, GEMMA3_1B_HUB]
 MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
+                                                 "use_bidirectional_attention",
                                                  "use_sliding_window", "max_window_layers", "router_jitter_noise",
                                                  "mlp_bias", "attention_bias", "num_experts", "rope_type"})
 ROPE_KEYS = ["rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
-             "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor"]
+             "original_max_position_embeddings", "partial_rotary_factor", "short_factor", "long_factor",
+             "full_attention", "sliding_attention"]
 HOSTILE = ["", "8", "half", "llama", "phi3", "longrope", "yarn", "\x00\x1b[31m\n", "ü" * 50, "x" * 5000, True, False,
            None, 0, -1, 1, 2, 3, 7, 10**30, -(10**30), 2**63, 1e-300, 0.5, 0.75, 1.0, float("nan"), float("inf"),
            float("-inf"), [], [1], ["llama"], [0, 1, -1], {}, {"rope_type": "llama3"}, {"a": {"b": {"c": [1]}}},
@@ -87,7 +98,8 @@ mutation = st.one_of(
               json_any),
     st.tuples(st.just("del"), st.sampled_from(KEYS)),
     st.tuples(st.just("model_type"), st.sampled_from(
-        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma3", "deepseek_v3", "phi",
+        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma3", "gemma3_text", "deepseek_v3",
+         "phi",
          "", "LLAMA", None, 3, ["llama"], {"x": 1}])),
     st.tuples(st.just("doc"), st.sampled_from([None, [], [1, 2], "config", 3, True])),
 )
@@ -165,3 +177,4 @@ def test_bases_are_accepted_as_they_are():
     assert (fields["family"], fields["hidden"], fields["kv_heads"], fields["sliding_window"]) == ("phi3", 5120, 10, None)
     assert math.isclose(fields["rope_theta"], 250000.0)
     assert config_problems(PHI4_HUB, ModelConfig(preset="phi4-14b")) == []
+    assert config_problems(GEMMA3_1B_HUB, ModelConfig(preset="gemma3-1b")) == []  # 4.x fields = the preset

@@ -119,6 +119,8 @@ class ActShape:
     megatron_loss: bool = False
     materialized: bool = False  # planner.attention_kernel materialized: the s x s scores kept (core_attention_terms)
     window: int = 0  # model.sliding_window (0: none); shorter than the sequence, a band mask (stage_terms)
+    post_norms: bool = False  # model.post_norms (Gemma): norms on the attention's and the MLP's outputs
+    offset_norm: bool = False  # model.norm_offset (Gemma): engine/models/norm.py OffsetRMSNorm on every device
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -143,16 +145,28 @@ class ActShape:
 
 def _norm_bytes(x: ActShape) -> int:
     """Bytes per element of what an RMSNorm saves: its input in the residual stream's dtype (CUDA's
-    fused kernel), or on CPU the composite op's fp32 upcast of it (4 bytes whatever the input's dtype)."""
-    return x.e if x.fused_norm else 4
+    fused kernel; Gemma's OffsetRMSNorm on every device), or on CPU the composite op's fp32 upcast of
+    it (4 bytes whatever the input's dtype)."""
+    return x.e if x.fused_norm or x.offset_norm else 4
 
 
 def _norm(x: ActShape) -> dict[str, int]:
     rows = x.b * x.s // x.n
     out = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}
-    if not x.fused_norm:
+    if not (x.fused_norm or x.offset_norm):
         out["norm_normalized"] = rows * x.h * 4
     return out
+
+
+def post_norm_terms(x: ActShape, recompute: str) -> dict[str, int]:
+    """Gemma's two post norms (``model.post_norms``): each keeps its input (wo's and w2's reduced
+    outputs, [b, s/t, h] under SP) and rstd, like the block's other norms. Under selective
+    recomputation they keep nothing: both are recomputed with the block's other non-matmul ops, from
+    wo's kept output and w2's recomputed one (measured: tests/test_costmodel.py gemma_tp2_selective,
+    engine / plan 0.997; counting w2's output as kept planned 8 % high)."""
+    if not x.post_norms or recompute in ("selective", "selective_mm"):
+        return {}
+    return {f"post_{k}": 2 * v for k, v in _norm(x).items()}
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> dict[str, int]:
@@ -316,13 +330,15 @@ def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
                  cp_index: int | None = None) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
         return (("block_input", x.b * x.s * x.h * x.e // x.n),)
-    if x.lora is not None and not moe:
-        return tuple(lora_layer_terms(x, recompute, first, cp_index).items())
+    if x.lora is not None and not moe:  # post norms with frozen weights keep what they need for dx: input, rstd
+        post = {k: v for k, v in post_norm_terms(x, recompute).items() if k != "post_norm_normalized"}
+        return tuple(_add(dict(lora_layer_terms(x, recompute, first, cp_index)), post).items())
     out: dict[str, int] = {}
     if recompute in ("selective", "selective_mm"):
         out["block_input"] = x.b * x.s * x.h * x.e // x.n
     _add(out, attention_terms(x, recompute, cp_index))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
+    _add(out, post_norm_terms(x, recompute))
     return tuple(out.items())
 
 

@@ -227,12 +227,15 @@ def attention_counted(cp: int, method: str) -> float:
     raise ValueError(f"attention_counted: unknown cp_method {method!r}")
 
 
-def windowed(m, seq_len: int) -> bool:
-    """Whether a sliding window shorter than the sequence makes the engine's attention masked."""
-    return m.sliding_window is not None and seq_len > m.sliding_window
+def windowed(m, seq_len: int) -> float:
+    """The share of layers whose attention the engine runs with a sliding window's mask: those not in
+    ``full_attention_layers`` when the window is shorter than the sequence, else none."""
+    if m.sliding_window is None or seq_len <= m.sliding_window:
+        return 0.0
+    return sum(m.is_windowed(i) for i in range(m.layers)) / m.layers
 
 
-def attention_executed(cp: int, method: str, masked: bool = False) -> float:
+def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
     Causal SDPA without CP and Ulysses (each rank a causal kernel over the whole sequence of its
@@ -244,14 +247,14 @@ def attention_executed(cp: int, method: str, masked: bool = False) -> float:
     before, gave rank ``r`` ``(r + 1/2) / cp``, the last rank setting the pace.) ``method`` stays
     a parameter for a method that is not balanced.
 
-    ``masked`` (a sliding window shorter than the sequence, :func:`windowed`): 1. The engine runs
+    ``masked`` (the share of layers with a sliding window shorter than the sequence, :func:`windowed`)
+    executes all of its blocks, averaged over the layers (exact for the whole model, an average for a
+    pipeline stage holding fewer or more windowed layers than its share). The engine runs
     the window as SDPA with a dense band mask (models/llama.py ``window_mask``; Ulysses the same
     over its heads), and kernels given a mask execute every score block, visible or not (CUDA's
     memory-efficient kernel, CPU's flash kernel); the FLOP convention of MFU still counts the
     unmasked attention, as for any causal model. A block-sparse kernel (FlexAttention) would run
     about ``window / seq_len`` of them: not what the engine does."""
-    if masked:
-        return 1.0
     if cp == 1 or method in ("ulysses", "ring", "allgather"):
-        return 0.5
+        return 0.5 + 0.5 * masked
     raise ValueError(f"attention_executed: unknown cp_method {method!r}")

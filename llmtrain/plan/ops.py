@@ -102,6 +102,7 @@ class BlockShape:
     kernels: str = "engine"  # planner.block_kernels: the block's element-wise kernels (_elementwise)
     compiled: bool = False  # train.compile: Inductor's kernels for the engine's element-wise ops (_compiled_elementwise)
     rope: str = "engine"  # planner.rope: complex (a complex multiply Inductor does not fuse)
+    norms: int = 2  # RMSNorms per block: 4 with model.post_norms (Gemma), priced like the others
 
 
 def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
@@ -143,8 +144,9 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     # projections' full [tokens, hidden] input. planner.block_kernels fused: a fused RoPE (2e), a fused
     # activation (read gate and up, write the product: 3e; backward 5e), no repeat, one QKV and one fc1
     # GEMM (no sums).
-    nf, nb = norm_bytes(e, x.norm_unfused)
-    base_f, base_b = 2 * nf * hdim + 2 * 3 * e * hdim, 2 * nb * hdim + 2 * 3 * e * hdim
+    nf, nb = norm_bytes(e, x.norm_unfused)  # Gemma's post norms (x.norms 4) priced as two more norms: their
+    # eager fp32 ops (engine/models/norm.py OffsetRMSNorm) move more bytes than a fused kernel, not modelled
+    base_f, base_b = x.norms * nf * hdim + 2 * 3 * e * hdim, x.norms * nb * hdim + 2 * 3 * e * hdim
     if x.kernels == "fused":
         fwd, bwd = base_f + 2 * e * qk + 3 * e * act, base_b + 2 * e * qk + 5 * e * act
     else:
@@ -335,7 +337,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
-                      rope=recipe.planner.rope)
+                      rope=recipe.planner.rope, norms=4 if m.post_norms else 2)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

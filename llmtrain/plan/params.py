@@ -33,7 +33,7 @@ def count_params(m: ModelConfig) -> ParamCount:
         attn += (m.heads + 2 * m.kv_heads) * hd
     if m.qk_norm:
         attn += 2 * hd
-    norms = 2 * h
+    norms = (4 if m.post_norms else 2) * h  # Gemma's post norms: two more per block
     dense_mlp = 3 * h * m.ffn_hidden
     dense_block = attn + norms + dense_mlp
     expert = 3 * h * m.expert_ffn

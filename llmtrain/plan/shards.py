@@ -168,6 +168,9 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         ParamShape(p + "attention.wo.weight", (h, m.heads * hd // tp), "matmul"),
         ParamShape(p + "ffn_norm.weight", (h,), "norm"),
     ]
+    if m.post_norms:  # Gemma: on the attention's and the MLP's outputs
+        out += [ParamShape(p + "attention_post_norm.weight", (h,), "norm"),
+                ParamShape(p + "ffn_post_norm.weight", (h,), "norm")]
     if m.qkv_bias:  # split with their column-parallel weights
         out += [ParamShape(p + "attention.wq.bias", (m.heads * hd // tp,), "norm"),
                 ParamShape(p + "attention.wk.bias", (m.kv_heads * hd // tp,), "norm"),
@@ -274,7 +277,7 @@ def _model_key(m: ModelConfig) -> tuple:
     moe = m.moe
     key = (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
            moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers, m.head_dim, m.qkv_bias, m.qk_norm,
-           moe.sparse_step, tuple(moe.dense_layers))
+           moe.sparse_step, tuple(moe.dense_layers), m.post_norms)
     if len(_MODEL_KEYS) > 256:
         _MODEL_KEYS.clear()
     _MODEL_KEYS[id(m)] = (m, key)

@@ -116,7 +116,19 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if m.head_dim % 2 and (m.hidden % m.heads == 0 or m.explicit_head_dim):
         err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
                     "choose an even head_dim (or hidden and heads with an even quotient)"))
-    if m.sliding_window is not None and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method != "ulysses":
+    windowed = any(m.is_windowed(i) for i in range(m.layers))
+    bad_layers = sorted({i for i in m.full_attention_layers or () if not 0 <= i < m.layers})
+    if bad_layers:
+        err(Problem("model.full_attention_layers", f"layers {bad_layers} do not exist (the model has {m.layers}: "
+                    f"0..{m.layers - 1})", f"use layer indices 0..{m.layers - 1}"))
+    if m.sliding_window is None and (m.full_attention_layers is not None or m.local_rope_theta is not None):
+        name = "full_attention_layers" if m.full_attention_layers is not None else "local_rope_theta"
+        err(Problem(f"model.{name}", f"{name} is set but model.sliding_window is not: no layer is windowed",
+                    f"set model.sliding_window, or drop model.{name}"))
+    if m.mlp_activation != "silu" and m.is_moe:
+        err(Problem("model.mlp_activation", f"mlp_activation {m.mlp_activation} with MoE: the experts are SwiGLU "
+                    "(engine/models/grouped_experts.py)", "use mlp_activation: silu, or a dense model"))
+    if windowed and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method != "ulysses":
         err(Problem("parallel.cp_method", f"the sliding window ({m.sliding_window}) is shorter than seq_len "
                     f"({t.seq_len}), and {p.cp_method} context parallelism has no windowed attention blocks "
                     "(engine/parallel/context.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))

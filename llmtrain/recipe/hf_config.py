@@ -28,6 +28,7 @@ from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
 
 from llmtrain.recipe.hf_families import FAMILIES, SUPPORTED, family_of, require_hf_compatible
+from llmtrain.recipe.hf_gemma import gemma_config, gemma_fields, gemma_problems
 
 # model_types people will try, and why they do not load (the others get the generic message)
 NOT_SUPPORTED = {
@@ -35,11 +36,13 @@ NOT_SUPPORTED = {
     "deepseek_v2": "multi-head latent attention (MLA) is not implemented",
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
     "gemma": "GeLU MLPs, (1 + w) RMSNorm and scaled embeddings are not implemented",
-    "gemma2": "soft-capping, sliding/global layers and GeLU MLPs are not implemented",
-    "gemma3": "sliding/global layers, q/k norms and GeLU MLPs are not implemented",
+    "gemma2": "attention and final logit soft-capping are not implemented",
+    "gemma3": "the multimodal Gemma 3 (a vision tower) is not implemented; the text-only gemma3_text checkpoints "
+              "(Gemma 3 1B) load",
 }
-ROPE_TYPES = ("default", "llama3", "longrope")  # implemented; each family takes default and its own (Family.rope_scaling)
-OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim")  # None is a value here, not a missing key
+ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)
+OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim", "model.local_rope_theta",
+            "model.attention_scale")  # None is a value here, not a missing key
 
 
 # -- recipe -> config.json --------------------------------------------------------------------
@@ -57,7 +60,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                    "long_factor": list(s.long_factor), "attention_factor": float(s.attention_factor),
                    "original_max_position_embeddings": s.original_max_seq_len}
         rope = {**scaling, "rope_theta": theta}
-    elif cfg.rope_scaling is not None:
+    elif cfg.rope_scaling is not None and cfg.rope_scaling.type == "llama3":  # gemma's linear: gemma_config
         s = cfg.rope_scaling
         scaling = {"rope_type": "llama3", "factor": float(s.factor), "low_freq_factor": float(s.low_freq_factor),
                    "high_freq_factor": float(s.high_freq_factor), "original_max_position_embeddings": s.original_max_seq_len}
@@ -87,6 +90,8 @@ def hf_config(cfg: ModelConfig) -> dict:
     elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers: all of them
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if cfg.sliding_window is not None else cfg.layers)
+    if f.gemma:
+        out.update(gemma_config(cfg))
     m = cfg.moe
     if f.name == "mixtral":
         out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
@@ -171,6 +176,9 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         out.append(Problem(where, f"config.json of model_type={name} has {field}={printable(repr(value), 60)}: {why}",
                            f"supported: {SUPPORTED} with standard blocks"))
 
+    if FAMILIES[mt].gemma:  # its own activation, RoPE per layer type, soft-capping (recipe/hf_gemma.py)
+        gemma_problems(conf, bad)
+        return out
     if conf.get("hidden_act", "silu") != "silu":
         bad("hidden_act", conf.get("hidden_act"), "only SwiGLU (silu) MLPs are implemented")
     if mt in ("llama", "qwen3", "qwen3_moe") and conf.get("attention_bias", False) is not False:
@@ -223,6 +231,8 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
     sliding = FAMILIES[mt].sliding
     if sliding == "plain" or (sliding == "qwen" and conf.get("use_sliding_window")):
         out["sliding_window"] = conf.get("sliding_window")
+    if FAMILIES[mt].gemma:
+        out.update(gemma_fields(conf))
     if mt == "mixtral":
         out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
                       "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
@@ -276,6 +286,11 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
               ("model.qkv_bias", cfg.qkv_bias, theirs["qkv_bias"], f"model_type={theirs['family']}"),
               ("model.qk_norm", cfg.qk_norm, theirs["qk_norm"], f"model_type={theirs['family']}"),
               ("model.sliding_window", cfg.sliding_window, theirs["sliding_window"], "sliding_window"),
+              ("model.full_attention_layers", sorted(cfg.full_attention_layers or []),
+               sorted(theirs.get("full_attention_layers") or []), "layer_types"),
+              ("model.local_rope_theta", cfg.local_rope_theta, theirs.get("local_rope_theta"), "rope_local_base_freq"),
+              ("model.attention_scale", cfg.attention_scale, theirs.get("attention_scale"),
+               "query_pre_attn_scalar ** -0.5"),
               ("model.moe.num_experts", cfg.moe.num_experts, moe.get("num_experts", 1), "num_experts")]
     if len(their_moe) < (theirs["layers"] or 0):  # some dense layers: their width matters
         fields.append(("model.ffn_hidden", cfg.ffn_hidden, theirs["ffn_hidden"], "intermediate_size"))
@@ -301,10 +316,11 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
 
 INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
-            "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window")
+            "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window",
+            "sliding_window_pattern")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
-              "partial_rotary_factor", "attention_factor")
-BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window")
+              "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar")
+BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "use_bidirectional_attention")
 HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
 
 

@@ -31,6 +31,7 @@ class Family:
     fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
     rope_scaling: str = "llama3"      # the RoPE scaling rule its transformers config takes (Phi-3: longrope only)
     partial_rotary: bool = False      # RoPE on the first rotary_dim features only (Phi-3's partial_rotary_factor)
+    gemma: bool = False               # Gemma 3: offset norms, post norms, scaled embeddings, GeGLU, sliding/full layers
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -44,7 +45,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
     Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope",
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
+    Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
+           gemma=True),  # Gemma 3 1B (the text-only checkpoints; recipe/hf_gemma.py)
 )}
+
+# the recipe switches that only Gemma has, with the value every other family needs
+GEMMA_SWITCHES = {"norm_offset": False, "post_norms": False, "embed_scale": False, "mlp_activation": "silu"}
 
 SUPPORTED = ", ".join(FAMILIES)
 
@@ -79,7 +85,7 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
             f"set model.qk_norm: {str(f.qk_norm).lower()}")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type != f.rope_scaling:
         bad("model.rope_scaling", f"{cfg.rope_scaling.type} RoPE scaling; transformers' {f.name} takes only "
-            f"{f.rope_scaling} scaling", "use model.family " + ("phi3" if cfg.rope_scaling.type == "longrope" else "llama")
+            f"{f.rope_scaling} scaling", "use model.family " + {"longrope": "phi3", "linear": "gemma3_text"}.get(cfg.rope_scaling.type, "llama")
             + " or drop model.rope_scaling")
     if cfg.rope_dim != cfg.head_dim and not f.partial_rotary:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim}; {f.name} rotates whole heads",
@@ -87,6 +93,17 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
     elif cfg.rope_dim != cfg.head_dim and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim} is no partial_rotary_factor "
             "transformers turns back into it (int(head_dim x factor))", "use a rotary_dim such as head_dim x 3/4")
+    for name, plain in GEMMA_SWITCHES.items():
+        want = plain if not f.gemma else {"mlp_activation": "gelu_tanh"}.get(name, True)
+        if getattr(cfg, name) != want:
+            bad(f"model.{name}", f"{name} is {getattr(cfg, name)}; {f.name} needs {want}",
+                f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"
+                + ("" if f.gemma else ", or use model.family gemma3_text"))
+    if not f.gemma:
+        for name in ("full_attention_layers", "local_rope_theta", "attention_scale"):
+            if getattr(cfg, name) is not None:
+                bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 3 has)",
+                    f"drop model.{name}, or use model.family gemma3_text")
     if cfg.sliding_window is not None and f.sliding == "none":
         bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
             "drop model.sliding_window or use model.family mistral")

@@ -61,9 +61,9 @@ class MoEConfig(Strict):
 class RopeScaling(Strict):
     """RoPE frequency scaling for long context: Llama 3.1's ``rope_type: llama3`` or Phi-3's ``longrope``."""
 
-    type: Literal["llama3", "longrope"] = Field(
-        "llama3", description="Scaling rule: llama3 (Llama 3.1/3.2/3.3) or longrope (Phi-3 128k, Phi-3.5).")
-    factor: float | None = Field(None, gt=0, le=1e6, description="llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by this (default 8).")
+    type: Literal["llama3", "longrope", "linear"] = Field(
+        "llama3", description="Scaling rule: llama3 (Llama 3.1/3.2/3.3), longrope (Phi-3 128k, Phi-3.5) or linear (Gemma 3's full-attention layers: every frequency divided by factor).")
+    factor: float | None = Field(None, gt=0, le=1e6, description="llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by this (default 8); linear: every frequency is divided by it (required).")
     low_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: low-frequency boundary original_max_seq_len / low_freq_factor (default 1).")
     high_freq_factor: float | None = Field(None, gt=0, le=1e6, description="llama3: high-frequency boundary (unchanged above it), original_max_seq_len / high_freq_factor (default 4).")
     original_max_seq_len: int = Field(8192, ge=1, le=BIG, description="Context length of pretraining before scaling (HF original_max_position_embeddings).")
@@ -73,6 +73,14 @@ class RopeScaling(Strict):
 
     @model_validator(mode="after")
     def _rule(self) -> RopeScaling:
+        if self.type == "linear":
+            if self.factor is None:
+                raise ValueError("type linear needs factor (every RoPE frequency is divided by it)")
+            extra = [n for n in ("low_freq_factor", "high_freq_factor", "short_factor", "long_factor", "attention_factor")
+                     if getattr(self, n) is not None]
+            if extra:
+                raise ValueError(f"{', '.join(extra)} do not belong to type linear (it takes factor only)")
+            return self
         if self.type == "llama3":
             if self.short_factor is not None or self.long_factor is not None or self.attention_factor is not None:
                 raise ValueError("short_factor, long_factor and attention_factor belong to type longrope")
@@ -139,7 +147,28 @@ class ModelConfig(Strict):
         None, ge=1, le=BIG,
         description="Sliding-window attention span: a token sees itself and the window - 1 before it (Mistral v0.1, Phi-3-mini-4k's 2047); None = full causal attention.",
     )
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3"] | None = Field(
+    full_attention_layers: list[int] | None = Field(
+        None, max_length=BIG,
+        description="With sliding_window: the layers (0-based) that attend to the whole causal prefix instead "
+        "(Gemma 3: every 6th; Qwen2: the first max_window_layers); None = every layer windowed.",
+    )
+    local_rope_theta: float | None = Field(
+        None, gt=0, le=1e12,
+        description="RoPE base of the windowed layers, which then take no rope_scaling (Gemma 3: 10,000 while its "
+        "full-attention layers use rope_theta 1,000,000 with linear scaling); None = rope_theta everywhere.",
+    )
+    mlp_activation: Literal["silu", "gelu_tanh"] = Field(
+        "silu", description="Gate activation of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma's gelu_pytorch_tanh).")
+    norm_offset: bool = Field(
+        False, description="RMSNorms scale by (1 + weight), in fp32, and their weights start at 0 (Gemma).")
+    post_norms: bool = Field(
+        False, description="An RMSNorm on the attention's and on the MLP's output before each residual add (Gemma 2/3).")
+    embed_scale: bool = Field(
+        False, description="Token embeddings multiplied by sqrt(hidden), rounded to the embedding's dtype (Gemma).")
+    attention_scale: float | None = Field(
+        None, gt=0, le=1e6,
+        description="Softmax scale of attention; None = 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5).")
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma3_text"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",
@@ -204,6 +233,10 @@ class ModelConfig(Strict):
     def explicit_head_dim(self) -> bool:
         """head_dim was given (not derived as hidden / heads); then hidden % heads need not be 0."""
         return "head_dim" in self.model_fields_set
+
+    def is_windowed(self, layer: int) -> bool:
+        """Whether block ``layer`` uses the sliding window (``sliding_window`` set, not a full-attention layer)."""
+        return self.sliding_window is not None and layer not in (self.full_attention_layers or ())
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE MLP (else a dense one of ffn_hidden)."""

@@ -33,6 +33,11 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   3,821,079,552 parameters). Phi-4: microsoft/phi-4/config.json (40 layers, hidden 5120, 40
   heads, 10 KV heads, ffn 17920, vocab 100352, rope_theta 250000, rms_norm_eps 1e-5, 16384
   positions, no sliding window, untied). Both ``phi3`` (fused qkv_proj / gate_up_proj on disk).
+- Gemma 3 1B: google/gemma-3-1b-pt/config.json (gemma3_text: 26 layers, hidden 1152, 4 heads, 1 KV
+  head, head_dim 256, ffn 6912 GeGLU, vocab 262144, tied, rms_norm_eps 1e-6, 32768 positions;
+  sliding_window 512 with every 6th layer full (sliding_window_pattern 6: layers 5, 11, 17, 23),
+  rope_theta 1e6 on full layers, rope_local_base_freq 1e4 on sliding ones, query_pre_attn_scalar
+  256; 999,885,952 parameters, transformers' own count).
 - DeepSeek-V3: deepseek-ai/DeepSeek-V3/config.json and arXiv:2412.19437 (61 layers, hidden
   7168, 128 heads, 256 routed experts of 2048, 1 shared, top-8, sigmoid scores,
   auxiliary-loss-free bias balancing, first 3 layers dense with 18432, vocab 129280).
@@ -135,6 +140,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi4-14b": dict(
         layers=40, hidden=5120, heads=40, kv_heads=10, ffn_hidden=17920, vocab_size=100352, max_seq_len=16384,
         rope_theta=250000.0, norm_eps=1e-5, tie_embeddings=False, family="phi3",
+    ),
+    "gemma3-1b": dict(
+        layers=26, hidden=1152, heads=4, kv_heads=1, head_dim=256, ffn_hidden=6912, vocab_size=262144,
+        max_seq_len=32768, rope_theta=1000000.0, local_rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+        sliding_window=512, full_attention_layers=[5, 11, 17, 23], attention_scale=0.0625, qk_norm=True,
+        norm_offset=True, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh", family="gemma3_text",
     ),
     "deepseek-v3": dict(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab_size=129280,

@@ -35,6 +35,10 @@ Decisions:
   range of the fused tensor (``Source.rows``). The q/k blocks start at whole heads, so the RoPE
   permutation applies within the block as for separate tensors. Export concatenates the blocks
   back in row order (:func:`hf_tensors`).
+* **Gemma 3** (``gemma3_text``, ``model.post_norms``): ``ffn_norm`` -> ``pre_feedforward_layernorm``,
+  ``attention_post_norm`` -> ``post_attention_layernorm`` (the attention output's norm, not the
+  MLP's input norm as in Llama), ``ffn_post_norm`` -> ``post_feedforward_layernorm``. Its norm
+  weights are stored as they are (our ``OffsetRMSNorm`` is the same ``1 + w`` form).
 * **What no family has is refused**, naming the recipe field (:func:`family_problems`): shared
   experts, the sigmoid router, bias balancing (``expert_bias``), a dense-only family with experts,
   Mixtral without renormalized top-k or with dense layers, q/k norm outside Qwen3, q/k/v biases
@@ -73,6 +77,9 @@ LAYER_NAMES = {
 BIAS_NAMES = {"attention.wq.bias": "self_attn.q_proj.bias", "attention.wk.bias": "self_attn.k_proj.bias",
               "attention.wv.bias": "self_attn.v_proj.bias"}
 QK_NORM_NAMES = {"attention.q_norm.weight": "self_attn.q_norm.weight", "attention.k_norm.weight": "self_attn.k_norm.weight"}
+POST_NORM_NAMES = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                   "attention_post_norm.weight": "post_attention_layernorm.weight",
+                   "ffn_post_norm.weight": "post_feedforward_layernorm.weight"}
 ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
            "attention.q_norm.weight", "attention.k_norm.weight")
 FUSED_NAMES = {"attention.wq.weight": "self_attn.qkv_proj.weight", "attention.wk.weight": "self_attn.qkv_proj.weight",
@@ -133,6 +140,8 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
             names.update(BIAS_NAMES)
         if cfg.qk_norm:
             names.update(QK_NORM_NAMES)
+        if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention's post norm, the MLP has its own pair
+            names.update(POST_NORM_NAMES)
         blocks = fused_rows(cfg) if f.fused else {}
         for ours, theirs in names.items():
             theirs = FUSED_NAMES.get(ours, theirs) if f.fused else theirs

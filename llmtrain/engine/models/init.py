@@ -29,7 +29,8 @@ Distributions (GPT-2 / Megatron "scaled init"):
 * LoRA adapters (:mod:`llmtrain.engine.finetune.lora`): ``lora_a`` kaiming-uniform with
   ``a = sqrt(5)`` (PEFT's default, i.e. U(-1/sqrt(in), 1/sqrt(in))) from the same per-name
   generator, ``lora_b`` zeros, so the adapted model starts as the base model;
-* RMSNorm weights (block norms and Qwen3's per-head ``q_norm``/``k_norm``): ones; linear
+* RMSNorm weights (block norms and Qwen3's per-head ``q_norm``/``k_norm``): ones (zeros for
+  Gemma's offset norms, ``model.norm_offset``: the same identity scale); linear
   biases (Qwen2's q/k/v biases): zeros, as in transformers; buffers (``expert_bias``,
   ``tokens_per_expert``): zeros.
 
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 
 from llmtrain.engine.models.moe import GroupedExperts
+from llmtrain.engine.models.norm import OffsetRMSNorm
 
 INIT_STD = 0.02
 WRAPPER_FRAGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -89,6 +91,8 @@ def _init_kind(module: nn.Module, leaf: str, name: str = "") -> str:
         return "zeros"
     if isinstance(module, nn.RMSNorm):
         return "ones"
+    if isinstance(module, OffsetRMSNorm):  # Gemma's x * (1 + w): 0 is the identity, as transformers starts it
+        return "zeros"
     if isinstance(module, (nn.Linear, nn.Embedding)) and leaf == "weight":
         return "normal"
     if isinstance(module, nn.Linear) and leaf == "bias":

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.engine.models.moe import MoE, FeedForward
+from llmtrain.engine.models.norm import RMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
 from llmtrain.recipe.schema import ModelConfig
 
@@ -116,20 +117,6 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-class RMSNorm(nn.RMSNorm):
-    """``nn.RMSNorm`` that casts its weight to the input's dtype when they differ: under autocast
-    (zero 0/1 in bf16) the weight is the fp32 master and the activations bf16, and torch's fused
-    kernel refuses mismatched dtypes (it falls back to the composite op, which also saves the
-    normalized input). The output keeps the input's dtype either way, so the residual stream stays
-    bf16 (:meth:`Transformer.forward`) as it does under FSDP's bf16 parameters."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w is not None and w.dtype != x.dtype:
-            w = w.to(x.dtype)
-        return F.rms_norm(x, self.normalized_shape, w, self.eps)
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
 
@@ -142,8 +129,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
         if cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
-            self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps)
+            self.q_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
+        # model.attention_scale (Gemma 3's query_pre_attn_scalar ** -0.5): folded into q after RoPE, so
+        # every attention path (SDPA, the CP kernel blocks) keeps its default 1 / sqrt(head_dim)
+        self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * self.head_dim**0.5
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
@@ -155,6 +145,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
+        if self.q_scale is not None and self.q_scale != 1.0:
+            q = q * self.q_scale
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
         if n_rep > 1 and not (mask is None and getattr(self.attn_fn, "takes_kv_heads", False)):
@@ -174,24 +166,37 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: attention, then a dense SwiGLU (``feed_forward``) or an MoE (``moe``)."""
+    """Pre-norm block: attention, then a dense gated MLP (``feed_forward``) or an MoE (``moe``).
+
+    ``post_norms`` (Gemma 2/3) adds ``attention_post_norm`` and ``ffn_post_norm`` on the two branch
+    outputs before their residual adds: ``h = x + post(attn(norm(x)))``. ``windowed``: whether this
+    block's attention uses the sliding window (``cfg.is_windowed``); the model hands each block its
+    mask and RoPE tables accordingly."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.windowed = cfg.is_windowed(layer_id)
+        self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         self.attention = Attention(cfg)
-        self.ffn_norm = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
+        if cfg.post_norms:
+            self.attention_post_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
+            self.ffn_post_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         if cfg.is_moe_layer(layer_id):
             self.moe = MoE(cfg)
         else:
-            self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden)
+            self.feed_forward = FeedForward(cfg.hidden, cfg.ffn_hidden, cfg.mlp_activation)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
+        a = self.attention(self.attention_norm(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
+        post = getattr(self, "attention_post_norm", None)
+        h = x + (a if post is None else post(a))
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + mlp(self.ffn_norm(h))
+        m = mlp(self.ffn_norm(h))
+        post = getattr(self, "ffn_post_norm", None)
+        return h + (m if post is None else post(m))
 
 
 class Transformer(nn.Module):
@@ -206,7 +211,7 @@ class Transformer(nn.Module):
         self.tie_embeddings = cfg.tie_embeddings
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, cfg) for i in range(cfg.layers)})
-        self.norm: nn.RMSNorm | None = RMSNorm(cfg.hidden, eps=cfg.norm_eps)
+        self.norm: nn.Module | None = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         self.output: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         # Positions used when forward() gets none: set by the trainer for pipeline stages that
         # receive (possibly sequence-sharded) hidden states and for context parallelism.
@@ -258,6 +263,8 @@ class Transformer(nn.Module):
         if positions is None:  # from the input ids (with sequence parallelism h is a sequence shard)
             positions = torch.arange(tokens_or_hidden.shape[1], device=tokens_or_hidden.device)
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
+        if self.tok_embeddings is not None and self.cfg.embed_scale:  # Gemma: sqrt(hidden) in the embedding's dtype
+            h = h * torch.tensor(self.cfg.hidden**0.5, dtype=torch.float32).to(h.dtype).item()
         if torch.is_autocast_enabled(h.device.type) and h.dtype != torch.get_autocast_dtype(h.device.type):
             # zero 0/1 in bf16 run under autocast with fp32 parameters: the embedding returns fp32,
             # and every residual add would then stay fp32. Cast once here so the residual stream,
@@ -266,17 +273,24 @@ class Transformer(nn.Module):
             # input saved for q/k/v (w1/w3) instead of autocast's cast per projection.
             h = h.to(torch.get_autocast_dtype(h.device.type))
         full = positions.shape[-1] * self.seq_shards  # tokens of a whole row
-        cos, sin = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling,
-                                longest=full if self.seq_shards > 1 else None)  # CP rows are unpacked: all full
-        mask = None if segments is None else packed_mask(segments)
-        if self.window is not None and full > self.window:  # else the window changes nothing
+        longest = full if self.seq_shards > 1 else None  # CP rows are unpacked: all full
+        rope = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling, longest=longest)
+        local_rope = rope  # the windowed layers' (model.local_rope_theta: own base, no scaling)
+        if self.cfg.local_rope_theta is not None and any(layer.windowed for layer in self.layers.values()):
+            local_rope = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.local_rope_theta, None)
+        base = None if segments is None else packed_mask(segments)  # boolean, True = may attend
+        band = None
+        if self.window is not None and full > self.window and any(layer.windowed for layer in self.layers.values()):
             band = window_mask(positions if self.seq_shards == 1 else torch.arange(full, device=h.device),
                                self.window)
-            mask = band if mask is None else mask.logical_and(band)
-        if mask is not None:
-            mask = attention_bias(mask, h.dtype)
+            band = band if base is None else base.logical_and(band)
+        # one additive mask per kind per forward, shared by the layers of that kind (attention_bias)
+        mask = None if base is None else attention_bias(base, h.dtype)
+        windowed_mask = mask if band is None else attention_bias(band, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
+            cos, sin = local_rope if layer.windowed else rope
+            m = windowed_mask if layer.windowed else mask
+            h = layer(h, cos, sin) if m is None else layer(h, cos, sin, mask=m)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not (self.return_hidden if return_hidden is None else return_hidden):

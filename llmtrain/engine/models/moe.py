@@ -80,21 +80,23 @@ from llmtrain.engine.models.grouped_experts import (  # noqa: F401  (re-exported
     grouped_swiglu_gemm,
     use_grouped_mm,
 )
-from llmtrain.engine.models.swiglu import swiglu
+from llmtrain.engine.models.swiglu import gated, swiglu
 from llmtrain.recipe.schema import ModelConfig
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` without biases: the dense block MLP and the shared experts."""
+    """SwiGLU MLP ``w2(silu(w1 x) * w3 x)`` without biases: the dense block MLP and the shared experts;
+    ``activation`` gelu_tanh makes it Gemma's GeGLU (dense MLPs only: validation refuses it with MoE)."""
 
-    def __init__(self, hidden: int, ffn_hidden: int):
+    def __init__(self, hidden: int, ffn_hidden: int, activation: str = "silu"):
         super().__init__()
         self.w1 = nn.Linear(hidden, ffn_hidden, bias=False)  # gate
         self.w3 = nn.Linear(hidden, ffn_hidden, bias=False)  # up
         self.w2 = nn.Linear(ffn_hidden, hidden, bias=False)  # down
+        self.activation = activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(gated(self.w1(x), self.w3(x), self.activation))
 
     def local_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The same on this rank's weight shards as plain tensors (the shared experts inside an

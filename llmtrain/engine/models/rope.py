@@ -32,6 +32,8 @@ Design choices:
   is interpolated linearly in ``original_max_seq_len / wavelength``. The same fp32 operations
   in the same order as transformers' ``_compute_llama3_parameters`` (so the frequencies are
   bit-identical, and with them the angles); the attention scaling of that rule is 1.
+* **Linear scaling** (type ``linear``, Gemma 3's full-attention layers): every frequency divided
+  by ``factor`` (positions interpolated), transformers' ``_compute_linear_scaling_rope_parameters``.
 * **Partial rotary** (``model.rotary_dim`` < ``head_dim``, Phi-4-mini): only the first
   ``rotary_dim`` features of each head are rotated, their frequencies are those of a head of
   ``rotary_dim`` (``theta ** (-2i / rotary_dim)``, as transformers' ``partial_rotary_factor``),
@@ -78,6 +80,8 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None
     inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
+    if scaling.type == "linear":  # transformers' _compute_linear_scaling_rope_parameters: inv_freq / factor
+        return inv_freq / scaling.factor
     return llama3_scaled(inv_freq, scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor,
                          scaling.original_max_seq_len)
 

@@ -209,7 +209,8 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
 def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
     """Swap every block's core attention for the CP one (before AC/compile/FSDP wrap blocks)."""
     cp, cp_rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
-    if model.window is not None and model.window < seq_len and method != "ulysses":  # validation refuses it first
+    windowed = any(block.windowed for block in model.layers.values())
+    if windowed and model.window is not None and model.window < seq_len and method != "ulysses":  # validated first
         raise ValueError(f"a sliding window ({model.window}) shorter than seq_len ({seq_len}) needs cp_method "
                          f"ulysses, not {method}: ring and all-gather have no windowed blocks")
     model.seq_shards = cp  # a row is cp shards: the window's band (Ulysses) and longrope's regime use its length

@@ -125,6 +125,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
             })
+            if getattr(block, "attention_post_norm", None) is not None:  # Gemma's norms on the branch outputs,
+                # which wo / w2 reduce-scatter (SP); local outputs: the residual add takes plain tensors
+                plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
+                plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
         if getattr(block, "moe", None) is not None:
             apply_expert_tensor_parallel(block.moe, tp_mesh, sequence_parallel=sp)
         else:

@@ -1,0 +1,157 @@
+"""Gemma 3 text (``model_type: gemma3_text``) ``config.json`` <-> recipe ``model`` (torch-free).
+
+Gemma 3 is our decoder with its switches on (:mod:`llmtrain.engine.models.llama`): unit-offset
+RMSNorms (``norm_offset``), norms on both branch outputs (``post_norms``), embeddings times
+sqrt(hidden) (``embed_scale``), GeGLU MLPs (``mlp_activation: gelu_tanh``), q/k norms, a softmax
+scale of ``query_pre_attn_scalar ** -0.5`` (``attention_scale``), and two kinds of layers:
+``sliding_attention`` layers (a window of ``sliding_window`` tokens, RoPE base
+``local_rope_theta``, no scaling) and ``full_attention`` layers (``full_attention_layers``, RoPE
+base ``rope_theta`` with the config's scaling, ``linear`` for 4B and larger).
+
+Both config.json forms are read, as transformers 5 reads them: 5.x's ``rope_parameters`` per
+layer type and ``layer_types``, and 4.x's ``rope_theta`` / ``rope_local_base_freq`` /
+``rope_scaling`` (the full layers') and ``sliding_window_pattern`` (every ``pattern``-th layer
+full, default 6). Defaults are transformers' (``Gemma3TextConfig``): thetas 1e6 / 1e4, window
+4096, ``query_pre_attn_scalar`` 256, tied embeddings. Written: both forms, so 4.5x and 5.x read it.
+
+Refused in one line (the engine would be another model): soft-capping of attention logits or of
+the final logits (Gemma 2's; null in Gemma 3), bidirectional attention, an activation other than
+``gelu_pytorch_tanh``, RoPE types other than default (sliding layers) and default / linear (full
+layers). The multimodal ``gemma3`` checkpoints (4B and up, with a vision tower) are a different
+model_type: their text part is not read here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmtrain.recipe.schema import ModelConfig
+
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+
+
+def _per_type(conf: dict) -> dict[str, dict]:
+    """``{layer_type: rope params}`` as transformers 5 resolves them (``convert_rope_params_to_dict``)."""
+    params = conf.get("rope_parameters")
+    out: dict[str, dict] = {"full_attention": {}, "sliding_attention": {}}
+    if isinstance(params, dict) and any(k in params for k in out):
+        for kind in out:
+            if isinstance(params.get(kind), dict):
+                out[kind] = dict(params[kind])
+    if isinstance(conf.get("rope_scaling"), dict):
+        out["full_attention"].update(conf["rope_scaling"])
+    out["full_attention"].setdefault("rope_theta", conf.get("rope_theta", GEMMA3_THETA["full_attention"]))
+    out["sliding_attention"].setdefault("rope_theta", conf.get("rope_local_base_freq",
+                                                               GEMMA3_THETA["sliding_attention"]))
+    return out
+
+
+def _kind(params: dict) -> str:
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def layer_types(conf: dict) -> list[str] | None:
+    """Each layer's attention kind: ``layer_types``, else ``sliding_window_pattern`` (default 6)."""
+    layers = conf.get("num_hidden_layers")
+    given = conf.get("layer_types")
+    if isinstance(given, list):
+        return given
+    if given is not None:  # not a list: no fallback to the pattern (an untrusted file says something else)
+        return None
+    pattern = conf.get("sliding_window_pattern", 6)
+    if type(layers) is not int or type(pattern) is not int or pattern < 1:
+        return None
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def gemma_problems(conf: dict, bad) -> None:
+    """Call ``bad(field, value, why)`` for each gemma3_text setting the engine does not run."""
+    act = conf.get("hidden_activation", conf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act != "gelu_pytorch_tanh":
+        bad("hidden_activation", act, "only the tanh-approximated GELU (gelu_pytorch_tanh) is implemented")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if conf.get(key) is not None:
+            bad(key, conf.get(key), "logit soft-capping is not implemented (Gemma 2's; Gemma 3 has none)")
+    if conf.get("use_bidirectional_attention"):
+        bad("use_bidirectional_attention", conf.get("use_bidirectional_attention"), "only causal attention is implemented")
+    if conf.get("attention_bias", False) is not False:
+        bad("attention_bias", conf.get("attention_bias"), "our attention has no biases here")
+    types = layer_types(conf)
+    if types is None or len(types) != conf.get("num_hidden_layers") or any(
+            t not in ("sliding_attention", "full_attention") for t in types):
+        bad("layer_types", conf.get("layer_types", conf.get("sliding_window_pattern")),
+            "it must name sliding_attention or full_attention for each of num_hidden_layers")
+    rope = _per_type(conf)
+    if _kind(rope["sliding_attention"]) != "default":
+        bad("rope_parameters.sliding_attention.rope_type", _kind(rope["sliding_attention"]),
+            "the sliding layers are implemented with default RoPE")
+    if _kind(rope["full_attention"]) not in ("default", "linear"):
+        bad("rope_parameters.full_attention.rope_type", _kind(rope["full_attention"]),
+            "the full-attention layers are implemented with default and linear RoPE")
+    if "sliding_window" in conf and conf["sliding_window"] is None:
+        bad("sliding_window", None, "Gemma 3's sliding_attention layers need a window")
+    scalar = conf.get("query_pre_attn_scalar", 256)
+    if type(scalar) not in (int, float) or not 0 < scalar < float("inf"):
+        bad("query_pre_attn_scalar", scalar, "it must be a positive number")
+    for kind, params in rope.items():
+        for key in ("rope_theta", "factor"):
+            v = params.get(key)
+            if v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
+                bad(f"rope_parameters.{kind}.{key}", v, "it must be a positive number")
+
+
+def gemma_fields(conf: dict) -> dict[str, Any]:
+    """The recipe ``model`` fields a gemma3_text config sets beyond the common ones (checked first:
+    :func:`gemma_problems`)."""
+    rope = _per_type(conf)
+    full = rope["full_attention"]
+    types = layer_types(conf) or []
+    return {
+        "rope_theta": float(full["rope_theta"]), "local_rope_theta": float(rope["sliding_attention"]["rope_theta"]),
+        "rope_scaling": {"type": "linear", "factor": float(full.get("factor", 1.0)), "low_freq_factor": None,
+                         "high_freq_factor": None, "original_max_seq_len": 8192, "short_factor": None,
+                         "long_factor": None, "attention_factor": None} if _kind(full) == "linear" else None,
+        "sliding_window": conf.get("sliding_window", 4096),
+        "full_attention_layers": [i for i, t in enumerate(types) if t == "full_attention"],
+        "attention_scale": float(conf.get("query_pre_attn_scalar", 256)) ** -0.5,
+        "tie_embeddings": bool(conf.get("tie_word_embeddings", True)),
+        "norm_offset": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh",
+    }
+
+
+def query_pre_attn_scalar(cfg: ModelConfig) -> int | float:
+    """The config.json value whose ``** -0.5`` is ``cfg.attention_scale`` (default: head_dim); an int
+    where it is one (transformers 5 types the field int: 256 for Gemma 3 1B-12B, 168 for 27B)."""
+    if cfg.attention_scale is None:
+        return cfg.head_dim
+    scalar = cfg.attention_scale ** -2
+    return round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar
+
+
+def gemma_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
+    full_layers = set(cfg.full_attention_layers or ())
+    types = ["sliding_attention" if cfg.is_windowed(i) else "full_attention" for i in range(cfg.layers)]
+    if cfg.sliding_window is None:
+        types = ["full_attention"] * cfg.layers
+    local = float(cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta)
+    full = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    scaling = None
+    if cfg.rope_scaling is not None:  # family_problems: linear only
+        scaling = {"rope_type": "linear", "factor": float(cfg.rope_scaling.factor)}
+        full.update(scaling)
+    out = {
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": query_pre_attn_scalar(cfg), "sliding_window": cfg.sliding_window or 4096,
+        "layer_types": types, "rope_parameters": {"full_attention": full,
+                                                  "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+        "rope_theta": float(cfg.rope_theta), "rope_local_base_freq": local, "rope_scaling": scaling,
+        "attn_logit_softcapping": None, "final_logit_softcapping": None, "use_bidirectional_attention": False,
+        "attention_bias": False,
+    }
+    for pattern in range(1, cfg.layers + 1):  # 4.x reads only the pattern: write it where one gives these layers
+        if {i for i in range(cfg.layers) if (i + 1) % pattern == 0} == (full_layers if cfg.sliding_window else
+                                                                        set(range(cfg.layers))):
+            out["sliding_window_pattern"] = pattern
+            break
+    return out
