@@ -168,6 +168,36 @@ def test_longrope_long_factors_past_the_original_length(tiny):
         assert rel_err(packed[:, 120:], theirs(b).logits) <= LOGIT_RTOL
 
 
+def test_qwen2_window_on_the_later_layers_only(tmp_path):
+    """Qwen2 with use_sliding_window and max_window_layers 1 of 3: transformers windows layers 1 and 2
+    only (its layer_types); read as full_attention_layers [0], our logits equal its (LOGIT_RTOL), and
+    windowing every layer instead moves them past 1e-3; the exported config.json says the same."""
+    import transformers as tf
+
+    from tests.hf_tiny import COMMON
+
+    conf = tf.Qwen2Config(**{**COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=8,
+                          max_window_layers=1, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    torch.manual_seed(0)
+    theirs = tf.AutoModelForCausalLM.from_config(conf, dtype=torch.float32).eval()
+    theirs.save_pretrained(tmp_path)
+    ours, cfg = ours_from(tmp_path)
+    assert (cfg.sliding_window, cfg.full_attention_layers) == (8, [0])
+    every = Transformer(cfg.model_copy(update={"full_attention_layers": None})).eval()
+    every.load_state_dict(ours.state_dict())
+    x = ids(cfg.vocab_size)
+    with torch.no_grad():
+        want = theirs(x).logits
+        assert rel_err(ours(x), want) <= LOGIT_RTOL
+        assert rel_err(every(x), want) > 1e-3
+    out = hf_config(cfg)
+    assert (out["max_window_layers"], out["layer_types"]) == (1, ["full_attention", "sliding_attention",
+                                                                  "sliding_attention"])
+    assert config_problems(out, cfg) == []
+    assert [p.path for p in family_problems(cfg.model_copy(update={"full_attention_layers": [1]}))] == [
+        "model.full_attention_layers"]  # Qwen's full layers come first
+
+
 def test_from_hf_state_names_missing_and_unknown_tensors(tiny):
     conf, files = check_hf_dir(tiny["qwen3_moe"])
     cfg = ModelConfig(**model_from_hf_config(conf))

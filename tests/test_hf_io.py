@@ -62,7 +62,8 @@ from hf_tiny import save_tiny  # noqa: E402
 LOGIT_TOL = 1e-5
 LOAD_CASES = {"llama3_fsdp": ("llama3", ["parallel.dp_shard=2"]), "qwen3_tp": ("qwen3", ["parallel.tp=2"]),
               "qwen3_moe_ep": ("qwen3_moe", ["parallel.ep=2"]), "llama_pp": ("llama", ["parallel.pp=2", "parallel.zero=1"]),
-              "mixtral_tp": ("mixtral", ["parallel.tp=2"]), "phi3_tp": ("phi3", ["parallel.tp=2"])}
+              "mixtral_tp": ("mixtral", ["parallel.tp=2"]), "phi3_tp": ("phi3", ["parallel.tp=2"]),
+              "gemma3_tp": ("gemma3", ["parallel.tp=2"])}
 TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]
 
 
@@ -106,7 +107,8 @@ def run_worker(spec: dict, path: Path, nproc: int | None) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hfio")
-    hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral", "phi3")}
+    hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral", "phi3",
+                                                       "gemma3")}
     tok = write_tokenizer(tmp / "tok")
     cases = [{"kind": "load", "name": name, "recipe": str(write_recipe(hf[fam], tmp / f"{fam}.yaml")), "set": sets,
               "hf": str(hf[fam])} for name, (fam, sets) in LOAD_CASES.items()]
@@ -118,6 +120,10 @@ def world(tmp_path_factory) -> dict:
     cases.append({"kind": "train", "name": "phi3_train", "recipe": str(phi3), "steps": 2,
                   "set": [f"checkpoint.dir={tmp / 'ckpts_phi3'}", f"checkpoint.init_from_hf={hf['phi3']}", "parallel.tp=2",
                           "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]})
+    gemma3 = write_recipe(hf["gemma3"], tmp / "gemma3_train.yaml")  # seq 16 > window 8: sliding + full layers
+    cases.append({"kind": "train", "name": "gemma3_train", "recipe": str(gemma3), "steps": 2,
+                  "set": [f"checkpoint.dir={tmp / 'ckpts_gemma3'}", f"checkpoint.init_from_hf={hf['gemma3']}",
+                          "parallel.tp=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]})
     results = run_worker({"cases": cases, "out": str(tmp / "res.pt")}, tmp / "spec.json", nproc=2)
     one = [*common, "parallel.ep=1", "cluster.gpus_per_node=1", "train.steps=3", "train.optimizer.lr=1e-30",
            "checkpoint.interval=1", "checkpoint.async=false"]
@@ -247,6 +253,22 @@ def test_fused_phi3_export_from_tp2_loads_in_transformers(world):
     trained, start = shard_tensors(out), shard_tensors(world["hf"]["phi3"])
     assert not torch.equal(trained["model.layers.0.self_attn.qkv_proj.weight"],
                            start["model.layers.0.self_attn.qkv_proj.weight"])  # training moved the fused weights
+
+
+def test_gemma3_export_from_tp2_loads_in_transformers(world):
+    """Gemma 3 (offset and post norms, GeGLU, sliding and full layers) trained from the tiny HF
+    weights at TP 2 with sequence parallelism, exported: Gemma3ForCausalLM's logits equal ours
+    (LOGIT_TOL), and training moved the Gemma-only tensors (post-feedforward norm, embedding)."""
+    ckpts = world["tmp"] / "ckpts_gemma3"
+    out = export(ckpts, "step-2", world["tmp"] / "gemma3_export", "--max-shard-size", "12KB", "--workers", "2")
+    assert json.loads((out / "config.json").read_text())["layer_types"] == [
+        "sliding_attention", "full_attention", "sliding_attention"]
+    err = logits_error(ckpts / "step-2", out, "gemma3_text")
+    print(f"gemma3 export -> transformers: logits max abs error {err:.3g}")
+    assert err <= LOGIT_TOL, err
+    trained, start = shard_tensors(out), shard_tensors(world["hf"]["gemma3"])
+    for name in ("model.layers.0.post_feedforward_layernorm.weight", "model.embed_tokens.weight"):
+        assert not torch.equal(trained[name], start[name]), name
 
 
 def test_export_bf16_is_the_fp32_export_rounded(world, exports):

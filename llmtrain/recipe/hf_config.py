@@ -87,9 +87,11 @@ def hf_config(cfg: ModelConfig) -> dict:
         out.update(resid_pdrop=0.0, embd_pdrop=0.0, original_max_position_embeddings=original)
     if f.sliding == "plain":
         out["sliding_window"] = cfg.sliding_window
-    elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers: all of them
+    elif f.sliding == "qwen":  # the window applies to layers >= max_window_layers (family_problems: a prefix is full)
+        full = len(cfg.full_attention_layers or ()) if cfg.sliding_window is not None else cfg.layers
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                   max_window_layers=0 if cfg.sliding_window is not None else cfg.layers)
+                   max_window_layers=full, layer_types=["full_attention" if i < full else "sliding_attention"
+                                                        for i in range(cfg.layers)])
     if f.gemma:
         out.update(gemma_config(cfg))
     m = cfg.moe
@@ -162,6 +164,21 @@ def _hf_theta(conf: dict) -> float | None:
     return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
 
 
+def _qwen_full_layers(conf: dict) -> list[int] | None:
+    """Qwen2/3's full-attention layers under ``use_sliding_window``: ``layer_types``' full ones when given
+    (transformers 5 writes them) and they come first, else the layers below ``max_window_layers``
+    (transformers' rule); None: not such a list."""
+    layers, types = conf.get("num_hidden_layers"), conf.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or any(
+                t not in ("full_attention", "sliding_attention") for t in types):
+            return None
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        return full if full == list(range(len(full))) else None
+    mwl = conf.get("max_window_layers", 0) or 0
+    return list(range(min(mwl, layers))) if type(layers) is int else []
+
+
 def unsupported_problems(conf: dict, where: str) -> list[Problem]:
     """Every reason the engine cannot run ``conf``'s model, each naming the model_type and field."""
     mt = conf.get("model_type")
@@ -195,8 +212,10 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         bad("partial_rotary_factor", partial, "it must leave an even number >= 2 of rotated features per head")
     if mt == "mixtral" and conf.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
         bad("router_jitter_noise", conf.get("router_jitter_noise"), "router jitter is not implemented")
-    if mt in ("qwen2", "qwen3", "qwen3_moe") and conf.get("use_sliding_window") and conf.get("max_window_layers", 0):
-        bad("max_window_layers", conf.get("max_window_layers"), "a sliding window on only some layers is not implemented")
+    if FAMILIES[mt].sliding == "qwen" and conf.get("use_sliding_window") and conf.get("layer_types") is not None \
+            and _qwen_full_layers(conf) is None:
+        bad("layer_types", conf.get("layer_types"), "it must be a list of sliding_attention / full_attention per layer, "
+            "the full ones first (max_window_layers)")
     return out
 
 
@@ -231,6 +250,8 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
     sliding = FAMILIES[mt].sliding
     if sliding == "plain" or (sliding == "qwen" and conf.get("use_sliding_window")):
         out["sliding_window"] = conf.get("sliding_window")
+    if sliding == "qwen" and conf.get("use_sliding_window") and conf.get("sliding_window") is not None:
+        out["full_attention_layers"] = _qwen_full_layers(conf) or None  # layers below max_window_layers
     if FAMILIES[mt].gemma:
         out.update(gemma_fields(conf))
     if mt == "mixtral":
@@ -317,7 +338,7 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
 INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window",
-            "sliding_window_pattern")
+            "sliding_window_pattern", "max_window_layers")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
               "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar")
 BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "use_bidirectional_attention")

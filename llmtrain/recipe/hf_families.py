@@ -100,10 +100,14 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
                 f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"
                 + ("" if f.gemma else ", or use model.family gemma3_text"))
     if not f.gemma:
-        for name in ("full_attention_layers", "local_rope_theta", "attention_scale"):
+        for name in ("local_rope_theta", "attention_scale") + (() if f.sliding == "qwen" else ("full_attention_layers",)):
             if getattr(cfg, name) is not None:
                 bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 3 has)",
                     f"drop model.{name}, or use model.family gemma3_text")
+    full = sorted(set(cfg.full_attention_layers or ()))
+    if f.sliding == "qwen" and full != list(range(len(full))):  # Qwen's max_window_layers: the first layers
+        bad("model.full_attention_layers", f"full_attention_layers {full[:8]}; {f.name}'s full-attention layers are "
+            "the first max_window_layers", f"use model.full_attention_layers: [0, ..., {max(len(full), 1) - 1}]")
     if cfg.sliding_window is not None and f.sliding == "none":
         bad("model.sliding_window", f"sliding_window {cfg.sliding_window}; {f.name} has none",
             "drop model.sliding_window or use model.family mistral")
