@@ -140,13 +140,14 @@ def test_adapters_freeze_init_and_merge():
     assert (want - before).abs().max() > 1e-2  # the random B matter: the check above is not vacuous
 
 
-@pytest.mark.parametrize("targets", [None, ["wq", "wv", "w3", "wo"]])
-def test_peft_adapters_of_a_fused_family_load_in_peft(tmp_path, targets):
+@pytest.mark.parametrize("family, targets", [("phi3", None), ("phi3", ["wq", "wv", "w3", "wo"]), ("gemma3", None)])
+def test_peft_adapters_of_phi3_and_gemma3_load_in_peft(tmp_path, family, targets):
     """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters: our per-projection adapters
     become one block-diagonal adapter per fused module (peft_export.py). On transformers' own tiny
     Phi-3 base, PEFT with the exported adapter equals our LoRA model's forward (LOGIT_TOL), with
     every projection adapted (rank 12 on qkv_proj, 8 on gate_up_proj) and with some (k and gate
-    not: their rows of B stay zero)."""
+    not: their rows of B stay zero). Gemma 3 (unfused; GeGLU, offset and post norms, sliding and
+    full layers) the same, on its own tiny base."""
     from peft import PeftModel
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -157,7 +158,9 @@ def test_peft_adapters_of_a_fused_family_load_in_peft(tmp_path, targets):
     from llmtrain.engine.models.llama import Transformer
     from llmtrain.recipe.schema import LoRAConfig, ModelConfig
 
-    base = save_tiny("phi3", tmp_path / "base", shards=1)
+    from llmtrain.recipe.hf_families import family_of
+
+    base = save_tiny(family, tmp_path / "base", shards=1)
     conf, files = check_hf_dir(base)
     cfg = ModelConfig(**model_from_hf_config(conf))
     lora_cfg = LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
@@ -173,7 +176,7 @@ def test_peft_adapters_of_a_fused_family_load_in_peft(tmp_path, targets):
     out = tmp_path / "peft"
     out.mkdir()
     save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), fused=True)))
+    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), fused=family_of(cfg).fused)))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
@@ -181,7 +184,7 @@ def test_peft_adapters_of_a_fused_family_load_in_peft(tmp_path, targets):
         theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
         want = ours.eval()(tokens)
     diff = (theirs - want).abs().max().item()
-    print(f"phi3 PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
+    print(f"{family} PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
           f"{(want - base_logits).abs().max().item():.2e}")
     assert diff <= LOGIT_TOL, diff
     assert (want - base_logits).abs().max().item() > 1e-2
