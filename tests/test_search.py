@@ -53,6 +53,18 @@ def test_llama3_405b_on_16384_gpus_is_fast_valid_and_fits():
     assert cost.fits and cost.worst.pp_rank != 0
 
 
+def test_a_windowed_model_searches_context_parallel_layouts_under_ulysses():
+    """Mistral-7B v0.1 (window 4,096) at 32,768 tokens: ring CP has no windowed blocks (validate.py
+    refuses it), so the search gives its CP layouts cp_method ulysses; they are valid, fit, and win
+    (the band mask of a whole row is 2 GiB per micro batch without CP)."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=["model.preset=mistral-7b-v0.1", "train.seq_len=32768",
+                                                                  "train.global_batch_size=64"])
+    result = search(plan.recipe, plan.placement, top=5)
+    _check_valid_and_fitting(plan, result)
+    cps = [c.overrides for c in result.top if c.overrides["parallel.cp"] > 1]
+    assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
+
+
 # debug-moe on 4 nodes of 2: expert groups that leave the node (search_bounds.ep_floor's NIC term)
 @pytest.mark.parametrize("recipe, nodes, gpus", [("recipes/llama3-8b.yaml", 2, 8), ("recipes/debug-moe.yaml", 1, 8),
                                                  ("recipes/debug-moe.yaml", 4, 2)])

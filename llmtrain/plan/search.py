@@ -35,6 +35,7 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
 from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.flops import windowed
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.search_bounds import (
@@ -207,6 +208,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
+    windowed_attention = windowed(recipe.model, t.seq_len) > 0
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
@@ -218,6 +220,9 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
+        if cp > 1 and windowed_attention and recipe.parallel.cp_method != "ulysses" \
+                and allowed(keep, "parallel.cp_method", "ulysses"):
+            base["cp_method"] = "ulysses"  # a sliding window runs under Ulysses only (ring/all-gather: no windowed blocks)
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
             if bound + floors.recompute(tp, cp) >= kth():
