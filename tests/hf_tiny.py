@@ -119,3 +119,22 @@ def save_tiny(family: str, out_dir: Path, *, shards: int = 3, tie: bool | None =
     size = max(1, total // max(1, shards)) + 1 if shards > 1 else total * 4 + (1 << 20)
     model.save_pretrained(out_dir, max_shard_size=size)
     return out_dir
+
+
+def save_tiny_gemma3_multimodal(out_dir: Path, *, shards: int = 3, seed: int = 0) -> Path:
+    """A tiny ``Gemma3ForConditionalGeneration`` (Gemma 3 4B and larger on the hub: a vision tower beside
+    the language model) whose language model is the tiny ``gemma3`` one, saved by transformers (tensor
+    names ``language_model.model.*`` and ``vision_tower.*``, as the released files)."""
+    import torch
+    import transformers as tf
+
+    out_dir = Path(out_dir)
+    vision = dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                  num_hidden_layers=1, image_size=28, patch_size=14, vision_use_head=False)
+    conf = tf.Gemma3Config(text_config=tiny_config("gemma3").to_dict(), vision_config=vision, mm_tokens_per_image=4)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(conf).eval()
+    model.model.language_model.load_state_dict(build_tiny("gemma3", seed=seed).model.state_dict())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.save_pretrained(out_dir, max_shard_size=max(1, total // max(1, shards)) + 1)
+    return out_dir

@@ -168,6 +168,47 @@ def test_longrope_long_factors_past_the_original_length(tiny):
         assert rel_err(packed[:, 120:], theirs(b).logits) <= LOGIT_RTOL
 
 
+GEMMA3_4B_IT = {  # google/gemma-3-4b-it config.json as released (transformers 4.50): a sparse text_config
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3", "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "model_type": "siglip_vision_model",
+                      "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_multimodal_gemma3_language_model_loads(tmp_path):
+    """Gemma 3 4B and larger ship as Gemma3ForConditionalGeneration (a vision tower beside the language
+    model, tensors named language_model.model.*): the checked directory knows the language model's
+    tensors by the text model's names (vision tensors left out), and our model streamed from them
+    gives the multimodal model's text logits (LOGIT_RTOL). The released sparse 4B config.json reads as
+    the gemma3-4b preset with transformers' own defaults, which GEMMA3_TEXT_DEFAULTS equals."""
+    import transformers as tf
+
+    from llmtrain.engine.hf.files import check_hf_model
+    from llmtrain.recipe.hf_gemma import GEMMA3_TEXT_DEFAULTS
+    from tests.hf_tiny import save_tiny_gemma3_multimodal
+
+    d = save_tiny_gemma3_multimodal(tmp_path / "mm")
+    conf, files = check_hf_dir(d)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    assert (cfg.family, cfg.full_attention_layers, cfg.sliding_window) == ("gemma3_text", [1], 8)
+    hf = check_hf_model(d, cfg)
+    assert not [n for n in hf.tensors if "vision" in n] and all(n.startswith(("model.", "lm_head")) for n in hf.tensors)
+    raw = read_hf_state(files)
+    assert any(k.startswith("vision_tower.") for k in raw)
+    ours = Transformer(cfg)
+    ours.load_state_dict(from_hf_state({n: raw[h.key or n] for n, h in hf.tensors.items()}, cfg), strict=True)
+    theirs = tf.AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    x = ids(cfg.vocab_size)
+    with torch.no_grad():
+        assert rel_err(ours.eval()(x), theirs(input_ids=x).logits) <= LOGIT_RTOL
+    assert config_problems(GEMMA3_4B_IT, ModelConfig(preset="gemma3-4b")) == []
+    defaults = tf.Gemma3TextConfig()
+    assert {k: getattr(defaults, k) for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
+
+
 def test_qwen2_window_on_the_later_layers_only(tmp_path):
     """Qwen2 with use_sliding_window and max_window_layers 1 of 3: transformers windows layers 1 and 2
     only (its layer_types); read as full_attention_layers [0], our logits equal its (LOGIT_RTOL), and
@@ -301,6 +342,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "mistral-7b": (7_248_023_552, None), "mixtral-8x7b": (46_702_792_704, 12_879_925_248),
     "phi3-mini-4k": (3_821_079_552, None), "phi4-14b": (14_659_507_200, None),
     "mistral-7b-v0.1": (7_241_732_096, None), "gemma3-1b": (999_885_952, None),
+    "gemma3-4b": (3_880_263_168, None), "gemma3-12b": (11_766_034_176, None), "gemma3-27b": (27_009_346_304, None),
 }
 
 
@@ -308,7 +350,8 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
 def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
-    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B)."""
+    1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B,
+    and the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -321,7 +364,7 @@ def test_preset_counts_are_the_published_architectures(preset):
 def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b"):
+    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma3-27b"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()

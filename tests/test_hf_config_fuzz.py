@@ -72,8 +72,13 @@ PHI35_HUB = {**PHI4_HUB, "hidden_size": 3072, "intermediate_size": 8192, "num_at
                                                    "long_factor": LONGROPE.rope_scaling.long_factor}}
 PHI4_MINI = LONGROPE.model_copy(update={"heads": 24, "kv_heads": 8, "head_dim": 128, "rotary_dim": 96,
                                          "tie_embeddings": True, "vocab_size": 200064})  # its shape, not its factors
+GEMMA3_4B_HUB = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 256,
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024},
+                 "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}  # as released, sparse
 BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), hf_config(PHI4_MINI), PHI4_HUB,
-                                                                PHI35_HUB, GEMMA3_1B_HUB]
+                                                                PHI35_HUB, GEMMA3_1B_HUB, GEMMA3_4B_HUB]
 MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
@@ -178,3 +183,4 @@ def test_bases_are_accepted_as_they_are():
     assert math.isclose(fields["rope_theta"], 250000.0)
     assert config_problems(PHI4_HUB, ModelConfig(preset="phi4-14b")) == []
     assert config_problems(GEMMA3_1B_HUB, ModelConfig(preset="gemma3-1b")) == []  # 4.x fields = the preset
+    assert config_problems(GEMMA3_4B_HUB, ModelConfig(preset="gemma3-4b")) == []  # a multimodal one's language model

@@ -57,13 +57,14 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers_cli import errors_of, invoke_stubbed  # noqa: E402
-from hf_tiny import save_tiny  # noqa: E402
+from hf_tiny import save_tiny, save_tiny_gemma3_multimodal  # noqa: E402
 
 LOGIT_TOL = 1e-5
 LOAD_CASES = {"llama3_fsdp": ("llama3", ["parallel.dp_shard=2"]), "qwen3_tp": ("qwen3", ["parallel.tp=2"]),
               "qwen3_moe_ep": ("qwen3_moe", ["parallel.ep=2"]), "llama_pp": ("llama", ["parallel.pp=2", "parallel.zero=1"]),
               "mixtral_tp": ("mixtral", ["parallel.tp=2"]), "phi3_tp": ("phi3", ["parallel.tp=2"]),
-              "gemma3_tp": ("gemma3", ["parallel.tp=2"])}
+              "gemma3_tp": ("gemma3", ["parallel.tp=2"]),
+              "gemma3_mm_tp": ("gemma3_mm", ["parallel.tp=2"])}  # Gemma3ForConditionalGeneration: its language model
 TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]
 
 
@@ -109,6 +110,7 @@ def world(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hfio")
     hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral", "phi3",
                                                        "gemma3")}
+    hf["gemma3_mm"] = save_tiny_gemma3_multimodal(tmp / "gemma3_mm", shards=3)
     tok = write_tokenizer(tmp / "tok")
     cases = [{"kind": "load", "name": name, "recipe": str(write_recipe(hf[fam], tmp / f"{fam}.yaml")), "set": sets,
               "hf": str(hf[fam])} for name, (fam, sets) in LOAD_CASES.items()]

@@ -28,7 +28,7 @@ from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
 
 from llmtrain.recipe.hf_families import FAMILIES, SUPPORTED, family_of, require_hf_compatible
-from llmtrain.recipe.hf_gemma import gemma_config, gemma_fields, gemma_problems
+from llmtrain.recipe.hf_gemma import gemma_config, gemma_fields, gemma_problems, text_part
 
 # model_types people will try, and why they do not load (the others get the generic message)
 NOT_SUPPORTED = {
@@ -37,8 +37,7 @@ NOT_SUPPORTED = {
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
     "gemma": "GeLU MLPs, (1 + w) RMSNorm and scaled embeddings are not implemented",
     "gemma2": "attention and final logit soft-capping are not implemented",
-    "gemma3": "the multimodal Gemma 3 (a vision tower) is not implemented; the text-only gemma3_text checkpoints "
-              "(Gemma 3 1B) load",
+    "gemma3": "its config.json has no text_config object to read the language model from",
 }
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)
 OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim", "model.local_rope_theta",
@@ -181,6 +180,7 @@ def _qwen_full_layers(conf: dict) -> list[int] | None:
 
 def unsupported_problems(conf: dict, where: str) -> list[Problem]:
     """Every reason the engine cannot run ``conf``'s model, each naming the model_type and field."""
+    conf = text_part(conf)
     mt = conf.get("model_type")
     name = printable(repr(mt), 40)
     if not isinstance(mt, str) or mt not in FAMILIES:  # an object or a list is not hashable: checked first
@@ -222,6 +222,7 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
 def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
     """Recipe ``model`` fields (a dict for ``ModelConfig``) of an HF ``config.json``; a wrong type or
     an unsupported model_type / field raises :class:`LLMTrainError` (one problem per finding)."""
+    conf = text_part(conf)  # a multimodal Gemma 3: its language model (recipe/hf_gemma.py)
     problems = _type_problems(conf, where) or unsupported_problems(conf, where)
     if problems:
         raise LLMTrainError(problems)

@@ -17,8 +17,17 @@ full, default 6). Defaults are transformers' (``Gemma3TextConfig``): thetas 1e6 
 Refused in one line (the engine would be another model): soft-capping of attention logits or of
 the final logits (Gemma 2's; null in Gemma 3), bidirectional attention, an activation other than
 ``gelu_pytorch_tanh``, RoPE types other than default (sliding layers) and default / linear (full
-layers). The multimodal ``gemma3`` checkpoints (4B and up, with a vision tower) are a different
-model_type: their text part is not read here.
+layers).
+
+The multimodal ``gemma3`` checkpoints (Gemma 3 4B, 12B, 27B: ``Gemma3ForConditionalGeneration``)
+hold this language model beside a vision tower: :func:`text_part` reads their ``text_config``
+with transformers' ``Gemma3TextConfig`` defaults for the keys the released files leave out (the
+original gemma-3-4b-it names only hidden_size, intermediate_size, num_hidden_layers, rope_scaling
+and sliding_window), and :func:`text_tensor_name` maps their tensor names to the text model's
+(vision tower and projector left out). What is trained and exported is the language model, as
+``gemma3_text``. ``final_logit_softcapping`` in such a text_config is dropped: transformers'
+``Gemma3ForConditionalGeneration`` does not apply it (only ``Gemma3ForCausalLM`` does), so the
+released model's logits are uncapped.
 """
 
 from __future__ import annotations
@@ -28,6 +37,45 @@ from typing import Any
 from llmtrain.recipe.schema import ModelConfig
 
 GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+# transformers' Gemma3TextConfig defaults (5.x; tests/test_families.py compares them) for the keys a
+# multimodal gemma3 config.json's text_config may leave out
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "attention_bias": False, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+}
+# the multimodal model's tensors that are not the language model's
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def is_multimodal(conf: object) -> bool:
+    """A multimodal Gemma 3 config.json (``model_type: gemma3`` with a ``text_config`` object)."""
+    return isinstance(conf, dict) and conf.get("model_type") == "gemma3" and isinstance(conf.get("text_config"), dict)
+
+
+def text_part(conf: object) -> object:
+    """The language model's config of a multimodal Gemma 3 config.json (module docstring); any other
+    document unchanged."""
+    if not is_multimodal(conf):
+        return conf
+    text = {**GEMMA3_TEXT_DEFAULTS, **conf["text_config"], "model_type": "gemma3_text", "final_logit_softcapping": None}
+    text.setdefault("tie_word_embeddings", conf.get("tie_word_embeddings", True))
+    return text
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A multimodal Gemma 3 tensor's name in the text model (``model.layers.0...``); None for the vision
+    tower and projector. The released files (and transformers 5's save) say ``language_model.model.``;
+    transformers 5's module tree says ``model.language_model.``."""
+    if name.startswith(VISION_PREFIXES):
+        return None
+    for prefix in ("language_model.model.", "model.language_model."):
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name in ("language_model.lm_head.weight", "lm_head.weight"):
+        return "lm_head.weight"
+    return name
 
 
 def _per_type(conf: dict) -> dict[str, dict]:

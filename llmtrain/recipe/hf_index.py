@@ -60,6 +60,7 @@ class TensorHeader:
     file: Path
     dtype: str
     shape: tuple[int, ...]
+    key: str | None = None  # the name in the file when the model knows the tensor by another (a multimodal Gemma 3)
 
     @property
     def numel(self) -> int:

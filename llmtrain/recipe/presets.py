@@ -38,6 +38,14 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   sliding_window 512 with every 6th layer full (sliding_window_pattern 6: layers 5, 11, 17, 23),
   rope_theta 1e6 on full layers, rope_local_base_freq 1e4 on sliding ones, query_pre_attn_scalar
   256; 999,885,952 parameters, transformers' own count).
+- Gemma 3 4B / 12B / 27B, the language models of the multimodal google/gemma-3-{4b,12b,27b}-pt
+  (``gemma3``: text_config, transformers' Gemma3TextConfig defaults for the keys it omits): 4B 34
+  layers, hidden 2560, 8 heads / 4 KV, ffn 10240; 12B 48 layers, hidden 3840, 16 / 8, ffn 15360 (an
+  unsloth copy of its config.json in full); 27B 62 layers, hidden 5376, 32 / 16 heads of head_dim 128,
+  ffn 21504, query_pre_attn_scalar 168 (a multimodal config's text_config, AI-Hypercomputer/maxtext's
+  gemma3-27b.yml for the depth); all head_dim 256 unless said, vocab 262208, 131072 positions,
+  sliding_window 1024 (pattern 6), full layers rope_theta 1e6 with linear factor 8, local 1e4.
+  Counts are the text model's (no vision tower), transformers' own on the meta device.
 - DeepSeek-V3: deepseek-ai/DeepSeek-V3/config.json and arXiv:2412.19437 (61 layers, hidden
   7168, 128 heads, 256 routed experts of 2048, 1 shared, top-8, sigmoid scores,
   auxiliary-loss-free bias balancing, first 3 layers dense with 18432, vocab 129280).
@@ -64,6 +72,12 @@ _LLAMA31: dict[str, Any] = dict(
 _QWEN3: dict[str, Any] = dict(
     vocab_size=151936, max_seq_len=40960, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
     family="qwen3",
+)
+
+_GEMMA3 = dict(  # what Gemma 3 4B, 12B and 27B share (their text_config; transformers' defaults otherwise)
+    max_seq_len=131072, rope_theta=1000000.0, local_rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
+    sliding_window=1024, attention_scale=0.0625, qk_norm=True, norm_offset=True, post_norms=True, embed_scale=True,
+    mlp_activation="gelu_tanh", family="gemma3_text",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -146,6 +160,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_seq_len=32768, rope_theta=1000000.0, local_rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
         sliding_window=512, full_attention_layers=[5, 11, 17, 23], attention_scale=0.0625, qk_norm=True,
         norm_offset=True, post_norms=True, embed_scale=True, mlp_activation="gelu_tanh", family="gemma3_text",
+    ),
+    "gemma3-4b": dict(
+        layers=34, hidden=2560, heads=8, kv_heads=4, head_dim=256, ffn_hidden=10240, vocab_size=262208,
+        full_attention_layers=list(range(5, 34, 6)), rope_scaling=dict(type="linear", factor=8.0), **_GEMMA3,
+    ),
+    "gemma3-12b": dict(
+        layers=48, hidden=3840, heads=16, kv_heads=8, head_dim=256, ffn_hidden=15360, vocab_size=262208,
+        full_attention_layers=list(range(5, 48, 6)), rope_scaling=dict(type="linear", factor=8.0), **_GEMMA3,
+    ),
+    "gemma3-27b": dict(
+        layers=62, hidden=5376, heads=32, kv_heads=16, head_dim=128, ffn_hidden=21504, vocab_size=262208,
+        full_attention_layers=list(range(5, 62, 6)), rope_scaling=dict(type="linear", factor=8.0),
+        **{**_GEMMA3, "attention_scale": 168**-0.5},
     ),
     "deepseek-v3": dict(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab_size=129280,

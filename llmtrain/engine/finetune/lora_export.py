@@ -34,7 +34,8 @@ class LoRAExport:
 
     scale: float
     merge: bool = True
-    hf_files: dict[str, str] = field(default_factory=dict)  # HF name -> file; empty: base from the checkpoint
+    hf_files: dict[str, tuple[str, str]] = field(default_factory=dict)  # HF name -> (file, name in it); empty:
+    # the base from the checkpoint
 
     @property
     def base_in_checkpoint(self) -> bool:
@@ -42,11 +43,11 @@ class LoRAExport:
 
 
 def hf_files_of(directory: str | Path, cfg) -> dict[str, str]:
-    """HF tensor name -> safetensors file of a checked base directory."""
+    """HF tensor name -> (safetensors file, the tensor's name in it) of a checked base directory."""
     from llmtrain.engine.hf.files import check_hf_model
 
     model = check_hf_model(directory, cfg, "checkpoint.init_from_hf")
-    return {name: str(h.file) for name, h in model.tensors.items()}
+    return {name: (str(h.file), h.key or name) for name, h in model.tensors.items()}
 
 
 def lora_entries(index, cfg, lora_cfg, spec: LoRAExport, ckpt: Path) -> dict[str, tuple[int, ...]]:
@@ -90,10 +91,10 @@ class HFTensorReader:
     def get(self, name: str):
         from safetensors import safe_open
 
-        path = self.files[name]
+        path, key = self.files[name]  # the file, and the tensor's name in it (hf_files_of)
         if path not in self.open:
             self.open[path] = self.stack.enter_context(safe_open(path, framework="pt"))
-        return self.open[path].get_tensor(name)
+        return self.open[path].get_tensor(key)
 
     def __enter__(self) -> "HFTensorReader":
         return self

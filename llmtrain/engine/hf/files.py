@@ -4,7 +4,7 @@ its safetensors. The torch-free directory check is :mod:`llmtrain.recipe.hf_dir`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 from llmtrain.engine.hf.families import hf_config, to_hf_state
+from llmtrain.recipe.hf_gemma import is_multimodal, text_tensor_name
 
 from llmtrain.recipe.hf_dir import CONFIG, CONFIG_CAP, WEIGHTS, _check_file, _inside_model_dir, check_hf_dir  # noqa: F401,E501
 
@@ -47,6 +48,9 @@ def check_hf_model(directory: str | Path, cfg: ModelConfig, flag: str = "--init-
     tensors, problems = hf_tensors(d, files, weight_map, flag)
     if problems:
         raise LLMTrainError(problems)
+    if is_multimodal(conf):  # Gemma 3 4B+: the language model's tensors, by the text model's names
+        tensors = {text: replace(h, key=name) for name, h in tensors.items()
+                   if (text := text_tensor_name(name)) is not None}
     shapes = {k.removeprefix("model."): v for k, v in expected_model_shapes(cfg).items()}
     problems = model_problems(tensors, tensor_map(cfg), shapes, bool(cfg.tie_embeddings), d, flag)
     if problems:

@@ -43,7 +43,8 @@ def load_hf_weights_whole(parts, directory: str | Path, model_cfg: ModelConfig) 
     from llmtrain.engine.hf.stream import sources_for
 
     model = check_hf_model(directory, model_cfg, FLAG)
-    hf = read_hf_state(sorted({h.file for h in model.tensors.values()}))
+    raw = read_hf_state(sorted({h.file for h in model.tensors.values()}))
+    hf = {name: raw[h.key or name] for name, h in model.tensors.items()}
     tmap = sources_for(model_cfg)
     for part in parts.parts:
         adapters = any(is_adapter_key(k) for k in get_model_state_dict(part))

@@ -118,7 +118,8 @@ class SliceReader:
             self._stack = ExitStack()
             self._handle = self._stack.enter_context(safe_open(str(h.file), framework="pt"))
             self._file = h.file
-        out = self._handle.get_slice(name)[box] if box else self._handle.get_tensor(name)
+        key = h.key or name  # the file's own name for it (a multimodal Gemma 3's language_model.model...)
+        out = self._handle.get_slice(key)[box] if box else self._handle.get_tensor(key)
         self.stats.slices += 1
         self.stats.elements += out.numel()
         self.stats.bytes += out.numel() * out.element_size()
