@@ -14,15 +14,18 @@ if TYPE_CHECKING:
     import torch
 
 def expected_model_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """``model.<name> -> shape`` of every tensor our model with ``cfg`` has (built on the meta
-    device: nothing is allocated)."""
+    """``model.<name> -> shape`` of every tensor a checkpoint of our model with ``cfg`` holds (built
+    on the meta device: nothing is allocated). Tied embeddings have one key, ``tok_embeddings.weight``:
+    ``output.weight`` is the same tensor and is never saved (engine/checkpoint_state.py), so it is not
+    expected (a tied model's ``ckpt export`` was refused as "no model.output.weight" before)."""
     import torch
 
     from llmtrain.engine.models.llama import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg)
-    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()
+            if not (cfg.tie_embeddings and k == "output.weight")}
 
 
 def read_checkpoint_model(path: str | Path, files=None, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
@@ -65,6 +68,8 @@ def shape_mismatch(have: dict, want: dict, expected: str = "expected") -> str | 
 
 def _check_model_entries(index, cfg: ModelConfig, path: Path) -> None:
     have = {k: tuple(v.size) for k, v in index.state_dict_metadata.items() if k.startswith("model.")}
+    if cfg.tie_embeddings:  # older non-PP checkpoints of a tied model also hold the output copy: not read
+        have.pop("model.output.weight", None)
     layers = {k.split(".")[2] for k in have if k.startswith("model.layers.")}
     embed = have.get("model.tok_embeddings.weight")
     if len(layers) != cfg.layers or embed != (cfg.vocab_size, cfg.hidden):  # before building anything from cfg
