@@ -42,7 +42,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from llmtrain.engine.hf.families import Source, tensor_map, to_ours
 from llmtrain.engine.hf.files import HFModel
@@ -76,7 +77,10 @@ def owned_indices(t: torch.Tensor) -> list[torch.Tensor | None]:
     coord = mesh.get_coordinate()
     offsets: dict[int, torch.Tensor] = {}
     for mesh_dim, placement in enumerate(t.placements):
-        if isinstance(placement, Replicate) or not placement.is_shard():
+        # torch 2.13's _StridedShard (FSDP2's dim-0 shard of a TP-sharded weight) is no Shard and its
+        # is_shard() is False: test the types, as DTensor's own arithmetic does (TP 2 x FSDP 2 loads
+        # failed with "local shard shape (4, 32) ... is not the computed (8, 32)" before)
+        if not isinstance(placement, (Shard, _StridedShard)):
             continue
         d = placement.dim
         size, idx = _get_shard_size_and_offsets(local[d], mesh.size(mesh_dim), coord[mesh_dim], placement,
