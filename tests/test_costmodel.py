@@ -152,6 +152,7 @@ COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_si
 MOE = ["model.preset=debug-moe"]
 LORA = ["train.lora.rank=4"]
 GEMMA = ["model.norm_offset=true", "model.post_norms=true", "model.embed_scale=true", "model.mlp_activation=gelu_tanh",
+         "model.qk_norm=true",
          "model.sliding_window=16", "model.full_attention_layers=[1]", "model.local_rope_theta=100",
          "model.attention_scale=0.2", "train.seq_len=128"]
 CASES = {
@@ -188,6 +189,8 @@ CASES = {
     "window_cp2_ulysses": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ulysses"],
     # Gemma 3's switches (engine/models/norm.py OffsetRMSNorm keeps input + rstd on every device; two post norms
     # per block; GeGLU keeps what SwiGLU keeps) with sliding and full layers
+    "qk_norm_zero1": ["model.qk_norm=true", "parallel.zero=1"],  # Qwen3's per-head norms (composite on CPU)
+    "qk_norm_tp2_sp": ["model.qk_norm=true", "parallel.tp=2"],  # per head of the TP shard, the whole sequence
     "gemma_zero1": GEMMA + ["parallel.zero=1"],
     "gemma_tp2_sp": GEMMA + ["parallel.tp=2"],
     "gemma_tp2_selective": GEMMA + ["parallel.tp=2", "train.activation_checkpointing=selective"],

@@ -120,6 +120,7 @@ class ActShape:
     materialized: bool = False  # planner.attention_kernel materialized: the s x s scores kept (core_attention_terms)
     window: int = 0  # model.sliding_window (0: none); shorter than the sequence, a band mask (stage_terms)
     post_norms: bool = False  # model.post_norms (Gemma): norms on the attention's and the MLP's outputs
+    qk_norm: bool = False  # model.qk_norm (Qwen3, Gemma 3): RMSNorm over each query and key head
     offset_norm: bool = False  # model.norm_offset (Gemma): engine/models/norm.py OffsetRMSNorm on every device
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
@@ -155,6 +156,22 @@ def _norm(x: ActShape) -> dict[str, int]:
     out = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}
     if not (x.fused_norm or x.offset_norm):
         out["norm_normalized"] = rows * x.h * 4
+    return out
+
+
+def qk_norm_terms(x: ActShape, recompute: str) -> dict[str, int]:
+    """Qwen3's / Gemma 3's q and k norms (``model.qk_norm``): each keeps what the block's norms keep,
+    per head of its TP shard over the whole sequence (attention runs on the gathered sequence under
+    SP): its input (wq's / wk's output), the fp32 rstd per head and token, and on CPU the composite
+    op's fp32 normalized tensor. Measured: the missing 811,008 bytes of a 4-layer debug model with
+    qk_norm (tests/test_costmodel.py qk_norm_zero1; 13.7 % of its activations, planned low before).
+    Under selective recomputation wq's and wk's outputs are kept anyway and the norms recomputed."""
+    if not x.qk_norm or recompute in ("selective", "selective_mm"):
+        return {}
+    rows = x.b * x.s * (x.heads + x.kv_heads) // x.tp
+    out = {"qk_norm_input": rows * x.head_dim * _norm_bytes(x), "qk_norm_rstd": rows * LSE}
+    if not (x.fused_norm or x.offset_norm):
+        out["qk_norm_normalized"] = rows * x.head_dim * 4
     return out
 
 
@@ -331,7 +348,8 @@ def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
     if recompute == "full":
         return (("block_input", x.b * x.s * x.h * x.e // x.n),)
     if x.lora is not None and not moe:  # post norms with frozen weights keep what they need for dx: input, rstd
-        post = {k: v for k, v in post_norm_terms(x, recompute).items() if k != "post_norm_normalized"}
+        post = {k: v for k, v in {**post_norm_terms(x, recompute), **qk_norm_terms(x, recompute)}.items()
+                if not k.endswith("_normalized")}  # frozen norm weights: no normalized input kept for them
         return tuple(_add(dict(lora_layer_terms(x, recompute, first, cp_index)), post).items())
     out: dict[str, int] = {}
     if recompute in ("selective", "selective_mm"):
@@ -339,6 +357,7 @@ def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
     _add(out, attention_terms(x, recompute, cp_index))
     _add(out, moe_terms(x, recompute) if moe else mlp_terms(x, recompute))
     _add(out, post_norm_terms(x, recompute))
+    _add(out, qk_norm_terms(x, recompute))
     return tuple(out.items())
 
 
