@@ -52,11 +52,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers_cli import errors_of, invoke_stubbed  # noqa: E402
+from hf_io_helpers import logits_error, run_worker, shard_tensors, write_recipe, write_tokenizer  # noqa: E402
 from hf_tiny import save_tiny, save_tiny_gemma3_multimodal  # noqa: E402
 
 LOGIT_TOL = 1e-5
@@ -66,43 +66,6 @@ LOAD_CASES = {"llama3_fsdp": ("llama3", ["parallel.dp_shard=2"]), "qwen3_tp": ("
               "gemma3_tp": ("gemma3", ["parallel.tp=2"]),
               "gemma3_mm_tp": ("gemma3_mm", ["parallel.tp=2"])}  # Gemma3ForConditionalGeneration: its language model
 TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]
-
-
-def write_recipe(hf: Path, out: Path, **data) -> Path:
-    from llmtrain.engine.hf import model_from_hf_config
-
-    model = model_from_hf_config(json.loads((hf / "config.json").read_text()))
-    doc = {"name": "hfio", "model": model, "parallel": {"tp": 1, "dp_shard": -1, "zero": 3},
-           "train": {"seq_len": 16, "micro_batch_size": 2, "global_batch_size": 4, "steps": 2, "precision": "fp32",
-                     "seed": 0, "optimizer": {"lr": 0.003, "weight_decay": 0.0}, "log_interval": 1},
-           "data": {"source": "synthetic", **data}, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu": "cpu"}}
-    out.write_text(yaml.safe_dump(doc))
-    return out
-
-
-def write_tokenizer(d: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    d.mkdir()
-    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{chr(97 + i): 3 + i for i in range(26)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return d
-
-
-def run_worker(spec: dict, path: Path, nproc: int | None) -> dict:
-    path.write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "LLMTRAIN_TENSORBOARD": "0", "PYTHONPATH": str(ROOT)}
-    worker = str(ROOT / "tests" / "hf_io_worker.py")
-    cmd = ([sys.executable, str(ROOT / "tests" / "dist_launch.py"), str(nproc), worker, str(path)]
-           if nproc else [sys.executable, worker, "--single", str(path)])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return torch.load(spec["out"], weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -159,36 +122,6 @@ def test_each_rank_reads_only_its_slices(world):
     assert sum(s["elements"] for s in pp) == total["llama_pp"] and all(len(s["files"]) < 4 for s in pp)
 
 
-# TP x FSDP: FSDP2 shards a TP-sharded weight's dim 0 again with torch 2.13's _StridedShard, which is no
-# Shard (is_shard() False): the streaming reader read such weights whole per TP rank and refused the
-# shard ("local shard shape (4, 32) ... is not the computed (8, 32)"), so --init-from-hf failed on the
-# README's own layout (tp 2 x dp_shard 2). One 4-rank job.
-LOAD4_CASES = {"llama_tp_fsdp": ("llama", ["parallel.tp=2", "parallel.dp_shard=2", "cluster.gpus_per_node=4"]),
-               "gemma3_mm_tp_fsdp": ("gemma3_mm", ["parallel.tp=2", "parallel.dp_shard=2", "cluster.gpus_per_node=4"])}
-
-
-@pytest.fixture(scope="module")
-def world4(world) -> dict:
-    tmp, hf = world["tmp"], world["hf"]
-    cases = [{"kind": "load", "name": name, "recipe": str(write_recipe(hf[fam], tmp / f"{fam}4.yaml")), "set": sets,
-              "hf": str(hf[fam])} for name, (fam, sets) in LOAD4_CASES.items()]
-    return run_worker({"cases": cases, "out": str(tmp / "res4.pt")}, tmp / "spec4.json", nproc=4)
-
-
-@pytest.mark.parametrize("case", list(LOAD4_CASES))
-def test_tp_x_fsdp_streaming_load_equals_whole_read(world4, case):
-    """Under TP 2 x FSDP 2 each rank's streamed shard is bitwise equal to reading everything and
-    keeping the shard. What it reads: its shard, or for a weight FSDP splits in strides (rows 0, 2,
-    4, ... of the TP shard) the box covering them, never more than its TP shard (2 x local)."""
-    r = world4[case]
-    assert r["streamed"].keys() == r["whole"].keys() and r["streamed"]
-    differ = [k for k in r["whole"] if not torch.equal(r["streamed"][k], r["whole"][k])]
-    assert not differ, differ[:5]
-    for s in r["stats"]:
-        print(f"{case} rank {s['rank']}: read {s['elements']} elements, local shards {s['local_elements']}")
-        assert s["local_elements"] <= s["elements"] <= 2 * s["local_elements"], (case, s)
-
-
 def invoke(args: list[str]):
     """``llmtrain ARGS`` in this process; a launch only records that it was called."""
     code, output, calls = invoke_stubbed(args, "llmtrain.launch.backends.local.launch_local")
@@ -199,36 +132,6 @@ def export(ckpts: Path, step: str, out: Path, *extra: str) -> Path:
     code, output, _ = invoke(["ckpt", "export", str(ckpts), "--ckpt", step, "--hf", str(out), *extra])
     assert code == 0, output[-3000:]
     return out
-
-
-def shard_tensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def logits_error(ckpt: Path, out: Path, model_type: str) -> float:
-    """Max |logit| difference between our engine model loaded from ``ckpt`` and transformers'
-    ``AutoModelForCausalLM`` of the export ``out`` (which must be of ``model_type``)."""
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.engine.hf import read_checkpoint_model
-    from llmtrain.engine.models.llama import Transformer
-    from llmtrain.recipe.schema import ModelConfig
-
-    meta = json.loads((ckpt / "metadata.json").read_text())
-    cfg = ModelConfig.model_validate(meta["recipe"]["model"])
-    ours = Transformer(cfg)
-    missing, unexpected = ours.load_state_dict(read_checkpoint_model(ckpt), strict=False)
-    assert unexpected == [] and set(missing) == ({"output.weight"} if cfg.tie_embeddings else set())  # tied: one key
-    theirs = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert theirs.config.model_type == model_type
-    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        return float((ours.eval()(ids) - theirs(ids).logits).abs().max())
 
 
 @pytest.fixture(scope="module")

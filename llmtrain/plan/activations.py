@@ -72,9 +72,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from llmtrain.plan.cp_transient import cp_transient_bytes, ring_transient_bytes  # noqa: F401 (re-exported)
+from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_terms, qk_norm_terms
 from llmtrain.plan.losschunk import loss_chunk_tokens
 
-LSE = 4  # fp32 log-sum-exp / rstd bytes
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -142,48 +142,6 @@ class ActShape:
     def loss_chunk(self) -> int:
         """Tokens per chunk of the chunked loss (one micro batch: ``b x s`` tokens on each TP rank)."""
         return loss_chunk_tokens(self.b * self.s, self.vocab // self.tp, self.h)
-
-
-def _norm_bytes(x: ActShape) -> int:
-    """Bytes per element of what an RMSNorm saves: its input in the residual stream's dtype (CUDA's
-    fused kernel; Gemma's OffsetRMSNorm on every device), or on CPU the composite op's fp32 upcast of
-    it (4 bytes whatever the input's dtype)."""
-    return x.e if x.fused_norm or x.offset_norm else 4
-
-
-def _norm(x: ActShape) -> dict[str, int]:
-    rows = x.b * x.s // x.n
-    out = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}
-    if not (x.fused_norm or x.offset_norm):
-        out["norm_normalized"] = rows * x.h * 4
-    return out
-
-
-def qk_norm_terms(x: ActShape, recompute: str) -> dict[str, int]:
-    """Qwen3's / Gemma 3's q and k norms (``model.qk_norm``): each keeps what the block's norms keep,
-    per head of its TP shard over the whole sequence (attention runs on the gathered sequence under
-    SP): its input (wq's / wk's output), the fp32 rstd per head and token, and on CPU the composite
-    op's fp32 normalized tensor. Measured: the missing 811,008 bytes of a 4-layer debug model with
-    qk_norm (tests/test_costmodel.py qk_norm_zero1; 13.7 % of its activations, planned low before).
-    Under selective recomputation wq's and wk's outputs are kept anyway and the norms recomputed."""
-    if not x.qk_norm or recompute in ("selective", "selective_mm"):
-        return {}
-    rows = x.b * x.s * (x.heads + x.kv_heads) // x.tp
-    out = {"qk_norm_input": rows * x.head_dim * _norm_bytes(x), "qk_norm_rstd": rows * LSE}
-    if not (x.fused_norm or x.offset_norm):
-        out["qk_norm_normalized"] = rows * x.head_dim * 4
-    return out
-
-
-def post_norm_terms(x: ActShape, recompute: str) -> dict[str, int]:
-    """Gemma's two post norms (``model.post_norms``): each keeps its input (wo's and w2's reduced
-    outputs, [b, s/t, h] under SP) and rstd, like the block's other norms. Under selective
-    recomputation they keep nothing: both are recomputed with the block's other non-matmul ops, from
-    wo's kept output and w2's recomputed one (measured: tests/test_costmodel.py gemma_tp2_selective,
-    engine / plan 0.997; counting w2's output as kept planned 8 % high)."""
-    if not x.post_norms or recompute in ("selective", "selective_mm"):
-        return {}
-    return {f"post_{k}": 2 * v for k, v in _norm(x).items()}
 
 
 def _add(total: dict[str, int], part: dict[str, int]) -> dict[str, int]:
