@@ -35,7 +35,8 @@ NOT_SUPPORTED = {
     "deepseek_v3": "multi-head latent attention (MLA) is not implemented",
     "deepseek_v2": "multi-head latent attention (MLA) is not implemented",
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
-    "gemma": "GeLU MLPs, (1 + w) RMSNorm and scaled embeddings are not implemented",
+    "gemma": "Gemma 1 is not wired as a family (its block is Gemma 3's without q/k and post norms); Gemma 3 is "
+             "gemma3_text / gemma3",
     "gemma2": "attention and final logit soft-capping are not implemented",
     "gemma3": "its config.json has no text_config object to read the language model from",
 }
