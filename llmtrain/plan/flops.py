@@ -232,7 +232,7 @@ def windowed(m, seq_len: int) -> float:
     ``full_attention_layers`` when the window is shorter than the sequence, else none."""
     if m.sliding_window is None or seq_len <= m.sliding_window:
         return 0.0
-    return sum(m.is_windowed(i) for i in range(m.layers)) / m.layers
+    return len(m.windowed_layers) / m.layers
 
 
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:

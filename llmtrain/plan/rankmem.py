@@ -72,7 +72,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
         chunked_loss=recipe.planner.loss == "engine", compiled_loss=recipe.planner.loss in ("compiled", "fused"),
         megatron_loss=recipe.planner.loss in ("megatron", "megatron_fused"),
-        materialized=recipe.planner.attention_kernel == "materialized", window=(m.sliding_window or 0) if any(m.is_windowed(i) for i in range(m.layers)) else 0,
+        materialized=recipe.planner.attention_kernel == "materialized", window=m.sliding_window if m.windowed_layers else 0,
         post_norms=m.post_norms, offset_norm=m.norm_offset, qk_norm=m.qk_norm)
 
 

@@ -116,7 +116,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if m.head_dim % 2 and (m.hidden % m.heads == 0 or m.explicit_head_dim):
         err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
                     "choose an even head_dim (or hidden and heads with an even quotient)"))
-    windowed = any(m.is_windowed(i) for i in range(m.layers))
+    windowed = bool(m.windowed_layers)
     bad_layers = sorted({i for i in m.full_attention_layers or () if not 0 <= i < m.layers})
     if bad_layers:
         err(Problem("model.full_attention_layers", f"layers {bad_layers} do not exist (the model has {m.layers}: "

@@ -178,10 +178,8 @@ def query_pre_attn_scalar(cfg: ModelConfig) -> int | float:
 
 def gemma_config(cfg: ModelConfig) -> dict[str, Any]:
     """The gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
-    full_layers = set(cfg.full_attention_layers or ())
-    types = ["sliding_attention" if cfg.is_windowed(i) else "full_attention" for i in range(cfg.layers)]
-    if cfg.sliding_window is None:
-        types = ["full_attention"] * cfg.layers
+    windowed = set(cfg.windowed_layers)
+    types = ["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.layers)]
     local = float(cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta)
     full = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     scaling = None
@@ -198,8 +196,7 @@ def gemma_config(cfg: ModelConfig) -> dict[str, Any]:
         "attention_bias": False,
     }
     for pattern in range(1, cfg.layers + 1):  # 4.x reads only the pattern: write it where one gives these layers
-        if {i for i in range(cfg.layers) if (i + 1) % pattern == 0} == (full_layers if cfg.sliding_window else
-                                                                        set(range(cfg.layers))):
+        if layer_types({"num_hidden_layers": cfg.layers, "sliding_window_pattern": pattern}) == types:
             out["sliding_window_pattern"] = pattern
             break
     return out

@@ -238,6 +238,14 @@ class ModelConfig(Strict):
         """Whether block ``layer`` uses the sliding window (``sliding_window`` set, not a full-attention layer)."""
         return self.sliding_window is not None and layer not in (self.full_attention_layers or ())
 
+    @property
+    def windowed_layers(self) -> list[int]:
+        """The layers that use the sliding window (none without one: checked first, since the planner
+        asks for every layout it prices)."""
+        if self.sliding_window is None:
+            return []
+        return [i for i in range(self.layers) if self.is_windowed(i)]
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE MLP (else a dense one of ffn_hidden)."""
         return (self.is_moe and layer >= self.moe.first_dense_layers and (layer + 1) % self.moe.sparse_step == 0

@@ -275,12 +275,13 @@ class Transformer(nn.Module):
         full = positions.shape[-1] * self.seq_shards  # tokens of a whole row
         longest = full if self.seq_shards > 1 else None  # CP rows are unpacked: all full
         rope = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling, longest=longest)
+        windowed = any(layer.windowed for layer in self.layers.values())  # this stage's layers
         local_rope = rope  # the windowed layers' (model.local_rope_theta: own base, no scaling)
-        if self.cfg.local_rope_theta is not None and any(layer.windowed for layer in self.layers.values()):
+        if self.cfg.local_rope_theta is not None and windowed:
             local_rope = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.local_rope_theta, None)
         base = None if segments is None else packed_mask(segments)  # boolean, True = may attend
         band = None
-        if self.window is not None and full > self.window and any(layer.windowed for layer in self.layers.values()):
+        if self.window is not None and full > self.window and windowed:
             band = window_mask(positions if self.seq_shards == 1 else torch.arange(full, device=h.device),
                                self.window)
             band = band if base is None else base.logical_and(band)
