@@ -115,3 +115,29 @@ def test_multimodal_gemma3_language_model_loads(tmp_path):
     assert config_problems(GEMMA3_4B_IT, ModelConfig(preset="gemma3-4b")) == []
     defaults = tf.Gemma3TextConfig()
     assert {k: getattr(defaults, k) for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
+
+
+def test_multimodal_gemma3_with_two_spellings_of_a_tensor_is_refused(tmp_path):
+    """A multimodal Gemma 3 directory whose files hold one language-model tensor under both of its
+    spellings (language_model.model.* and model.language_model.*) is refused in one line naming both,
+    rather than one of them silently winning."""
+    from safetensors.torch import load_file, save_file
+
+    from llmtrain.engine.hf.files import check_hf_model
+    from llmtrain.errors import LLMTrainError
+    from tests.hf_tiny import save_tiny_gemma3_multimodal
+
+    d = save_tiny_gemma3_multimodal(tmp_path / "mm", shards=1)
+    conf, files = check_hf_dir(d)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    check_hf_model(d, cfg)  # as written by transformers: loads
+    state = load_file(str(files[0]))
+    state["model.language_model.norm.weight"] = state["language_model.model.norm.weight"].clone()
+    save_file(state, str(files[0]), metadata={"format": "pt"})
+    try:
+        check_hf_model(d, cfg)
+    except LLMTrainError as exc:
+        line = " ".join(exc.lines())
+        assert "language_model.model.norm.weight" in line and "model.language_model.norm.weight" in line, line
+    else:
+        raise AssertionError("two spellings of one tensor were accepted")

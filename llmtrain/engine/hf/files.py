@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.errors import LLMTrainError
+from llmtrain.safeio import printable
 from llmtrain.recipe.schema import ModelConfig
 
 if TYPE_CHECKING:
@@ -49,8 +50,16 @@ def check_hf_model(directory: str | Path, cfg: ModelConfig, flag: str = "--init-
     if problems:
         raise LLMTrainError(problems)
     if is_multimodal(conf):  # Gemma 3 4B+: the language model's tensors, by the text model's names
-        tensors = {text: replace(h, key=name) for name, h in tensors.items()
-                   if (text := text_tensor_name(name)) is not None}
+        renamed: dict = {}
+        for name, h in tensors.items():
+            text = text_tensor_name(name)
+            if text is not None and text in renamed:  # two spellings of one tensor: which is meant is unknown
+                raise LLMTrainError(f"{printable(d)}: tensors {printable(renamed[text].key, 80)} and "
+                                    f"{printable(name, 80)} are both the language model's {text}",
+                                    "the weights are damaged or crafted; use the released files", path=flag)
+            if text is not None:
+                renamed[text] = replace(h, key=name)
+        tensors = renamed
     shapes = {k.removeprefix("model."): v for k, v in expected_model_shapes(cfg).items()}
     problems = model_problems(tensors, tensor_map(cfg), shapes, bool(cfg.tie_embeddings), d, flag)
     if problems:
