@@ -1,5 +1,5 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma3_text -- import, export, config.json, parameter counts, and
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma2 (soft-capping), gemma3_text -- import, export, config.json, parameter counts, and
 every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
@@ -113,6 +113,9 @@ def test_mapping_has_teeth(tiny):
                            ("gemma3", {"full_attention_layers": []}), ("gemma3", {"rope_scaling": None}),
                            ("gemma3", {"embed_scale": False}), ("gemma3", {"mlp_activation": "silu"}),
                            ("gemma3", {"post_norms": False}), ("gemma3", {"norm_offset": False}),
+                           # Gemma 2: each soft-cap, and its alternating layers
+                           ("gemma2", {"attention_softcap": None}), ("gemma2", {"logit_softcap": None}),
+                           ("gemma2", {"full_attention_layers": []}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters
@@ -243,6 +246,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "phi3-mini-4k": (3_821_079_552, None), "phi4-14b": (14_659_507_200, None),
     "mistral-7b-v0.1": (7_241_732_096, None), "gemma3-1b": (999_885_952, None),
     "gemma3-4b": (3_880_263_168, None), "gemma3-12b": (11_766_034_176, None), "gemma3-27b": (27_009_346_304, None),
+    "gemma2-2b": (2_614_341_888, None), "gemma2-9b": (9_241_705_984, None), "gemma2-27b": (27_227_128_320, None),
 }
 
 
@@ -251,7 +255,7 @@ def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
     1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B,
-    and the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B)."""
+    the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B, and Gemma 2 2.61B, 9.24B, 27.2B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -264,7 +268,8 @@ def test_preset_counts_are_the_published_architectures(preset):
 def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma3-27b"):
+    for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma3-27b",
+                   "gemma2-9b", "gemma2-27b"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()
@@ -310,7 +315,8 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 def layouts_of(family: str) -> list[str]:
     if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
         return ["tp2", "cp2"]
-    if family in ("mistral_swa", "gemma3"):  # the window (8 of 32 tokens) as a band mask, and in Ulysses' attention
+    if family in ("mistral_swa", "gemma3", "gemma2"):  # the window (8 of 32 tokens) as a band mask, and in Ulysses'
+        # attention (Gemma 2: its soft-capped kernel there too)
         return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2"]  # (ring and all-gather
         # CP refuse it: test_validate.py)
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])

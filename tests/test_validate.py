@@ -162,6 +162,19 @@ def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
         assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
+def test_soft_capped_attention_runs_except_under_ring_cp():
+    """model.attention_softcap (Gemma 2) is the engine's own kernel: alone and in Ulysses' attention,
+    refused naming cp_method under ring and all-gather CP, whose blocks are SDPA's."""
+    assert not [e for e in errors(debug({"model": {"attention_softcap": 50.0}})) if "soft-capped" in e.message]
+    ulysses = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
+    assert not [e for e in errors(debug(ulysses), gpus=2) if e.path == "parallel.cp_method"]
+    for method in ("ring", "allgather"):
+        ring = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": method}}
+        p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "soft-capped attention (model.attention_softcap 50)",
+                 method)
+        assert p.hint == "set parallel.cp_method: ulysses, or parallel.cp: 1"
+
+
 def test_longrope_factor_counts_and_any_length():
     """longrope needs head_dim / 2 short and long factors (debug-dense: head_dim 16, 8 pairs); a
     train.seq_len past original_max_seq_len is the long factors' regime, not a refusal."""

@@ -77,12 +77,13 @@ class StepLoss:
     trainer's loss all-reduce both give exactly the global token mean, on any layout.
     """
 
-    def __init__(self, head: torch.nn.Module | None = None):
+    def __init__(self, head: torch.nn.Module | None = None, softcap: float | None = None):
         self.factor: float | None = None
         # The output layer (nn.Linear) of the stage that computes the loss: set, the loss takes the
         # final norm's output and applies the head chunk by chunk; None, it takes logits. Its
         # ``weight`` is read at every call (FSDP2 swaps the sharded and unsharded parameters).
         self.head = head
+        self.softcap = softcap  # model.logit_softcap (Gemma 2): the chunked loss caps each chunk's logits
 
     @classmethod
     def for_parts(cls, parts: ModelParts) -> StepLoss:
@@ -94,7 +95,7 @@ class StepLoss:
         last = parts.parts[parts.stage_ids.index(parts.n_stages - 1)]
         if parts.n_stages > 1:
             last.return_hidden = True
-        return cls(head=last.output)
+        return cls(head=last.output, softcap=last.cfg.logit_softcap)
 
     def set_targets(self, targets: int | None, ranks_averaged: int, pipeline_microbatches: int = 1) -> None:
         self.factor = None if targets is None else ranks_averaged * pipeline_microbatches / max(1, targets)
@@ -103,7 +104,7 @@ class StepLoss:
         """``logits`` [b, s, V], or with a head the final norm's output [b, s, hidden]."""
         if self.head is not None:
             reduction = "mean" if self.factor is None else "sum"
-            loss = chunked_cross_entropy(logits, self.head.weight, labels, reduction=reduction)
+            loss = chunked_cross_entropy(logits, self.head.weight, labels, reduction=reduction, softcap=self.softcap)
             return loss if self.factor is None else loss * self.factor
         if self.factor is None:
             return cross_entropy(logits, labels)

@@ -122,6 +122,7 @@ class ActShape:
     post_norms: bool = False  # model.post_norms (Gemma): norms on the attention's and the MLP's outputs
     qk_norm: bool = False  # model.qk_norm (Qwen3, Gemma 3): RMSNorm over each query and key head
     offset_norm: bool = False  # model.norm_offset (Gemma): engine/models/norm.py OffsetRMSNorm on every device
+    logit_softcap: bool = False  # model.logit_softcap (Gemma 2): the chunked loss keeps the cap's slope per chunk
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -397,4 +398,5 @@ def loss_backward_bytes(x: ActShape) -> int:
     if not x.chunked_loss:  # compiled (and Megatron's, in place): the logits' gradient written in their dtype
         return x.b * x.s * v * x.e if x.compiled_loss or x.megatron_loss else 2 * 4 * x.b * x.s * v
     low = x.e != 4
-    return x.loss_chunk * v * (4 + 2 * x.e * low) + (v * x.h * x.e if low and x.lora is None else 0)
+    slope = 4 * x.loss_chunk * v if x.logit_softcap else 0  # soft-capped logits: 1 - tanh^2, fp32 (parallel/loss.py)
+    return x.loss_chunk * v * (4 + 2 * x.e * low) + (v * x.h * x.e if low and x.lora is None else 0) + slope

@@ -75,6 +75,15 @@ ATTENTION = {"mi300x": (0.45, 0.35), "cpu": (0.5, 0.5)}
 # read + write e; dropout: read e, write e + a 1-byte mask) and backward (dropout and softmax
 # gradients: read the gradient, probabilities and mask, write the gradient).
 MATERIALIZED_BYTES = (lambda e: 4 * e + 1, lambda e: 5 * e + 1)
+# The engine's soft-capped attention (``model.attention_softcap``, Gemma 2: engine/models/softcap.py):
+# not fused, so every score goes through HBM in each of its element-wise steps, counted from the
+# kernel's ops per score element (e: the inputs' bytes; fp32 steps 4 + 4): forward, the product's
+# output (e), its upcast (e + 4), scale, tanh, times cap, plus mask (8 each), the log-sum-exp's two
+# reads (8), minus lse and exp (16), the probabilities' cast (4 + e): 3e + 64; backward, that again
+# up to the probabilities (2e + 52), their cast for dv (4 + e), dp's output and upcast, minus delta,
+# times p (2e + 24), 1 - t^2 (24), its product, the scale (20), the cast for dq / dk (4 + e): 6e + 128.
+# Two GEMMs forward and five backward (the scores recomputed, then dv, dp, dq, dk), over every block.
+SOFTCAP_BYTES = (lambda e: 3 * e + 64, lambda e: 6 * e + 128)
 
 
 @lru_cache(maxsize=1024)
@@ -119,7 +128,13 @@ def attention_seconds(b: int, s_q: int, s_kv: int, heads: int, hd: int, executed
     (SDPA: cuDNN on Hopper / Blackwell, else FA2), ``fa2``, ``fa3``, ``cudnn``, ``fa1``, each at its measured rate for calls over ``kv_len`` keys
     (default ``s_kv``; :func:`attention_fractions`), or ``materialized`` (two batched GEMMs
     forward, four backward, over all blocks, plus the softmax and dropout bytes of every score:
-    :data:`MATERIALIZED_BYTES`)."""
+    :data:`MATERIALIZED_BYTES`), or ``softcap`` (the engine's soft-capped kernel: two GEMMs forward,
+    five backward, over all blocks, and :data:`SOFTCAP_BYTES` per score)."""
+    if kernel == "softcap":
+        m, scores = b * heads * s_q, b * heads * s_q * s_kv
+        qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)
+        fwd_b, bwd_b = (f(e) * scores for f in SOFTCAP_BYTES)
+        return 2 * qk + membound_seconds(fwd_b, gpu), 5 * qk + membound_seconds(bwd_b, gpu)
     if kernel == "materialized":
         m, scores = b * heads * s_q, b * heads * s_q * s_kv
         qk = gemm_seconds(m, s_kv, hd, gpu, e=e, sms=sms)  # scores = q k^T; (probs v) has the same FLOPs

@@ -89,7 +89,7 @@ class BlockShape:
     ep: int = 1
     recompute: str = "none"
     fp8_peak: float = 0.0  # > 0: the blocks' nn.Linear GEMMs run at this peak (train.precision fp8)
-    attention: str = "engine"  # planner.attention_kernel: engine (SDPA), fa2, fa3, cudnn, fa1, materialized
+    attention: str = "engine"  # planner.attention_kernel: engine (SDPA), fa2, fa3, cudnn, fa1, materialized; softcap
     norm_unfused: bool = False  # planner.norm unfused (eager composite RMSNorm) and not train.compile
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs the block's last GEMM too
     recompute_attention: bool = False  # planner.selective_recompute core_attention: selective re-runs the attention
@@ -322,6 +322,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     attention = recipe.planner.attention_kernel
     if attention == "engine" and blocks:  # the engine's CP blocks call FA2's op themselves (context_blocks.py)
         attention = "fa2"
+    if attention == "engine" and m.attention_softcap is not None:  # Gemma 2: the engine's own kernel (softcap.py)
+        attention = "softcap"
     return BlockShape(b=t.micro_batch_size, s=t.seq_len // dims.cp, seq=t.seq_len, h=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads, hd=m.head_dim, ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp,
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,

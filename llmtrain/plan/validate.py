@@ -132,6 +132,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("parallel.cp_method", f"the sliding window ({m.sliding_window}) is shorter than seq_len "
                     f"({t.seq_len}), and {p.cp_method} context parallelism has no windowed attention blocks "
                     "(engine/parallel/context.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))
+    if m.attention_softcap is not None and p.cp > 1 and p.cp_method != "ulysses":
+        err(Problem("parallel.cp_method", f"soft-capped attention (model.attention_softcap {m.attention_softcap:g}) has "
+                    f"no {p.cp_method} context-parallel blocks; Ulysses runs the capped kernel on whole sequences "
+                    "(engine/models/softcap.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))
     if m.rotary_dim is not None and (m.rotary_dim > m.head_dim or m.rotary_dim % 2):
         err(Problem("model.rotary_dim", f"rotary_dim ({m.rotary_dim}) must be even and at most head_dim ({m.head_dim})",
                     f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))

@@ -37,12 +37,11 @@ NOT_SUPPORTED = {
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
     "gemma": "Gemma 1 is not wired as a family (its block is Gemma 3's without q/k and post norms); Gemma 3 is "
              "gemma3_text / gemma3",
-    "gemma2": "attention and final logit soft-capping are not implemented",
     "gemma3": "its config.json has no text_config object to read the language model from",
 }
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)
 OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim", "model.local_rope_theta",
-            "model.attention_scale")  # None is a value here, not a missing key
+            "model.attention_scale", "model.attention_softcap", "model.logit_softcap")  # None is a value here, not a missing key
 
 
 # -- recipe -> config.json --------------------------------------------------------------------
@@ -314,6 +313,8 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
               ("model.local_rope_theta", cfg.local_rope_theta, theirs.get("local_rope_theta"), "rope_local_base_freq"),
               ("model.attention_scale", cfg.attention_scale, theirs.get("attention_scale"),
                "query_pre_attn_scalar ** -0.5"),
+              ("model.attention_softcap", cfg.attention_softcap, theirs.get("attention_softcap"), "attn_logit_softcapping"),
+              ("model.logit_softcap", cfg.logit_softcap, theirs.get("logit_softcap"), "final_logit_softcapping"),
               ("model.moe.num_experts", cfg.moe.num_experts, moe.get("num_experts", 1), "num_experts")]
     if len(their_moe) < (theirs["layers"] or 0):  # some dense layers: their width matters
         fields.append(("model.ffn_hidden", cfg.ffn_hidden, theirs["ffn_hidden"], "intermediate_size"))
@@ -342,7 +343,8 @@ INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_
             "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window",
             "sliding_window_pattern", "max_window_layers")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
-              "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar")
+              "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar",
+              "attn_logit_softcapping", "final_logit_softcapping")
 BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "use_bidirectional_attention")
 HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
 

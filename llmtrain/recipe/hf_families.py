@@ -31,7 +31,9 @@ class Family:
     fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
     rope_scaling: str = "llama3"      # the RoPE scaling rule its transformers config takes (Phi-3: longrope only)
     partial_rotary: bool = False      # RoPE on the first rotary_dim features only (Phi-3's partial_rotary_factor)
-    gemma: bool = False               # Gemma 3: offset norms, post norms, scaled embeddings, GeGLU, sliding/full layers
+    gemma: bool = False               # Gemma 2/3: offset norms, post norms, scaled embeddings, GeGLU, sliding/full layers
+    softcap: bool = False             # soft-capped attention scores and final logits (Gemma 2)
+    local_rope: bool = False          # a RoPE base of its own for the windowed layers (Gemma 3)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -45,8 +47,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
     Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope",
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
+    Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True,
+           softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
-           gemma=True),  # Gemma 3 1B (the text-only checkpoints; recipe/hf_gemma.py)
+           gemma=True, local_rope=True),  # Gemma 3 1B (the text-only checkpoints; recipe/hf_gemma.py)
 )}
 
 # the recipe switches that only Gemma has, with the value every other family needs
@@ -85,7 +89,8 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
             f"set model.qk_norm: {str(f.qk_norm).lower()}")
     if cfg.rope_scaling is not None and cfg.rope_scaling.type != f.rope_scaling:
         bad("model.rope_scaling", f"{cfg.rope_scaling.type} RoPE scaling; transformers' {f.name} takes only "
-            f"{f.rope_scaling} scaling", "use model.family " + {"longrope": "phi3", "linear": "gemma3_text"}.get(cfg.rope_scaling.type, "llama")
+            f"{f.rope_scaling} scaling" if f.rope_scaling != "none" else f"{cfg.rope_scaling.type} RoPE scaling; "
+            f"transformers' {f.name} takes none", "use model.family " + {"longrope": "phi3", "linear": "gemma3_text"}.get(cfg.rope_scaling.type, "llama")
             + " or drop model.rope_scaling")
     if cfg.rope_dim != cfg.head_dim and not f.partial_rotary:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim}; {f.name} rotates whole heads",
@@ -98,12 +103,20 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         if getattr(cfg, name) != want:
             bad(f"model.{name}", f"{name} is {getattr(cfg, name)}; {f.name} needs {want}",
                 f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"
-                + ("" if f.gemma else ", or use model.family gemma3_text"))
+                + ("" if f.gemma else ", or use model.family gemma2 or gemma3_text"))
     if not f.gemma:
-        for name in ("local_rope_theta", "attention_scale") + (() if f.sliding == "qwen" else ("full_attention_layers",)):
+        for name in ("attention_scale",) + (() if f.sliding == "qwen" else ("full_attention_layers",)):
             if getattr(cfg, name) is not None:
-                bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 3 has)",
-                    f"drop model.{name}, or use model.family gemma3_text")
+                bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma has)",
+                    f"drop model.{name}, or use model.family gemma2 or gemma3_text")
+    if not f.local_rope and cfg.local_rope_theta is not None:
+        bad("model.local_rope_theta", f"local_rope_theta is set; {f.name} has one RoPE base (Gemma 3 has two)",
+            "drop model.local_rope_theta, or use model.family gemma3_text")
+    if not f.softcap:
+        for name in ("attention_softcap", "logit_softcap"):
+            if getattr(cfg, name) is not None:
+                bad(f"model.{name}", f"{name} is set; {f.name} has no soft-capping (Gemma 2 has)",
+                    f"drop model.{name}, or use model.family gemma2")
     full = sorted(set(cfg.full_attention_layers or ()))
     if f.sliding == "qwen" and full != list(range(len(full))):  # Qwen's max_window_layers: the first layers
         bad("model.full_attention_layers", f"full_attention_layers {full[:8]}; {f.name}'s full-attention layers are "

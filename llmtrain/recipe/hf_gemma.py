@@ -1,4 +1,4 @@
-"""Gemma 3 text (``model_type: gemma3_text``) ``config.json`` <-> recipe ``model`` (torch-free).
+"""Gemma 2 and Gemma 3 text (``gemma2``, ``gemma3_text``) ``config.json`` <-> recipe ``model`` (torch-free).
 
 Gemma 3 is our decoder with its switches on (:mod:`llmtrain.engine.models.llama`): unit-offset
 RMSNorms (``norm_offset``), norms on both branch outputs (``post_norms``), embeddings times
@@ -19,6 +19,13 @@ the final logits (Gemma 2's; null in Gemma 3), bidirectional attention, an activ
 ``gelu_pytorch_tanh``, RoPE types other than default (sliding layers) and default / linear (full
 layers).
 
+Gemma 2 (``gemma2``: 2B, 9B, 27B) is the same block without q/k norms, with one RoPE base for every
+layer (``rope_theta``, default 10,000, no scaling), layers alternating sliding / full (sliding
+first: transformers' default ``layer_types``; 4.x always alternates, 5.x reads ``layer_types``),
+and soft-capping of the attention scores and of the final logits (``attn_logit_softcapping`` 50,
+``final_logit_softcapping`` 30 by default: ``model.attention_softcap`` / ``logit_softcap``, run by
+the engine's own attention kernel, ``engine/models/softcap.py``).
+
 The multimodal ``gemma3`` checkpoints (Gemma 3 4B, 12B, 27B: ``Gemma3ForConditionalGeneration``)
 hold this language model beside a vision tower: :func:`text_part` reads their ``text_config``
 with transformers' ``Gemma3TextConfig`` defaults for the keys the released files leave out (the
@@ -37,6 +44,9 @@ from typing import Any
 from llmtrain.recipe.schema import ModelConfig
 
 GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+GEMMA2_THETA = 10_000.0
+GEMMA2_SOFTCAP = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}  # Gemma2Config's defaults
+SOFTCAP_FIELDS = {"attn_logit_softcapping": "attention_softcap", "final_logit_softcapping": "logit_softcap"}
 # transformers' Gemma3TextConfig defaults (5.x; tests/test_families.py compares them) for the keys a
 # multimodal gemma3 config.json's text_config may leave out
 GEMMA3_TEXT_DEFAULTS = {
@@ -98,28 +108,43 @@ def _kind(params: dict) -> str:
     return str(params.get("rope_type", params.get("type", "default")))
 
 
+def _gemma2(conf: dict) -> bool:
+    return conf.get("model_type") == "gemma2"
+
+
+def _gemma2_theta(conf: dict) -> object:
+    params = conf.get("rope_parameters")
+    if isinstance(params, dict) and params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return conf.get("rope_theta", GEMMA2_THETA)
+
+
 def layer_types(conf: dict) -> list[str] | None:
-    """Each layer's attention kind: ``layer_types``, else ``sliding_window_pattern`` (default 6)."""
+    """Each layer's attention kind: ``layer_types``, else ``sliding_window_pattern`` (default 6; Gemma 2:
+    every second layer full, always)."""
     layers = conf.get("num_hidden_layers")
     given = conf.get("layer_types")
     if isinstance(given, list):
         return given
     if given is not None:  # not a list: no fallback to the pattern (an untrusted file says something else)
         return None
-    pattern = conf.get("sliding_window_pattern", 6)
+    pattern = 2 if _gemma2(conf) else conf.get("sliding_window_pattern", 6)
     if type(layers) is not int or type(pattern) is not int or pattern < 1:
         return None
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
 def gemma_problems(conf: dict, bad) -> None:
-    """Call ``bad(field, value, why)`` for each gemma3_text setting the engine does not run."""
+    """Call ``bad(field, value, why)`` for each gemma2 / gemma3_text setting the engine does not run."""
     act = conf.get("hidden_activation", conf.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         bad("hidden_activation", act, "only the tanh-approximated GELU (gelu_pytorch_tanh) is implemented")
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if conf.get(key) is not None:
-            bad(key, conf.get(key), "logit soft-capping is not implemented (Gemma 2's; Gemma 3 has none)")
+    for key in SOFTCAP_FIELDS:
+        v = conf.get(key)
+        if v is not None and not _gemma2(conf):
+            bad(key, v, "soft-capping is Gemma 2's (model_type gemma2); Gemma 3 has none")
+        elif v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
+            bad(key, v, "it must be a positive number or null")
     if conf.get("use_bidirectional_attention"):
         bad("use_bidirectional_attention", conf.get("use_bidirectional_attention"), "only causal attention is implemented")
     if conf.get("attention_bias", False) is not False:
@@ -129,6 +154,16 @@ def gemma_problems(conf: dict, bad) -> None:
             t not in ("sliding_attention", "full_attention") for t in types):
         bad("layer_types", conf.get("layer_types", conf.get("sliding_window_pattern")),
             "it must name sliding_attention or full_attention for each of num_hidden_layers")
+    if _gemma2(conf):
+        params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
+        kind = _kind(params) if isinstance(params, dict) else "?"
+        if kind != "default":
+            bad("rope_parameters.rope_type", kind, "Gemma 2 is implemented with default RoPE")
+        theta = _gemma2_theta(conf)
+        if type(theta) not in (int, float) or not 0 < theta < float("inf"):
+            bad("rope_theta", theta, "it must be a positive number")
+        _common_problems(conf, bad)
+        return
     rope = _per_type(conf)
     if _kind(rope["sliding_attention"]) != "default":
         bad("rope_parameters.sliding_attention.rope_type", _kind(rope["sliding_attention"]),
@@ -136,11 +171,7 @@ def gemma_problems(conf: dict, bad) -> None:
     if _kind(rope["full_attention"]) not in ("default", "linear"):
         bad("rope_parameters.full_attention.rope_type", _kind(rope["full_attention"]),
             "the full-attention layers are implemented with default and linear RoPE")
-    if "sliding_window" in conf and conf["sliding_window"] is None:
-        bad("sliding_window", None, "Gemma 3's sliding_attention layers need a window")
-    scalar = conf.get("query_pre_attn_scalar", 256)
-    if type(scalar) not in (int, float) or not 0 < scalar < float("inf"):
-        bad("query_pre_attn_scalar", scalar, "it must be a positive number")
+    _common_problems(conf, bad)
     for kind, params in rope.items():
         for key in ("rope_theta", "factor"):
             v = params.get(key)
@@ -148,22 +179,37 @@ def gemma_problems(conf: dict, bad) -> None:
                 bad(f"rope_parameters.{kind}.{key}", v, "it must be a positive number")
 
 
+def _common_problems(conf: dict, bad) -> None:
+    if "sliding_window" in conf and conf["sliding_window"] is None:
+        bad("sliding_window", None, "the sliding_attention layers need a window")
+    scalar = conf.get("query_pre_attn_scalar", 256)
+    if type(scalar) not in (int, float) or not 0 < scalar < float("inf"):
+        bad("query_pre_attn_scalar", scalar, "it must be a positive number")
+
+
 def gemma_fields(conf: dict) -> dict[str, Any]:
-    """The recipe ``model`` fields a gemma3_text config sets beyond the common ones (checked first:
-    :func:`gemma_problems`)."""
-    rope = _per_type(conf)
-    full = rope["full_attention"]
+    """The recipe ``model`` fields a gemma2 / gemma3_text config sets beyond the common ones (checked
+    first: :func:`gemma_problems`)."""
     types = layer_types(conf) or []
-    return {
-        "rope_theta": float(full["rope_theta"]), "local_rope_theta": float(rope["sliding_attention"]["rope_theta"]),
-        "rope_scaling": {"type": "linear", "factor": float(full.get("factor", 1.0)), "low_freq_factor": None,
-                         "high_freq_factor": None, "original_max_seq_len": 8192, "short_factor": None,
-                         "long_factor": None, "attention_factor": None} if _kind(full) == "linear" else None,
+    common = {
         "sliding_window": conf.get("sliding_window", 4096),
         "full_attention_layers": [i for i, t in enumerate(types) if t == "full_attention"],
         "attention_scale": float(conf.get("query_pre_attn_scalar", 256)) ** -0.5,
         "tie_embeddings": bool(conf.get("tie_word_embeddings", True)),
         "norm_offset": True, "post_norms": True, "embed_scale": True, "mlp_activation": "gelu_tanh",
+    }
+    if _gemma2(conf):  # absent keys take Gemma2Config's defaults (50 / 30), an explicit null none
+        caps = {ours: conf.get(key, GEMMA2_SOFTCAP[key]) for key, ours in SOFTCAP_FIELDS.items()}
+        return {**common, "rope_theta": float(_gemma2_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
+                **{k: None if v is None else float(v) for k, v in caps.items()}}
+    rope = _per_type(conf)
+    full = rope["full_attention"]
+    return {
+        **common, "rope_theta": float(full["rope_theta"]),
+        "local_rope_theta": float(rope["sliding_attention"]["rope_theta"]),
+        "rope_scaling": {"type": "linear", "factor": float(full.get("factor", 1.0)), "low_freq_factor": None,
+                         "high_freq_factor": None, "original_max_seq_len": 8192, "short_factor": None,
+                         "long_factor": None, "attention_factor": None} if _kind(full) == "linear" else None,
     }
 
 
@@ -177,9 +223,15 @@ def query_pre_attn_scalar(cfg: ModelConfig) -> int | float:
 
 
 def gemma_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
+    """The gemma2 / gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
     windowed = set(cfg.windowed_layers)
     types = ["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.layers)]
+    if cfg.hf_family == "gemma2":  # one RoPE (rope_parameters / rope_theta: hf_config's), the soft-caps
+        return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": query_pre_attn_scalar(cfg), "sliding_window": cfg.sliding_window or 4096,
+                "layer_types": types, "attn_logit_softcapping": cfg.attention_softcap,
+                "final_logit_softcapping": cfg.logit_softcap, "use_bidirectional_attention": False,
+                "attention_bias": False}
     local = float(cfg.local_rope_theta if cfg.local_rope_theta is not None else cfg.rope_theta)
     full = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     scaling = None

@@ -168,7 +168,15 @@ class ModelConfig(Strict):
     attention_scale: float | None = Field(
         None, gt=0, le=1e6,
         description="Softmax scale of attention; None = 1 / sqrt(head_dim) (Gemma 3: query_pre_attn_scalar ** -0.5).")
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma3_text"] | None = Field(
+    attention_softcap: float | None = Field(
+        None, gt=0, le=1e6,
+        description="Soft-capping of attention scores, cap * tanh(score / cap) before the softmax (Gemma 2: 50); "
+        "None = none. Runs the engine's own attention kernel (engine/models/softcap.py), not SDPA.")
+    logit_softcap: float | None = Field(
+        None, gt=0, le=1e6,
+        description="Soft-capping of the final logits, cap * tanh(logit / cap), in the loss too (Gemma 2: 30); None = none.")
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
+                    "gemma3_text"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",

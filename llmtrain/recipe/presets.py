@@ -33,6 +33,12 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   3,821,079,552 parameters). Phi-4: microsoft/phi-4/config.json (40 layers, hidden 5120, 40
   heads, 10 KV heads, ffn 17920, vocab 100352, rope_theta 250000, rms_norm_eps 1e-5, 16384
   positions, no sliding window, untied). Both ``phi3`` (fused qkv_proj / gate_up_proj on disk).
+- Gemma 2 2B / 9B / 27B: google/gemma-2-{2b,9b,27b}/config.json (gemma2: 2B 26 layers, hidden 2304,
+  8 heads / 4 KV, ffn 9216; 9B 42 layers, hidden 3584, 16 / 8, ffn 14336; 27B 46 layers, hidden
+  4608, 32 / 16 heads of head_dim 128, ffn 36864, query_pre_attn_scalar 144; all head_dim 256
+  unless said, query_pre_attn_scalar 256, vocab 256000, tied, rms_norm_eps 1e-6, 8192 positions,
+  rope_theta 1e4, sliding_window 4096 on the even layers (0, 2, ...), attn_logit_softcapping 50,
+  final_logit_softcapping 30). Counts: transformers' own on the meta device.
 - Gemma 3 1B: google/gemma-3-1b-pt/config.json (gemma3_text: 26 layers, hidden 1152, 4 heads, 1 KV
   head, head_dim 256, ffn 6912 GeGLU, vocab 262144, tied, rms_norm_eps 1e-6, 32768 positions;
   sliding_window 512 with every 6th layer full (sliding_window_pattern 6: layers 5, 11, 17, 23),
@@ -78,6 +84,12 @@ _GEMMA3 = dict(  # what Gemma 3 4B, 12B and 27B share (their text_config; transf
     max_seq_len=131072, rope_theta=1000000.0, local_rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True,
     sliding_window=1024, attention_scale=0.0625, qk_norm=True, norm_offset=True, post_norms=True, embed_scale=True,
     mlp_activation="gelu_tanh", family="gemma3_text",
+)
+
+_GEMMA2 = dict(  # what Gemma 2 2B, 9B and 27B share (their config.json)
+    vocab_size=256000, max_seq_len=8192, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, sliding_window=4096,
+    attention_scale=0.0625, attention_softcap=50.0, logit_softcap=30.0, norm_offset=True, post_norms=True,
+    embed_scale=True, mlp_activation="gelu_tanh", family="gemma2",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -154,6 +166,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi4-14b": dict(
         layers=40, hidden=5120, heads=40, kv_heads=10, ffn_hidden=17920, vocab_size=100352, max_seq_len=16384,
         rope_theta=250000.0, norm_eps=1e-5, tie_embeddings=False, family="phi3",
+    ),
+    "gemma2-2b": dict(
+        layers=26, hidden=2304, heads=8, kv_heads=4, head_dim=256, ffn_hidden=9216,
+        full_attention_layers=list(range(1, 26, 2)), **_GEMMA2,
+    ),
+    "gemma2-9b": dict(
+        layers=42, hidden=3584, heads=16, kv_heads=8, head_dim=256, ffn_hidden=14336,
+        full_attention_layers=list(range(1, 42, 2)), **_GEMMA2,
+    ),
+    "gemma2-27b": dict(
+        layers=46, hidden=4608, heads=32, kv_heads=16, head_dim=128, ffn_hidden=36864,
+        full_attention_layers=list(range(1, 46, 2)), **{**_GEMMA2, "attention_scale": 144**-0.5},
     ),
     "gemma3-1b": dict(
         layers=26, hidden=1152, heads=4, kv_heads=1, head_dim=256, ffn_hidden=6912, vocab_size=262144,

@@ -24,6 +24,9 @@ every family by construction:
   band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
   parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
   refuse a window the sequence exceeds).
+* ``attention_softcap`` / ``logit_softcap`` (Gemma 2): attention scores and final logits bounded by
+  ``cap * tanh(x / cap)``; the scores need our own kernel (:mod:`.softcap`), which Ulysses context
+  parallelism runs inside its exchange (ring and all-gather refuse it).
 
 Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
 checkpoints, init), so they are fixed and layout-independent:
@@ -61,6 +64,7 @@ from torch import nn
 from llmtrain.engine.models.moe import MoE, FeedForward
 from llmtrain.engine.models.norm import RMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
+from llmtrain.engine.models.softcap import softcap_attention, softcap_logits
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -134,6 +138,7 @@ class Attention(nn.Module):
         # model.attention_scale (Gemma 3's query_pre_attn_scalar ** -0.5): folded into q after RoPE, so
         # every attention path (SDPA, the CP kernel blocks) keeps its default 1 / sqrt(head_dim)
         self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * self.head_dim**0.5
+        self.softcap = cfg.attention_softcap  # Gemma 2: scores capped, our kernel instead of SDPA (models/softcap.py)
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
@@ -153,7 +158,9 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is None:
+        if self.softcap is not None:
+            out = self._softcapped(q, k, v, mask)
+        elif mask is None:
             out = self.attn_fn(q, k, v)
         elif self.attn_fn is causal_sdpa:
             out = masked_sdpa(q, k, v, mask)
@@ -163,6 +170,16 @@ class Attention(nn.Module):
             raise ValueError("an attention mask (data.packing, a sliding window) cannot run with ring or all-gather "
                              "context-parallel attention")
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _softcapped(self, q, k, v, mask):
+        """Soft-capped attention (``model.attention_softcap``): our kernel, alone or inside Ulysses'
+        exchange (``takes_softcap``); ring / all-gather CP have no capped blocks (refused by plan)."""
+        if self.attn_fn is causal_sdpa:
+            return softcap_attention(q, k, v, mask, self.softcap)
+        if getattr(self.attn_fn, "takes_softcap", False):
+            return self.attn_fn(q, k, v, mask, softcap=self.softcap)
+        raise ValueError("attention soft-capping (model.attention_softcap) cannot run with ring or all-gather "
+                         "context-parallel attention")
 
 
 class TransformerBlock(nn.Module):
@@ -295,5 +312,5 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None and not (self.return_hidden if return_hidden is None else return_hidden):
-            h = self.output(h)
+            h = softcap_logits(self.output(h), self.cfg.logit_softcap)  # the chunked loss caps its own chunks
         return h

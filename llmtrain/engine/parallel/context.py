@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
 from llmtrain.engine.parallel.funcol_names import all_gather_autograd
@@ -156,14 +157,18 @@ def _take_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None):
+def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None,
+                      softcap: float | None = None):
     """All-to-all from (all heads, local sequence) to (heads / cp, full sequence) and back.
 
     ``mask``: a sliding window's additive band over the whole sequence (``[S, S]``, built once per
     forward by the model, ``models.llama.window_mask``): each rank holds whole sequences, in order,
-    of its heads, so the band is the one without CP."""
+    of its heads, so the band is the one without CP. ``softcap``: Gemma 2's capped scores, by the
+    model's own kernel (``models/softcap.py``) on the whole sequences of this rank's heads."""
     qh, kh, vh = (_seq_to_heads(t, group, cp) for t in (q, k, v))
-    if mask is None:
+    if softcap is not None:
+        out = softcap_attention(qh, kh, vh, mask, softcap)
+    elif mask is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
@@ -192,9 +197,9 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
     Ulysses takes them repeated to the query heads, and a sliding window's mask (``takes_mask``)."""
     if method == "ulysses":
-        def ulysses(q, k, v, mask=None):
-            return ulysses_attention(q, k, v, group, cp, mask)
-        ulysses.takes_mask = True
+        def ulysses(q, k, v, mask=None, softcap=None):
+            return ulysses_attention(q, k, v, group, cp, mask, softcap)
+        ulysses.takes_mask = ulysses.takes_softcap = True
         return ulysses
     if method == "ring":
         def fn(q, k, v):
@@ -213,6 +218,8 @@ def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
     if windowed and model.window is not None and model.window < seq_len and method != "ulysses":  # validated first
         raise ValueError(f"a sliding window ({model.window}) shorter than seq_len ({seq_len}) needs cp_method "
                          f"ulysses, not {method}: ring and all-gather have no windowed blocks")
+    if model.cfg.attention_softcap is not None and method != "ulysses":  # validated first
+        raise ValueError(f"soft-capped attention (model.attention_softcap) needs cp_method ulysses, not {method}")
     model.seq_shards = cp  # a row is cp shards: the window's band (Ulysses) and longrope's regime use its length
     for block in model.layers.values():
         block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len)

@@ -74,10 +74,12 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 def _chunk_loop(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_start: int, group, chunk: int,
-                grad_h: bool, grad_w: bool):
+                grad_h: bool, grad_w: bool, softcap: float | None = None):
     """Per-token losses [N] (fp32, 0 where ignored) and the fp32 gradients of their SUM w.r.t.
     ``h`` [N, H] and ``w`` [V_local, H] (None where not wanted). ``h`` and ``w`` are in the compute
-    dtype; ``labels`` [N] are global vocabulary ids or -100."""
+    dtype; ``labels`` [N] are global vocabulary ids or -100. ``softcap``: the logits are
+    ``cap * tanh(z / cap)`` (Gemma 2's final_logit_softcapping), whose derivative ``1 - tanh^2``
+    takes one more chunk-sized fp32 buffer while gradients are computed."""
     n, v_local = h.shape[0], w.shape[0]
     acc = torch.promote_types(h.dtype, torch.float32)  # the loss math's dtype: fp32 (fp64 for fp64 inputs)
     lse_all = torch.empty(n, dtype=acc, device=h.device)
@@ -89,6 +91,11 @@ def _chunk_loop(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_st
         hi = min(n, lo + chunk)
         h_c, y = h[lo:hi], labels[lo:hi]
         z = torch.mm(h_c, w.t()).to(acc)  # [C, V_local]: the only vocabulary-sized tensor (one chunk)
+        slope = None
+        if softcap is not None:  # capped logits (elementwise: each TP rank caps its own shard)
+            z.div_(softcap).tanh_()
+            slope = z.square().neg_().add_(1.0) if (grad_h or grad_w) else None  # d(capped) / d(z)
+            z.mul_(softcap)
         local = y - vocab_start
         in_shard = (local >= 0) & (local < v_local)  # ignored labels (-100) are never in a shard
         idx = local.clamp(0, v_local - 1)
@@ -110,6 +117,9 @@ def _chunk_loop(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, vocab_st
         z.mul_(((m - glob).exp() * valid).unsqueeze(1))
         rows = in_shard.nonzero().squeeze(1)
         z[rows, idx[rows]] -= 1.0  # - onehot(target) where the target is in this shard
+        if slope is not None:
+            z.mul_(slope)
+            del slope
         g = z if z.dtype == h.dtype else z.to(h.dtype)
         del z
         if grad_h:
@@ -133,10 +143,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Sum over tokens of the cross-entropy of ``h @ w.T`` (gradients computed in forward)."""
 
     @staticmethod
-    def forward(ctx, h, w, labels, vocab_start, group, chunk, cdtype):
+    def forward(ctx, h, w, labels, vocab_start, group, chunk, cdtype, softcap):
         with torch.autocast(h.device.type, enabled=False):
             losses, gh, gw = _chunk_loop(h.to(cdtype), w.to(cdtype), labels, vocab_start, group, chunk,
-                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+                                         ctx.needs_input_grad[0], ctx.needs_input_grad[1], softcap)
         ctx.dtypes = (h.dtype, w.dtype)
         ctx.save_for_backward(gh, gw)  # through save_for_backward: saved-tensor hooks (and the planner's check) see them
         return losses.sum()
@@ -146,7 +156,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         gh, gw = ctx.saved_tensors
         dh = None if gh is None else (gh * grad).to(ctx.dtypes[0])
         dw = None if gw is None else (gw * grad).to(ctx.dtypes[1])
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def _local_operands(h: torch.Tensor, weight: torch.Tensor):
@@ -168,15 +178,15 @@ def _local_operands(h: torch.Tensor, weight: torch.Tensor):
 
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str = "mean",
-                          chunk_tokens: int | None = None) -> torch.Tensor:
+                          chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Cross-entropy of ``h @ weight.T`` against ``labels`` (-100 ignored), one token chunk at a time.
 
     ``h`` [b, s, H] (a DTensor under sequence parallelism), ``weight`` [V, H] (a ``Shard(0)``
     DTensor under TP), ``labels`` [b, s]. ``reduction``: ``"mean"`` over non-ignored tokens (as
     ``F.cross_entropy``; NaN when all are ignored), ``"sum"``, or ``"none"`` (per-token losses
     [b, s], computed without gradients). ``chunk_tokens``: tokens per chunk (default: the shared
-    rule :func:`~llmtrain.plan.losschunk.loss_chunk_tokens`). Returns a plain fp32 tensor, the
-    same on every TP rank."""
+    rule :func:`~llmtrain.plan.losschunk.loss_chunk_tokens`). ``softcap``: of the logits
+    (``model.logit_softcap``). Returns a plain fp32 tensor, the same on every TP rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, not {reduction!r}")
     h_local, w_local, vocab_start, group = _local_operands(h, weight)
@@ -189,16 +199,16 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if reduction == "none" or not torch.is_grad_enabled():
         with torch.no_grad(), torch.autocast(h2.device.type, enabled=False):
             losses, _, _ = _chunk_loop(h2.detach().to(cdtype), w_local.detach().to(cdtype), y, vocab_start, group,
-                                       chunk, False, False)
+                                       chunk, False, False, softcap)
         if reduction == "none":
             return losses.view(labels.shape)
         total = losses.sum()
     else:
-        total = _ChunkedCrossEntropy.apply(h2, w_local, y, vocab_start, group, chunk, cdtype)
+        total = _ChunkedCrossEntropy.apply(h2, w_local, y, vocab_start, group, chunk, cdtype, softcap)
     return total if reduction == "sum" else total / (y != IGNORE).sum()
 
 
 def chunked_token_losses(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_tokens: int | None = None) -> torch.Tensor:
+                         chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Per-token losses [b, s] (fp32, 0 where the label is -100), no gradients: for evaluation."""
-    return chunked_cross_entropy(h, weight, labels, reduction="none", chunk_tokens=chunk_tokens)
+    return chunked_cross_entropy(h, weight, labels, reduction="none", chunk_tokens=chunk_tokens, softcap=softcap)
