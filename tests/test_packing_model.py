@@ -138,6 +138,22 @@ def test_sliding_window_in_packed_rows_counts_within_each_sample():
             assert (alone - full(s[:-1].unsqueeze(0))).abs().max() > 1e-3  # every sample is longer than 4
 
 
+def test_soft_capped_attention_in_packed_rows_keeps_samples_apart():
+    """Gemma 2's capped attention (our kernel, engine/models/softcap.py) takes the packed mask, with
+    and without a window: each packed sample's logits equal its logits alone, and the caps act."""
+    for window in (None, 4):
+        model = tiny(attention_softcap=0.5, logit_softcap=0.3, sliding_window=window)
+        plain = tiny(sliding_window=window)
+        parts = samples(4)
+        with torch.no_grad():
+            p = pack(parts)
+            packed = model(p["inputs"], positions=p["positions"], segments=p["segments"])
+            for sl, s in zip(spans(), parts):
+                alone = model(s[:-1].unsqueeze(0))
+                assert (packed[0, sl] - alone[0]).abs().max() <= 1e-5, window
+                assert (alone - plain(s[:-1].unsqueeze(0))).abs().max() > 1e-3, window
+
+
 def test_window_mask_is_saved_once_per_forward_and_planned_so():
     """Every layer's attention saves the band mask for its backward; given the additive float mask
     (``attention_bias``) they all save the same tensor, so one ``[s, s]`` mask per forward is held,
