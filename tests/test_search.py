@@ -65,6 +65,18 @@ def test_a_windowed_model_searches_context_parallel_layouts_under_ulysses():
     assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
 
 
+def test_a_soft_capped_model_searches_context_parallel_layouts_under_ulysses():
+    """Gemma 2 9B (soft-capped attention, which ring and all-gather CP refuse) at 4,096 tokens (within
+    its window, so the cap alone decides): every CP layout the search returns says cp_method ulysses
+    and is valid (without the rule the first such layout fails validation)."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=["model.preset=gemma2-9b", "train.seq_len=4096",
+                                                                  "train.global_batch_size=64"])
+    result = search(plan.recipe, plan.placement, top=100)
+    _check_valid_and_fitting(plan, result)
+    cps = [c.overrides for c in result.top if c.overrides["parallel.cp"] > 1]
+    assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
+
+
 # debug-moe on 4 nodes of 2: expert groups that leave the node (search_bounds.ep_floor's NIC term)
 @pytest.mark.parametrize("recipe, nodes, gpus", [("recipes/llama3-8b.yaml", 2, 8), ("recipes/debug-moe.yaml", 1, 8),
                                                  ("recipes/debug-moe.yaml", 4, 2)])

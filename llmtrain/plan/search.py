@@ -208,7 +208,9 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    windowed_attention = windowed(recipe.model, t.seq_len) > 0
+    # a sliding window shorter than the sequence, or Gemma 2's soft-capped scores: Ulysses CP only (ring and
+    # all-gather have no such blocks: validate.py)
+    ulysses_only = windowed(recipe.model, t.seq_len) > 0 or recipe.model.attention_softcap is not None
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
@@ -220,9 +222,9 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
-        if cp > 1 and windowed_attention and recipe.parallel.cp_method != "ulysses" \
+        if cp > 1 and ulysses_only and recipe.parallel.cp_method != "ulysses" \
                 and allowed(keep, "parallel.cp_method", "ulysses"):
-            base["cp_method"] = "ulysses"  # a sliding window runs under Ulysses only (ring/all-gather: no windowed blocks)
+            base["cp_method"] = "ulysses"
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
             if bound + floors.recompute(tp, cp) >= kth():
