@@ -5,6 +5,8 @@ larger), whose language model is what llmtrain trains."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from llmtrain.engine.hf import (
@@ -141,3 +143,58 @@ def test_multimodal_gemma3_with_two_spellings_of_a_tensor_is_refused(tmp_path):
         assert "language_model.model.norm.weight" in line and "model.language_model.norm.weight" in line, line
     else:
         raise AssertionError("two spellings of one tensor were accepted")
+
+
+def test_peft_adapter_of_a_multimodal_gemma3_loads_onto_the_multimodal_model(tmp_path):
+    """A LoRA run on a multimodal Gemma 3 base (4B and larger) exports adapters named where
+    Gemma3ForConditionalGeneration keeps its language model (``model.language_model.layers.N``), with
+    ``target_modules`` a regular expression over the language model only: peft on the multimodal model
+    gives our LoRA model's text logits (within 1e-5 of their scale), no vision-tower module gets an
+    adapter, and the text model's naming (the control) would load nothing (base logits)."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import Gemma3ForConditionalGeneration
+
+    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key
+    from llmtrain.engine.finetune.peft_export import CONFIG, MULTIMODAL, TEXT, WEIGHTS, adapter_config, peft_tensors
+    from llmtrain.engine.hf.files import check_hf_model
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.schema import LoRAConfig
+    from tests.hf_tiny import save_tiny_gemma3_multimodal
+
+    base = save_tiny_gemma3_multimodal(tmp_path / "mm", shards=1)
+    conf, files = check_hf_dir(base)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    raw = read_hf_state(files)
+    lora_cfg = LoRAConfig(rank=4, alpha=8.0)
+    ours = Transformer(cfg)
+    ours.load_state_dict(from_hf_state({n: raw[h.key or n] for n, h in check_hf_model(base, cfg).tensors.items()}, cfg))
+    apply_lora(ours, lora_cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if is_adapter_key(name):
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ours.eval()(tokens)
+    logits = {}
+    for where, multimodal in ((MULTIMODAL, True), (TEXT, False)):
+        out = tmp_path / f"peft_{multimodal}"
+        out.mkdir()
+        save_file(peft_tensors(adapters, cfg, where), str(out / WEIGHTS), metadata={"format": "pt"})
+        (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), multimodal=multimodal)))
+        plain = Gemma3ForConditionalGeneration.from_pretrained(base, dtype=torch.float32).eval()
+        with torch.no_grad():
+            base_logits = plain(input_ids=tokens).logits
+            peft = PeftModel.from_pretrained(plain, out).eval()
+            logits[multimodal] = peft(input_ids=tokens).logits
+        if multimodal:
+            adapted = [n for n, _ in peft.named_modules() if n.endswith("lora_A")]
+            assert adapted and not [n for n in adapted if "vision" in n or "projector" in n], adapted[:4]
+            assert len(adapted) == 7 * cfg.layers  # every projection of every decoder layer
+    scale = want.abs().max().item()
+    assert (logits[True] - want).abs().max().item() <= 1e-5 * scale
+    assert (logits[False] - base_logits).abs().max().item() <= 1e-6 * scale  # the text naming: nothing loaded
+    assert (want - base_logits).abs().max().item() > 1e-2

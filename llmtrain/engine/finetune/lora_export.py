@@ -144,6 +144,8 @@ def export_lora(path, meta, files, cfg, lora_cfg, hf, peft, base, dtype, max_byt
     ``checkpoint.init_from_hf`` directory (or ``--base``) after checking its fingerprint."""
     from llmtrain.engine.finetune.base import check_base
     from llmtrain.engine.finetune.peft_export import export_peft
+    from llmtrain.recipe.hf_dir import check_hf_dir
+    from llmtrain.recipe.hf_gemma import is_multimodal
     from llmtrain.engine.hf.export import export_hf
 
     recorded = meta.get("lora_base")
@@ -171,5 +173,6 @@ def export_lora(path, meta, files, cfg, lora_cfg, hf, peft, base, dtype, max_byt
             base_name = str(base_out.resolve())
         else:
             base_name = str(Path(base_dir).resolve())
-        outputs.append((peft, export_peft(path, files, cfg, lora_cfg, peft, base_name, dtype)))
+        multimodal = base_dir is not None and is_multimodal(check_hf_dir(Path(base_dir), "checkpoint.init_from_hf")[0])
+        outputs.append((peft, export_peft(path, files, cfg, lora_cfg, peft, base_name, dtype, multimodal)))
     return outputs

@@ -25,6 +25,13 @@
   r columns), so ``B A`` is each projection's update in its rows, zero elsewhere (a projection
   not targeted adds no columns). ``rank_pattern`` / ``alpha_pattern`` give such a module rank
   n r and alpha n alpha: PEFT's scale alpha / r stays ours.
+* **A multimodal base** (Gemma 3 4B / 12B / 27B, ``Gemma3ForConditionalGeneration``): the
+  adapters are named where that model keeps its language model in transformers 5,
+  ``base_model.model.model.language_model.layers.N...``, and ``target_modules`` is a regular
+  expression over the language model's modules only: the SigLIP vision tower has ``q_proj`` /
+  ``k_proj`` / ``v_proj`` too, which a list of names would also adapt (PEFT full-matches a string
+  against each module's name). Without this the adapter would name ``model.layers.N`` modules the
+  multimodal model does not have, and PEFT would load nothing onto it.
 * MoE models are refused: their experts' ``gate/up/down_proj`` would match the target names in
   PEFT, which would add adapters the run never trained (the planner refuses LoRA + MoE anyway).
 """
@@ -44,15 +51,19 @@ HF_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w
 PREFIX = "base_model.model."
 
 
-def peft_name(ours: str) -> str:
-    """``layers.3.attention.wq.lora_a.weight`` -> ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``."""
+TEXT, MULTIMODAL = "model.", "model.language_model."  # where the decoder layers sit in the HF base's module tree
+
+
+def peft_name(ours: str, where: str = TEXT) -> str:
+    """``layers.3.attention.wq.lora_a.weight`` -> ``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight``
+    (``where``: :data:`MULTIMODAL` for a multimodal Gemma 3 base)."""
     from llmtrain.engine.hf.families import LAYER_NAMES
 
     parts = ours.split(".")  # layers N attention|feed_forward wX lora_a|lora_b weight
     base = ".".join(parts[2:4]) + ".weight"
     hf_module = LAYER_NAMES[base].removesuffix(".weight")
     ab = {"lora_a": "lora_A", "lora_b": "lora_B"}[parts[4]]
-    return f"{PREFIX}model.layers.{parts[1]}.{hf_module}.{ab}.weight"
+    return f"{PREFIX}{where}layers.{parts[1]}.{hf_module}.{ab}.weight"
 
 
 # fused families (Phi-3): our projections -> the fused HF module their adapters join, in row order
@@ -60,21 +71,30 @@ FUSED = {"attention": (("wq", "wk", "wv"), "self_attn.qkv_proj"), "feed_forward"
 FUSED_TARGETS = {"wq": "qkv_proj", "wk": "qkv_proj", "wv": "qkv_proj", "w1": "gate_up_proj", "w3": "gate_up_proj"}
 
 
-def adapter_config(lora_cfg, base: str, fused: bool = False) -> dict:
+def adapter_config(lora_cfg, base: str, fused: bool = False, multimodal: bool = False) -> dict:
     """PEFT's ``adapter_config.json``. ``fused`` (Phi-3): a fused module holding n adapted projections
-    gets rank n r and alpha n alpha (``rank_pattern``/``alpha_pattern``), so its scale stays alpha / r."""
+    gets rank n r and alpha n alpha (``rank_pattern``/``alpha_pattern``), so its scale stays alpha / r.
+    ``multimodal``: ``target_modules`` a regular expression over the language model's modules."""
     names = {t: (FUSED_TARGETS.get(t, HF_TARGETS[t]) if fused else HF_TARGETS[t]) for t in lora_cfg.target_names}
     count = {m: list(names.values()).count(m) for m in set(names.values())}
     ranks = {m: n * lora_cfg.rank for m, n in sorted(count.items()) if n > 1}
     alphas = {m: n * lora_cfg.alpha for m, n in sorted(count.items()) if n > 1}
+    targets: list[str] | str = sorted(count)
+    if multimodal:  # the decoder's projections only (module paths from the tensor map: self_attn.* / mlp.*)
+        from llmtrain.engine.hf.families import LAYER_NAMES
+
+        paths = sorted({LAYER_NAMES[f"{section}.{t}.weight"].removesuffix(".weight")
+                        for t in lora_cfg.target_names for section in ("attention", "feed_forward")
+                        if f"{section}.{t}.weight" in LAYER_NAMES})
+        targets = MULTIMODAL.replace(".", r"\.") + r"layers\.\d+\.(" + "|".join(p.replace(".", r"\.") for p in paths) + ")"
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
             "lora_dropout": lora_cfg.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
             "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "target_modules": sorted(count), "layers_to_transform": None, "rank_pattern": ranks,
+            "target_modules": targets, "layers_to_transform": None, "rank_pattern": ranks,
             "alpha_pattern": alphas, "base_model_name_or_path": base}
 
 
-def peft_tensors(adapters: dict, cfg) -> dict:
+def peft_tensors(adapters: dict, cfg, where: str = TEXT) -> dict:
     """Our adapter tensors (keys without ``model.``) -> PEFT's names and row order. A fused family's
     adapters of one module are joined: ``lora_A`` stacked ``[n r, hidden]``, ``lora_B`` block-diagonal
     ``[fused rows, n r]`` with each projection's rows at its block of the fused weight, so
@@ -94,7 +114,7 @@ def peft_tensors(adapters: dict, cfg) -> dict:
         if fused and parts[3] in FUSED_TARGETS:
             groups.setdefault((parts[1], parts[2]), {}).setdefault(parts[3], {})[parts[4]] = t
         else:
-            out[peft_name(key)] = t.contiguous()
+            out[peft_name(key, where)] = t.contiguous()
     rows = fused_rows(cfg) if fused else {}
     for (layer, section), members in sorted(groups.items()):
         order, module = FUSED[section]
@@ -105,15 +125,16 @@ def peft_tensors(adapters: dict, cfg) -> dict:
         for j, n in enumerate(present):
             start, stop, _ = rows[f"{section}.{n}.weight"]
             b[start:stop, j * r:(j + 1) * r] = members[n]["lora_b"]
-        where = f"{PREFIX}model.layers.{layer}.{module}"
-        out[f"{where}.lora_A.weight"] = torch.cat([members[n]["lora_a"] for n in present]).contiguous()
-        out[f"{where}.lora_B.weight"] = b
+        name = f"{PREFIX}{where}layers.{layer}.{module}"
+        out[f"{name}.lora_A.weight"] = torch.cat([members[n]["lora_a"] for n in present]).contiguous()
+        out[f"{name}.lora_B.weight"] = b
     return out
 
 
-def export_peft(ckpt: Path, files: dict, cfg, lora_cfg, out: Path, base: str, dtype: str = "fp32") -> list[Path]:
+def export_peft(ckpt: Path, files: dict, cfg, lora_cfg, out: Path, base: str, dtype: str = "fp32",
+                multimodal: bool = False) -> list[Path]:
     """Write ``out`` (see the module docstring) from a verified checkpoint; returns the files written.
-    ``base``: ``base_model_name_or_path``."""
+    ``base``: ``base_model_name_or_path``; ``multimodal``: that base is a multimodal Gemma 3."""
     import torch
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -136,13 +157,13 @@ def export_peft(ckpt: Path, files: dict, cfg, lora_cfg, out: Path, base: str, dt
                                 "the checkpoint is damaged or crafted; use another one (--ckpt step-N)", path="--ckpt")
         state = _load_state_dict_from_keys(set(shapes), storage_reader=reader)["model"]
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    tensors = {k: v.to(torch_dtype) for k, v in peft_tensors(state, cfg).items()}
+    tensors = {k: v.to(torch_dtype) for k, v in peft_tensors(state, cfg, MULTIMODAL if multimodal else TEXT).items()}
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS)
     from llmtrain.recipe.hf_families import family_of
 
-    config = adapter_config(lora_cfg, base, family_of(cfg).fused)
+    config = adapter_config(lora_cfg, base, family_of(cfg).fused, multimodal)
     (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return [out / CONFIG, out / WEIGHTS]
