@@ -159,7 +159,7 @@ def train_run(ctx: Ctx, r, device, run_dir: Path | None = None, resume: str | No
 
 # The groups in run order (value per second of device time); within a group, definition order.
 # kernels.py's cheap CP check is correctness; its torchao step runs as an option (group="options").
-MODULES = ("env", "correctness", "kernels", "speed", "options", "profiling")
+MODULES = ("env", "correctness", "kernels", "speed", "options", "profiling", "attention_kernels")
 
 
 def load_all() -> list[Step]:

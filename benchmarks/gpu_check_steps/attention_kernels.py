@@ -1,0 +1,85 @@
+"""The engine's own attention kernels on the device: Gemma 2's soft-capped attention
+(engine/models/softcap.py), whose CUDA path (bf16 products, fp32 element-wise math, scores
+recomputed by blocks of queries in the backward) has not run on a GPU in the session that wrote
+it. Correctness against the eager formula in fp32, and its time beside time model v2's price
+(plan/attentiontime.py ``SOFTCAP_BYTES``) and beside SDPA's causal flash kernel at the same shape.
+An option (group (g)): it runs after the speed rows."""
+
+from __future__ import annotations
+
+from . import CheckFailed, step
+from .kernels import _timed
+
+# Gemma 2 9B's attention on one rank at TP 4 (16 / 4 heads of 256) over 4,096 tokens
+SOFTCAP_SHAPE = (1, 4, 4096, 256)
+TINY_SOFTCAP_SHAPE = (1, 2, 64, 16)
+
+
+@step("softcap_attention", est_s=8, group="options")
+def softcap_attention_step(ctx) -> dict:
+    """Soft-capped causal attention (cap 50, as Gemma 2) forward and backward: outputs and the three
+    gradients vs autograd over transformers' eager formula in fp32 on the same inputs (relative L2
+    <= 2e-2 in bf16: inputs and products in bf16, 2^-9 relative, through softmax and two products;
+    a wrong mask, cap or derivative is O(1); CPU fp32: 1e-5); then its time (median of 5, CUDA
+    events) beside v2's price for the engine's kernel and beside SDPA's causal kernel (no cap), and
+    the memory it allocates beyond its inputs (CUDA)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.engine.models.softcap import softcap_attention
+    from llmtrain.plan.attentiontime import attention_seconds
+    from llmtrain.recipe.gpus import GPUS
+
+    cap = 50.0
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    b, h, s, d = TINY_SOFTCAP_SHAPE if ctx.tiny else SOFTCAP_SHAPE
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, generator=g).to(ctx.device, dtype).requires_grad_() for _ in range(3))
+    dout = torch.randn(b, h, s, d, generator=g).to(ctx.device, dtype)
+
+    def eager(q, k, v):  # transformers' Gemma 2 eager attention, fp32
+        scores = torch.matmul(q, k.transpose(-1, -2)) / d ** 0.5
+        scores = torch.tanh(scores / cap) * cap
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        return torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), v)
+
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = eager(*ref)
+    want.backward(dout.float())
+    out = softcap_attention(q, k, v, None, cap)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    rel = lambda a, w: float((a.detach().float() - w.detach()).norm() / w.detach().norm())
+    errors = {"out": rel(out, want), **{f"d{n}": rel(gr, r.grad) for n, gr, r in zip("qkv", grads, ref)}}
+    del want, ref
+
+    def run_softcap():
+        o = softcap_attention(q, k, v, None, cap)
+        torch.autograd.grad(o, (q, k, v), dout)
+
+    def run_sdpa():
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(o, (q, k, v), dout)
+
+    reps = 5 if ctx.cuda else 2
+    extra_gib = None
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run_softcap()
+        torch.cuda.synchronize()
+        extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    seconds = {"softcap": _timed(run_softcap, reps, ctx.cuda), "sdpa_causal": _timed(run_sdpa, reps, ctx.cuda)}
+    gpu = GPUS[ctx.gpu_key]
+    e = q.element_size()
+    planned = {"softcap": sum(attention_seconds(b, s, s, h, d, 1.0, gpu, kernel="softcap", e=e)),
+               "sdpa_causal": sum(attention_seconds(b, s, s, h, d, 0.5, gpu, kernel="engine", e=e))}
+    tol = 2e-2 if ctx.cuda else 1e-5
+    result = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shape": {"b": b, "heads": h, "s": s, "head_dim": d},
+              "cap": cap, "rel_l2": errors, "tolerance": tol, "seconds": seconds, "v2_seconds": planned,
+              "v2_vs_measured": {n: planned[n] / seconds[n] for n in seconds},
+              "softcap_over_sdpa": seconds["softcap"] / seconds["sdpa_causal"], "extra_gib": extra_gib}
+    worst = max(errors.values())
+    if not worst <= tol:
+        raise CheckFailed(f"soft-capped attention is off: relative L2 {errors} (tolerance {tol})")
+    return result
