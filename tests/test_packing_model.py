@@ -13,6 +13,7 @@ Acceptance of issue 14 (packing isolation), at the model level, in fp32 on CPU:
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from llmtrain.engine.models.llama import Transformer, packed_mask
@@ -179,3 +180,44 @@ def test_window_mask_is_saved_once_per_forward_and_planned_so():
     assert stage_terms(x)["window_mask"] == 4 * SEQ * SEQ
     assert stage_terms(replace(x, cp=2, cp_method="ulysses"))["window_mask"] == 4 * (2 * SEQ) ** 2
     assert "window_mask" not in stage_terms(replace(x, window=SEQ))
+
+
+@pytest.mark.parametrize("window, full_layers, masks", [(None, None, 1), (4, None, 1), (4, [1], 2)])
+def test_packed_masks_are_saved_once_per_kind_and_planned_so(window, full_layers, masks):
+    """Packed rows: the layers save their additive sample mask ``[b, 1, s, s]``, one tensor per forward
+    per kind of layer in use (windowed layers the sample mask with the band, full-attention layers the
+    sample mask alone); the plan counts exactly those (``stage_terms`` ``packed_mask``, S = s x cp
+    under Ulysses)."""
+    from dataclasses import replace
+
+    from llmtrain.plan.activations import ActShape, stage_terms
+
+    model = tiny(sliding_window=window, full_attention_layers=full_layers)
+    seen: dict[int, tuple] = {}
+
+    def pack_hook(t):
+        if t.dim() >= 2 and t.shape[-2:] == (SEQ, SEQ) and t.is_floating_point():
+            seen[t.untyped_storage().data_ptr()] = tuple(t.shape)
+        return t
+
+    p = pack(samples(5))
+    rows = {k: v.expand(2, -1) for k, v in p.items()}
+    with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda t: t):
+        model(rows["inputs"], positions=rows["positions"], segments=rows["segments"]).sum().backward()
+    assert len(seen) == masks and all(shape == (2, 1, SEQ, SEQ) for shape in seen.values()), seen
+    x = ActShape(b=2, s=SEQ, h=32, heads=4, kv_heads=2, ffn=64, vocab=97, e=4, window=window or 0,
+                 full_layers=bool(full_layers), packed=True)
+    assert stage_terms(x)["packed_mask"] == masks * 4 * 2 * SEQ * SEQ == 4 * sum(2 * SEQ * SEQ for _ in seen)
+    assert "window_mask" not in stage_terms(x)
+    assert stage_terms(replace(x, cp=2, cp_method="ulysses"))["packed_mask"] == masks * 4 * 2 * (2 * SEQ) ** 2
+
+
+def test_longest_sample_of_packed_rows():
+    """longrope's regime under CP comes from the whole row's sample ids (a rank holds a shard of the
+    positions): the longest run of one id, padding (-1) excluded, equal to max(positions) + 1."""
+    from llmtrain.engine.models.llama import longest_sample
+
+    p = pack(samples(6))
+    assert int(longest_sample(p["segments"])) == max(LENGTHS) == int(p["positions"].max()) + 1
+    rows = torch.tensor([[0, 0, 1, 1, 1, -1, -1, -1, -1, -1], [0] * 4 + [1] * 6])
+    assert int(longest_sample(rows[:1])) == 3 and int(longest_sample(rows)) == 6

@@ -45,6 +45,8 @@ CASES = {
                                             "train.micro_batch_size=4"],
     "unpacked_zero2": UNPACKED + ["parallel.zero=2"],
     "unpacked_cp2_ring": UNPACKED + ["parallel.cp=2", "parallel.cp_method=ring", "parallel.zero=3"],
+    # packed rows under Ulysses: each rank's shard of tokens, positions and labels, the whole row's sample ids
+    "packed_cp2_ulysses": PACKED + ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero=3"],
 }
 
 

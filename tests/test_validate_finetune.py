@@ -29,14 +29,19 @@ def test_chat_needs_a_tokenizer_with_a_chat_template():
     assert plan_of(debug({"data": {"source": "instruction", "path": "i.jsonl", "tokenizer": "byte"}})).valid
 
 
-def test_packing_needs_samples_and_no_context_parallelism():
+def test_packing_needs_samples_and_ulysses_context_parallelism():
+    """Packed rows need samples; under CP only Ulysses' attention (whole rows) takes their mask."""
     p = find(errors(debug({"data": {"packing": True}})), "data.packing", "source synthetic already yields full")
     assert "data.packing: false" in p.hint
     find(errors(debug({"data": {"source": "memmap", "path": "m", "packing": True}})), "data.packing", "source memmap")
-    data = debug({"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2}})
-    p = find(errors(data), "data.packing", "parallel.cp=2", "isolation is not implemented")
-    assert "parallel.cp: 1" in p.hint and "data.packing: false" in p.hint
+    for method in ("ring", "allgather"):
+        data = debug({"data": {"source": "text", "path": "t.txt", "packing": True},
+                      "parallel": {"cp": 2, "cp_method": method}})
+        p = find(errors(data), "parallel.cp_method", f"packing with {method} context parallelism", "no per-sample mask")
+        assert "cp_method: ulysses" in p.hint and "data.packing: false" in p.hint
     assert plan_of(debug({"data": {"source": "text", "path": "t.txt", "packing": True}})).valid
+    ulysses = {"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
+    assert not [e for e in errors(debug(ulysses)) if e.path in ("data.packing", "parallel.cp_method")]
 
 
 def test_lora_on_moe_is_an_error_and_dense_lora_is_valid():
@@ -50,4 +55,4 @@ def test_finetune_problems_are_reported_together():
     data = debug({"data": {"source": "chat", "packing": True}, "parallel": {"cp": 2}, "train": {"lora": {}}},
                  preset="debug-moe")
     got = paths(errors(data))
-    assert {"data.path", "data.tokenizer", "data.packing", "train.lora"} <= set(got)
+    assert {"data.path", "data.tokenizer", "parallel.cp_method", "train.lora"} <= set(got)

@@ -119,6 +119,8 @@ class ActShape:
     megatron_loss: bool = False
     materialized: bool = False  # planner.attention_kernel materialized: the s x s scores kept (core_attention_terms)
     window: int = 0  # model.sliding_window (0: none); shorter than the sequence, a band mask (stage_terms)
+    full_layers: bool = False  # with a window: some layers attend to the whole prefix (model.full_attention_layers)
+    packed: bool = False  # data.packing: a [b, 1, S, S] sample mask per kind of layer (stage_terms)
     post_norms: bool = False  # model.post_norms (Gemma): norms on the attention's and the MLP's outputs
     qk_norm: bool = False  # model.qk_norm (Qwen3, Gemma 3): RMSNorm over each query and key head
     offset_norm: bool = False  # model.norm_offset (Gemma): engine/models/norm.py OffsetRMSNorm on every device
@@ -343,10 +345,16 @@ def stage_terms(x: ActShape) -> dict[str, int]:
     and, when a sliding window is shorter than the sequence ``S`` (``s x cp``: Ulysses' attention
     holds the whole sequence; ring and all-gather refuse windows), the additive band mask
     ``[S, S]`` in the compute dtype that every layer's attention saves (models/llama.py
-    ``attention_bias``: one tensor per forward, not one per layer)."""
+    ``attention_bias``: one tensor per forward, not one per layer). Packed rows (``data.packing``)
+    hold their block-diagonal sample mask ``[b, 1, S, S]`` instead, one per kind of layer in use:
+    the windowed layers' (samples and band) and the full-attention layers'."""
     out = {"rope": 2 * LSE * x.s * (x.head_dim // 2)}
     full = x.s * x.cp
-    if x.window and full > x.window:
+    band = bool(x.window) and full > x.window
+    if x.packed:
+        kinds = int(band) + int(not band or x.full_layers)
+        out["packed_mask"] = kinds * x.e * x.b * full * full
+    elif band:
         out["window_mask"] = x.e * full * full
     return out
 

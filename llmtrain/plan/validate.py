@@ -289,7 +289,7 @@ def _check_compression(recipe: Recipe, dpcp: int, err, warn) -> None:
 
 def _check_data(recipe: Recipe, err) -> None:
     """Data-source rules: a path where one is read, a chat template where one is needed, packing
-    only where rows are built from samples (and not split by context parallelism)."""
+    only where rows are built from samples (and under context parallelism, with Ulysses only)."""
     d, cp = recipe.data, recipe.parallel.cp
     if d.source == "memmap" and not d.path:
         err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
@@ -303,12 +303,13 @@ def _check_data(recipe: Recipe, err) -> None:
     if d.packing and d.source not in FINETUNE_SOURCES:
         err(Problem("data.packing", f"packing needs samples to pack, but source {d.source} already yields full "
                     "train.seq_len rows", "set data.packing: false, or use source chat, instruction or text"))
-    # Context parallelism splits each row's sequence over cp ranks; the block-diagonal (per-sample)
-    # attention mask of a packed row is not carried into the ring / all-gather / Ulysses kernels.
-    if d.packing and cp > 1:
-        err(Problem("data.packing", f"packing with parallel.cp={cp}: context parallelism would split packed samples "
-                    "across ranks, and per-sample attention isolation is not implemented for it",
-                    "set parallel.cp: 1, or data.packing: false"))
+    # Context parallelism splits each row's sequence over cp ranks. Ulysses' attention holds whole rows
+    # (of its heads), so the block-diagonal (per-sample) mask of a packed row applies there unchanged;
+    # the ring / all-gather blocks have no masks.
+    if d.packing and cp > 1 and recipe.parallel.cp_method != "ulysses":
+        err(Problem("parallel.cp_method", f"packing with {recipe.parallel.cp_method} context parallelism: its "
+                    "attention blocks have no per-sample mask; Ulysses holds whole rows and takes it",
+                    "set parallel.cp_method: ulysses, or data.packing: false, or parallel.cp: 1"))
 
 
 def _check_lora(recipe: Recipe, err) -> None:

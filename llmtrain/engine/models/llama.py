@@ -96,6 +96,17 @@ def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
     return mask if mask.dim() == 2 else mask.unsqueeze(1)
 
 
+def longest_sample(segments: torch.Tensor) -> torch.Tensor:
+    """Tokens of the longest sample in packed rows ``segments`` [b, s] (runs of one sample id;
+    padding, id -1, counts as none), a 0-d tensor: no host sync. Under context parallelism a rank
+    holds a shard of each row's positions but the whole row's sample ids (Ulysses)."""
+    idx = torch.arange(segments.shape[-1], device=segments.device)
+    new = torch.ones_like(segments, dtype=torch.bool)
+    new[..., 1:] = segments[..., 1:] != segments[..., :-1]
+    start = torch.cummax(torch.where(new, idx, 0), dim=-1).values
+    return ((idx - start + 1) * (segments >= 0)).max()
+
+
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as SDPA's additive float mask (0 where visible, -inf elsewhere) in the
     queries' dtype, built once per forward and shared by every layer. Why not the boolean mask:
@@ -272,7 +283,9 @@ class Transformer(nn.Module):
         packed rows their per-sample positions [b, s] (restarting at 0 for each sample).
         ``segments`` [b, s]: the sample number of each token of a packed row; attention is then
         block-diagonal causal (:func:`packed_mask`), and banded where a sliding window is shorter
-        than the sequence (:func:`window_mask`). Pipeline stages get both per microbatch
+        than the sequence (:func:`window_mask`). Under (Ulysses) context parallelism ``positions``
+        are this rank's shard and ``segments`` the whole row's, which the mask spans as Ulysses'
+        attention does. Pipeline stages get both per microbatch
         as keyword arguments of the schedule (torch passes a step's kwargs to every stage).
         """
         if positions is None:
@@ -290,7 +303,9 @@ class Transformer(nn.Module):
             # input saved for q/k/v (w1/w3) instead of autocast's cast per projection.
             h = h.to(torch.get_autocast_dtype(h.device.type))
         full = positions.shape[-1] * self.seq_shards  # tokens of a whole row
-        longest = full if self.seq_shards > 1 else None  # CP rows are unpacked: all full
+        longest = None  # longrope's regime: without CP from the positions (rope.py)
+        if self.seq_shards > 1:  # CP: a rank holds a shard of each row; packed rows (Ulysses) their whole sample ids
+            longest = full if segments is None else longest_sample(segments)
         rope = rope_cos_sin(positions, self.cfg.rope_dim, self.rope_theta, self.rope_scaling, longest=longest)
         windowed = any(layer.windowed for layer in self.layers.values())  # this stage's layers
         local_rope = rope  # the windowed layers' (model.local_rope_theta: own base, no scaling)
