@@ -65,12 +65,15 @@ def test_a_windowed_model_searches_context_parallel_layouts_under_ulysses():
     assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
 
 
-def test_a_soft_capped_model_searches_context_parallel_layouts_under_ulysses():
-    """Gemma 2 9B (soft-capped attention, which ring and all-gather CP refuse) at 4,096 tokens (within
-    its window, so the cap alone decides): every CP layout the search returns says cp_method ulysses
-    and is valid (without the rule the first such layout fails validation)."""
-    plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=["model.preset=gemma2-9b", "train.seq_len=4096",
-                                                                  "train.global_batch_size=64"])
+@pytest.mark.parametrize("overrides", [
+    ["model.preset=gemma2-9b", "train.seq_len=4096"],  # within its window: the cap alone decides
+    ["data.source=text", "data.path=t.txt", "data.packing=true", "train.seq_len=32768"],  # packed rows
+])
+def test_ulysses_only_models_search_context_parallel_layouts_under_ulysses(overrides):
+    """Gemma 2 9B's soft-capped attention and packed rows, which ring and all-gather CP refuse:
+    every CP layout the search returns says cp_method ulysses and is valid (without the rule the
+    first such layout fails validation)."""
+    plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=overrides + ["train.global_batch_size=64"])
     result = search(plan.recipe, plan.placement, top=100)
     _check_valid_and_fitting(plan, result)
     cps = [c.overrides for c in result.top if c.overrides["parallel.cp"] > 1]

@@ -208,9 +208,10 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    # a sliding window shorter than the sequence, or Gemma 2's soft-capped scores: Ulysses CP only (ring and
-    # all-gather have no such blocks: validate.py)
-    ulysses_only = windowed(recipe.model, t.seq_len) > 0 or recipe.model.attention_softcap is not None
+    # a sliding window shorter than the sequence, Gemma 2's soft-capped scores or packed rows: Ulysses CP only
+    # (ring and all-gather have no such blocks: validate.py)
+    ulysses_only = (windowed(recipe.model, t.seq_len) > 0 or recipe.model.attention_softcap is not None
+                    or recipe.data.packing)
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
