@@ -60,7 +60,7 @@ def test_kernel_equals_autograd_of_the_eager_formula(monkeypatch, block):
 
 
 def test_kernel_keeps_no_score_sized_tensor():
-    """What the Function keeps for backward: q, k, v, the output, the fp32 log-sum-exp and the
+    """What the op keeps for backward: q, k, v, the output, the fp32 log-sum-exp and the
     (shared) mask, never a [b, heads, s, s] tensor; autograd over the eager formula keeps three."""
     b, h, n, d = 1, 4, 64, 8
     q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
@@ -109,3 +109,34 @@ def test_chunked_loss_caps_the_logits():
     per_token = chunked_token_losses(h, w, labels, chunk_tokens=8, softcap=cap)
     ref = F.cross_entropy(logits.detach().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     assert (per_token.flatten() - ref).abs().max() < TOL
+
+
+def test_custom_op_passes_opcheck_and_compiles_in_a_block():
+    """The kernel is one ``torch.library`` custom op (selective recomputation saves its outputs like
+    SDPA's): torch's opcheck (schema, autograd registration, fake kernel, AOT dispatch) passes for the
+    layouts the model gives it (q/k/v as transposed views, a mask or none), and a Gemma-2-like block
+    compiles whole (``fullgraph``) with the eager result (fp32: 1e-5)."""
+    from llmtrain.engine.models.init import init_weights
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.schema import ModelConfig
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = [torch.randn(2, 20, 3, 8, generator=gen).transpose(1, 2).requires_grad_() for _ in range(3)]
+    for bias in (None, attention_bias(window_mask(torch.arange(20), 5), torch.float32)):
+        result = torch.library.opcheck(softcap.softcap_attention_op, (*qkv, bias, 2.0))
+        assert set(result.values()) == {"SUCCESS"}, result
+    cfg = ModelConfig(preset="debug-dense", attention_softcap=2.0, logit_softcap=3.0, sliding_window=16,
+                      full_attention_layers=[1])
+    model = Transformer(cfg)
+    init_weights(model, seed=0)
+    x = torch.randint(0, cfg.vocab_size, (2, 64), generator=gen)
+    want = model(x)
+    want.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for name, block in model.layers.items():
+        model.layers[name] = torch.compile(block, fullgraph=True)
+    got = model(x)
+    got.square().mean().backward()
+    assert (got - want).abs().max() < 1e-5
+    assert max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), grads)) < 1e-5

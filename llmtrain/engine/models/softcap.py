@@ -10,7 +10,7 @@ Why our own kernel and not FlexAttention's ``score_mod`` (the library's way to w
 and our CPU/gloo runs are the engine's reference. Why not plain autograd over ``matmul``,
 ``tanh`` and ``softmax`` (transformers' eager attention): autograd would keep the capped scores,
 the fp32 probabilities and their bf16 copy until the backward, ``b x heads x s x s`` three times
-per layer (about 3 GiB per layer of Gemma 2 9B at 8,192 tokens). :class:`SoftcapAttention`
+per layer (about 3 GiB per layer of Gemma 2 9B at 8,192 tokens). :func:`softcap_attention_op`
 keeps what a flash kernel keeps, ``q, k, v``, the output and one fp32 log-sum-exp per query,
 and recomputes the scores in the backward, one block of queries at a time, so no more than
 ``b x heads x block x s`` scores exist at once (forward or backward) and none are kept.
@@ -55,63 +55,93 @@ def _scores(q: torch.Tensor, k: torch.Tensor, bias, lo: int, hi: int, cap: float
     return t, z
 
 
-class SoftcapAttention(torch.autograd.Function):
-    """``softmax(cap * tanh(q k^T / (cap sqrt(d))) + bias) v`` on [b, heads, s, d] (module docstring).
+@torch.library.custom_op("llmtrain::softcap_attention", mutates_args=())
+def softcap_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                         cap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(cap * tanh(q k^T / (cap sqrt(d))) + bias) v, its fp32 log-sum-exp)`` on [b, heads, s, d].
 
-    The four products of the backward, like the two of the forward, run in the inputs' dtype with
-    the probabilities and score gradients cast to it (what flash kernels do with bf16 inputs);
-    element-wise math, the log-sum-exp and the gradients' sums over query blocks stay fp32."""
+    One op as the dispatcher sees it (a ``torch.library`` custom op, like SDPA's fused ops): selective
+    activation checkpointing saves its outputs (engine/parallel/checkpointing.py ``_SAVE``) instead of
+    caching every product inside it, and ``torch.compile`` treats it as opaque. The products run in
+    the inputs' dtype, the element-wise math in fp32 (module docstring)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    b, h, s, _ = q.shape
+    # [b, s, h, d] in memory, as the flash kernels return it: the block's ``out.transpose(1, 2).reshape``
+    # for wo is then a view, and wo's saved input shares this storage (no second copy kept)
+    out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
+    lse = torch.empty(b, h, s, dtype=_acc(q), device=q.device)
+    for lo in range(0, s, QUERY_BLOCK):
+        hi = min(s, lo + QUERY_BLOCK)
+        _, z = _scores(q, k, bias, lo, hi, cap, scale)
+        lse[:, :, lo:hi] = torch.logsumexp(z, dim=-1)
+        z.sub_(lse[:, :, lo:hi].unsqueeze(-1)).exp_()
+        out[:, :, lo:hi] = torch.matmul(z.to(v.dtype), v)
+    return out, lse
 
-    @staticmethod
-    def forward(ctx, q, k, v, bias, cap: float):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        b, h, s, _ = q.shape
-        acc = _acc(q)
-        # [b, s, h, d] in memory, as the flash kernels return it: the block's ``out.transpose(1, 2).reshape``
-        # for wo is then a view, and wo's saved input shares this storage (no second copy kept)
-        out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype, device=q.device).transpose(1, 2)
-        lse = torch.empty(b, h, s, dtype=acc, device=q.device)
-        for lo in range(0, s, QUERY_BLOCK):
-            hi = min(s, lo + QUERY_BLOCK)
-            _, z = _scores(q, k, bias, lo, hi, cap, scale)
-            lse[:, :, lo:hi] = torch.logsumexp(z, dim=-1)
-            z.sub_(lse[:, :, lo:hi].unsqueeze(-1)).exp_()
-            out[:, :, lo:hi] = torch.matmul(z.to(v.dtype), v)
-        ctx.save_for_backward(q, k, v, bias if bias is not None else torch.empty(0), out, lse)
-        ctx.has_bias, ctx.cap, ctx.scale = bias is not None, cap, scale
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, bias, out, lse = ctx.saved_tensors
-        bias = bias if ctx.has_bias else None
-        cap, scale = ctx.cap, ctx.scale
-        s = q.shape[2]
-        acc = _acc(q)
-        do = grad.to(q.dtype)
-        delta = (grad.to(acc) * out.to(acc)).sum(-1)  # rowsum(do * o) [b, h, s]
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for lo in range(0, s, QUERY_BLOCK):
-            hi = min(s, lo + QUERY_BLOCK)
-            t, p = _scores(q, k, bias, lo, hi, cap, scale)
-            p.sub_(lse[:, :, lo:hi].unsqueeze(-1)).exp_()
-            do_b = do[:, :, lo:hi]
-            dv += torch.matmul(p.to(v.dtype).transpose(-1, -2), do_b)
-            dz = torch.matmul(do_b, v.transpose(-1, -2)).to(acc).sub_(delta[:, :, lo:hi].unsqueeze(-1)).mul_(p)
-            del p
-            ds = dz.mul_(t.square_().neg_().add_(1.0)).mul_(scale).to(q.dtype)  # d(cap tanh(x / cap)) / dx = 1 - t^2
-            dq[:, :, lo:hi] = torch.matmul(ds, k)
-            dk += torch.matmul(ds.transpose(-1, -2), q[:, :, lo:hi])
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
+@softcap_attention_op.register_fake
+def _(q, k, v, bias, cap):
+    b, h, s, _ = q.shape
+    out = q.new_empty(b, s, h, v.shape[-1]).transpose(1, 2)
+    return out, q.new_empty(b, h, s, dtype=_acc(q))
+
+
+@torch.library.custom_op("llmtrain::softcap_attention_backward", mutates_args=())
+def softcap_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               bias: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                               cap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`softcap_attention_op` w.r.t. q, k, v: the scores recomputed one block of
+    queries at a time. The four products run in the inputs' dtype with the probabilities and score
+    gradients cast to it (what flash kernels do with bf16 inputs); element-wise math and the
+    gradients' sums over query blocks stay fp32."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = q.shape[2]
+    acc = _acc(q)
+    do = grad.to(q.dtype)
+    delta = (grad.to(acc) * out.to(acc)).sum(-1)  # rowsum(do * o) [b, h, s]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for lo in range(0, s, QUERY_BLOCK):
+        hi = min(s, lo + QUERY_BLOCK)
+        t, p = _scores(q, k, bias, lo, hi, cap, scale)
+        p.sub_(lse[:, :, lo:hi].unsqueeze(-1)).exp_()
+        do_b = do[:, :, lo:hi]
+        dv += torch.matmul(p.to(v.dtype).transpose(-1, -2), do_b)
+        dz = torch.matmul(do_b, v.transpose(-1, -2)).to(acc).sub_(delta[:, :, lo:hi].unsqueeze(-1)).mul_(p)
+        del p
+        ds = dz.mul_(t.square_().neg_().add_(1.0)).mul_(scale).to(q.dtype)  # d(cap tanh(x / cap)) / dx = 1 - t^2
+        dq[:, :, lo:hi] = torch.matmul(ds, k)
+        dk += torch.matmul(ds.transpose(-1, -2), q[:, :, lo:hi])
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@softcap_attention_backward.register_fake
+def _(grad, q, k, v, bias, out, lse, cap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernel's
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, cap = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, out, lse)
+    ctx.cap = cap
+
+
+def _backward(ctx, grad, grad_lse):
+    q, k, v, bias, out, lse = ctx.saved_tensors
+    dq, dk, dv = softcap_attention_backward(grad.contiguous(), q, k, v, bias, out, lse, ctx.cap)
+    return dq, dk, dv, None, None
+
+
+softcap_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       cap: float) -> torch.Tensor:
     """Core attention with soft-capped scores; ``mask``: an additive float mask (0 / -inf,
     ``models.llama.attention_bias``) or None for causal. Equal head counts (K/V repeated)."""
-    return SoftcapAttention.apply(q, k, v, mask, float(cap))
+    return softcap_attention_op(q, k, v, mask, float(cap))[0]
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -77,6 +77,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+import llmtrain.engine.models.softcap  # noqa: F401  (registers torch.ops.llmtrain.softcap_attention, saved below)
+
 try:  # torch's selective-checkpoint internals (2.13): see the module docstring
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode, _sac_storage_key
 except ImportError:  # pragma: no cover - other torch versions: plain SAC, partial sums saved
@@ -97,6 +99,7 @@ _SAVE = {
     torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_attention_math_for_mps.default,
+    torch.ops.llmtrain.softcap_attention.default,  # Gemma 2's soft-capped attention, the engine's own (models/softcap.py)
 }
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 _REDUCTIONS = {  # the row-parallel output's reduction under DTensor TP (functional collectives)
