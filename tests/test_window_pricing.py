@@ -1,6 +1,8 @@
-"""How `llmtrain plan` prices a sliding window shorter than the sequence (the engine's band mask:
-engine/models/llama.py window_mask): time, model FLOPs and the mask's memory. Engine measurements of
-the mask's bytes are tests/test_costmodel.py's window_* cases."""
+"""How `llmtrain plan` prices attention the engine runs with a mask or its own kernel: a sliding
+window shorter than the sequence (the band mask, engine/models/llama.py window_mask), packed rows
+(the sample mask) and Gemma 2's soft-capped kernel: time, model FLOPs and the masks' memory. Engine
+measurements of the masks' bytes are tests/test_costmodel.py's window_* cases and
+tests/test_packing_model.py."""
 
 from __future__ import annotations
 
@@ -67,3 +69,23 @@ def test_soft_capped_attention_is_priced_as_the_engines_unfused_kernel():
     assert costs["50", "fa2"].time.step_s == costs["null", "fa2"].time.step_s
     f, b = attention_seconds(1, 8192, 8192, 2, 256, 0.5, GPUS["h100-sxm"], kernel="softcap", e=2)
     assert SOFTCAP_BYTES[0](2) == 70 and SOFTCAP_BYTES[1](2) == 140 and b > 2 * f
+
+
+def test_packed_rows_are_priced_as_masked_kernels_and_their_mask_held():
+    """Packed rows run every layer's attention as SDPA with the sample mask (models/llama.py
+    packed_mask): every score block executes (flops.masked_layers 1), so the step is slower than the
+    same rows unpacked at equal model FLOPs, and each micro batch holds one [b, 1, S, S] mask."""
+    base = ["train.seq_len=8192", "train.global_batch_size=64", "parallel.tp=4", "parallel.zero=1",
+            "data.source=text", "data.path=t.txt", "cluster.time_model=v2"]
+    costs, micro = {}, {}
+    for packing in ("true", "false"):
+        plan = _plan("recipes/llama3-8b.yaml", base + [f"data.packing={packing}"])
+        v = plan.validation
+        assert v.errors == []
+        costs[packing] = estimate(plan.recipe, v.dims, v.batch, plan.placement, hints=False)
+        micro[packing] = plan.recipe.train.micro_batch_size
+    packed, unpacked = costs["true"], costs["false"]
+    assert packed.time.step_s > 1.05 * unpacked.time.step_s
+    assert packed.time.tflops_per_gpu * packed.time.step_s == pytest.approx(unpacked.time.tflops_per_gpu * unpacked.time.step_s)
+    assert packed.worst.saved_detail["packed_mask"] == 2 * micro["true"] * 8192 ** 2  # bf16, one kind of layer
+    assert "packed_mask" not in unpacked.worst.saved_detail

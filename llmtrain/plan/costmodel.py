@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    attention_counted, attention_executed, windowed,
+    attention_counted, attention_executed, masked_layers,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
@@ -123,7 +123,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # The causal kernels never execute the masked score blocks: of the 12 h s attention FLOPs per
     # token only flops.attention_executed's share runs (1/2 for every method: causal SDPA, Ulysses,
     # the zigzag ring and the zigzag all-gather)
-    executed = attention_executed(dims.cp, p.cp_method, windowed(m, seq))  # a sliding window's mask: all of them
+    executed = attention_executed(dims.cp, p.cp_method, masked_layers(recipe))  # a mask (window, packing): all of them
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
     v2 = v2_priced(recipe)
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None

@@ -235,6 +235,13 @@ def windowed(m, seq_len: int) -> float:
     return len(m.windowed_layers) / m.layers
 
 
+def masked_layers(recipe) -> float:
+    """The share of layers whose attention runs with an explicit mask: every layer for packed rows
+    (``data.packing``: the block-diagonal sample mask, models/llama.py ``packed_mask``), else the
+    windowed ones (:func:`windowed`)."""
+    return 1.0 if recipe.data.packing else windowed(recipe.model, recipe.train.seq_len)
+
+
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
@@ -247,8 +254,8 @@ def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     before, gave rank ``r`` ``(r + 1/2) / cp``, the last rank setting the pace.) ``method`` stays
     a parameter for a method that is not balanced.
 
-    ``masked`` (the share of layers with a sliding window shorter than the sequence, :func:`windowed`)
-    executes all of its blocks, averaged over the layers (exact for the whole model, an average for a
+    ``masked`` (the share of layers with a sliding window shorter than the sequence, :func:`windowed`,
+    or every layer for packed rows: :func:`masked_layers`) executes all of its blocks, averaged over the layers (exact for the whole model, an average for a
     pipeline stage holding fewer or more windowed layers than its share). The engine runs
     the window as SDPA with a dense band mask (models/llama.py ``window_mask``; Ulysses the same
     over its heads), and kernels given a mask execute every score block, visible or not (CUDA's
