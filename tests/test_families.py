@@ -1,5 +1,5 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma2 (soft-capping), gemma3_text -- import, export, config.json, parameter counts, and
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma, gemma2 (soft-capping), gemma3_text -- import, export, config.json, parameter counts, and
 every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
@@ -116,6 +116,9 @@ def test_mapping_has_teeth(tiny):
                            # Gemma 2: each soft-cap, and its alternating layers
                            ("gemma2", {"attention_softcap": None}), ("gemma2", {"logit_softcap": None}),
                            ("gemma2", {"full_attention_layers": []}),
+                           # Gemma 1: its three switches
+                           ("gemma", {"norm_offset": False}), ("gemma", {"embed_scale": False}),
+                           ("gemma", {"mlp_activation": "silu"}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters
@@ -176,7 +179,7 @@ def test_config_disagreements_are_all_listed(tiny):
 
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "deepseek_v3"}, ["model_type='deepseek_v3' is not supported", "MLA"]),
-    ({"model_type": "gemma"}, ["model_type='gemma' is not supported"]),
+    ({"model_type": "gemma", "hidden_act": "relu"}, ["model_type='gemma' has hidden_act='relu'", "tanh-approximated"]),
     ({"model_type": "qwen2_moe"}, ["model_type='qwen2_moe'", "shared expert"]),
     ({"attention_bias": True}, ["model_type='llama'", "attention_bias=True", "o_proj"]),
     ({"hidden_act": "gelu"}, ["model_type='llama'", "hidden_act='gelu'"]),
@@ -247,6 +250,7 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "mistral-7b-v0.1": (7_241_732_096, None), "gemma3-1b": (999_885_952, None),
     "gemma3-4b": (3_880_263_168, None), "gemma3-12b": (11_766_034_176, None), "gemma3-27b": (27_009_346_304, None),
     "gemma2-2b": (2_614_341_888, None), "gemma2-9b": (9_241_705_984, None), "gemma2-27b": (27_227_128_320, None),
+    "gemma-2b": (2_506_172_416, None), "gemma-7b": (8_537_680_896, None),
 }
 
 
@@ -255,7 +259,8 @@ def test_preset_counts_are_the_published_architectures(preset):
     """Each integer equals what transformers builds from our hf_config (checked when the table was
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
     1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B,
-    the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B, and Gemma 2 2.61B, 9.24B, 27.2B)."""
+    the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B, Gemma 2 2.61B, 9.24B, 27.2B and
+    Gemma 1 2.51B, 8.54B)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -269,7 +274,7 @@ def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma3-27b",
-                   "gemma2-9b", "gemma2-27b"):
+                   "gemma2-9b", "gemma2-27b", "gemma-2b", "gemma-7b"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()

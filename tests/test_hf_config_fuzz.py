@@ -44,7 +44,7 @@ FUZZ = dict(max_examples=EXAMPLES, deadline=None, database=None, derandomize=Tru
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 PRESETS = ["llama3.1-8b", "llama3.2-1b", "mistral-7b", "qwen2.5-7b", "qwen3-8b", "mixtral-8x7b", "qwen3-30b-a3b",
-           "phi3-mini-4k", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma2-2b"]
+           "phi3-mini-4k", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma2-2b", "gemma-2b"]
 GEMMA3_1B_HUB = {  # google/gemma-3-1b-pt config.json as released (transformers 4.50): the 4.x RoPE / pattern fields
     "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
@@ -63,6 +63,13 @@ GEMMA2_9B_HUB = {  # google/gemma-2-9b config.json as released (transformers 4.4
     "num_key_value_heads": 8, "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
     "rope_theta": 10000.0, "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "float32",
     "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000}
+GEMMA_7B_HUB = {  # google/gemma-7b config.json as released (transformers 4.38): hidden_act gelu, no head_dim default
+    "architectures": ["GemmaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 2,
+    "eos_token_id": 1, "head_dim": 256, "hidden_act": "gelu", "hidden_size": 3072, "initializer_range": 0.02,
+    "intermediate_size": 24576, "max_position_embeddings": 8192, "model_type": "gemma", "num_attention_heads": 16,
+    "num_hidden_layers": 28, "num_key_value_heads": 16, "pad_token_id": 0, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000.0, "torch_dtype": "bfloat16", "transformers_version": "4.38.0.dev0", "use_cache": True,
+    "vocab_size": 256000}
 PHI4_HUB = {  # microsoft/phi-4 config.json as released (transformers 4.47): top-level RoPE fields, no head_dim
     "architectures": ["Phi3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 100257,
     "embd_pdrop": 0.0, "eos_token_id": 100265, "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02,
@@ -87,7 +94,8 @@ GEMMA3_4B_HUB = {"model_type": "gemma3", "architectures": ["Gemma3ForConditional
                                  "sliding_window": 1024},
                  "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}}  # as released, sparse
 BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), hf_config(PHI4_MINI), PHI4_HUB,
-                                                                PHI35_HUB, GEMMA3_1B_HUB, GEMMA3_4B_HUB, GEMMA2_9B_HUB]
+                                                                PHI35_HUB, GEMMA3_1B_HUB, GEMMA3_4B_HUB, GEMMA2_9B_HUB,
+                                                                GEMMA_7B_HUB]
 MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
@@ -112,7 +120,8 @@ mutation = st.one_of(
               json_any),
     st.tuples(st.just("del"), st.sampled_from(KEYS)),
     st.tuples(st.just("model_type"), st.sampled_from(
-        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2", "gemma3", "gemma3_text",
+        ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3",
+         "gemma3_text",
          "deepseek_v3",
          "phi",
          "", "LLAMA", None, 3, ["llama"], {"x": 1}])),
@@ -195,4 +204,5 @@ def test_bases_are_accepted_as_they_are():
     assert config_problems(GEMMA3_1B_HUB, ModelConfig(preset="gemma3-1b")) == []  # 4.x fields = the preset
     assert config_problems(GEMMA3_4B_HUB, ModelConfig(preset="gemma3-4b")) == []  # a multimodal one's language model
     assert config_problems(GEMMA2_9B_HUB, ModelConfig(preset="gemma2-9b")) == []  # 4.x: alternating layers, caps
+    assert config_problems(GEMMA_7B_HUB, ModelConfig(preset="gemma-7b")) == []  # hidden_act gelu: the tanh GELU
     assert config_problems({**GEMMA2_9B_HUB, "final_logit_softcapping": None}, ModelConfig(preset="gemma2-9b")) != []

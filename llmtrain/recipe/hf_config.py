@@ -35,8 +35,6 @@ NOT_SUPPORTED = {
     "deepseek_v3": "multi-head latent attention (MLA) is not implemented",
     "deepseek_v2": "multi-head latent attention (MLA) is not implemented",
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
-    "gemma": "Gemma 1 is not wired as a family (its block is Gemma 3's without q/k and post norms); Gemma 3 is "
-             "gemma3_text / gemma3",
     "gemma3": "its config.json has no text_config object to read the language model from",
 }
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)

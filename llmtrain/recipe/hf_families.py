@@ -31,7 +31,8 @@ class Family:
     fused: bool = False               # q/k/v in one qkv_proj, gate/up in one gate_up_proj (Phi-3): ours are row ranges
     rope_scaling: str = "llama3"      # the RoPE scaling rule its transformers config takes (Phi-3: longrope only)
     partial_rotary: bool = False      # RoPE on the first rotary_dim features only (Phi-3's partial_rotary_factor)
-    gemma: bool = False               # Gemma 2/3: offset norms, post norms, scaled embeddings, GeGLU, sliding/full layers
+    gemma: bool = False               # Gemma 1/2/3: offset norms, scaled embeddings, GeGLU (recipe/hf_gemma.py)
+    post_norms: bool = False          # norms on both branch outputs, query_pre_attn_scalar, sliding/full layers (Gemma 2/3)
     softcap: bool = False             # soft-capped attention scores and final logits (Gemma 2)
     local_rope: bool = False          # a RoPE base of its own for the windowed layers (Gemma 3)
 
@@ -47,10 +48,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            expert_names=("gate_proj", "up_proj", "down_proj"), dense_layers=True),
     Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope",
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
-    Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True,
+    Family("gemma", "GemmaForCausalLM", rope_scaling="none", gemma=True),  # Gemma 1 / 1.1 2B, 7B; CodeGemma
+    Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
            softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
-           gemma=True, local_rope=True),  # Gemma 3 1B (the text-only checkpoints; recipe/hf_gemma.py)
+           gemma=True, post_norms=True, local_rope=True),  # Gemma 3 1B (the text-only checkpoints; recipe/hf_gemma.py)
 )}
 
 # the recipe switches that only Gemma has, with the value every other family needs
@@ -99,15 +101,15 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim} is no partial_rotary_factor "
             "transformers turns back into it (int(head_dim x factor))", "use a rotary_dim such as head_dim x 3/4")
     for name, plain in GEMMA_SWITCHES.items():
-        want = plain if not f.gemma else {"mlp_activation": "gelu_tanh"}.get(name, True)
+        want = plain if not f.gemma else {"mlp_activation": "gelu_tanh", "post_norms": f.post_norms}.get(name, True)
         if getattr(cfg, name) != want:
             bad(f"model.{name}", f"{name} is {getattr(cfg, name)}; {f.name} needs {want}",
                 f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"
-                + ("" if f.gemma else ", or use model.family gemma2 or gemma3_text"))
-    if not f.gemma:
+                + ("" if f.gemma else ", or use model.family gemma, gemma2 or gemma3_text"))
+    if not f.post_norms:
         for name in ("attention_scale",) + (() if f.sliding == "qwen" else ("full_attention_layers",)):
             if getattr(cfg, name) is not None:
-                bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma has)",
+                bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 2 and 3 have)",
                     f"drop model.{name}, or use model.family gemma2 or gemma3_text")
     if not f.local_rope and cfg.local_rope_theta is not None:
         bad("model.local_rope_theta", f"local_rope_theta is set; {f.name} has one RoPE base (Gemma 3 has two)",

@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 text (``gemma2``, ``gemma3_text``) ``config.json`` <-> recipe ``model`` (torch-free).
+"""Gemma 1, 2 and 3 text (``gemma``, ``gemma2``, ``gemma3_text``) ``config.json`` <-> recipe ``model`` (torch-free).
 
 Gemma 3 is our decoder with its switches on (:mod:`llmtrain.engine.models.llama`): unit-offset
 RMSNorms (``norm_offset``), norms on both branch outputs (``post_norms``), embeddings times
@@ -19,7 +19,12 @@ the final logits (Gemma 2's; null in Gemma 3), bidirectional attention, an activ
 ``gelu_pytorch_tanh``, RoPE types other than default (sliding layers) and default / linear (full
 layers).
 
-Gemma 2 (``gemma2``: 2B, 9B, 27B) is the same block without q/k norms, with one RoPE base for every
+Gemma 1 (``gemma``: 2B, 7B, Gemma 1.1, CodeGemma) is the Llama block with Gemma's offset norms,
+scaled embeddings and GeGLU (``hidden_act``: the released files say ``gelu``, which transformers
+reads as the tanh approximation, ``gelu_pytorch_tanh``), one RoPE base, full attention in every
+layer, softmax scale ``1 / sqrt(head_dim)``: no post norms, q/k norms, windows or soft-caps.
+
+Gemma 2 (``gemma2``: 2B, 9B, 27B) is Gemma 3's block without q/k norms, with one RoPE base for every
 layer (``rope_theta``, default 10,000, no scaling), layers alternating sliding / full (sliding
 first: transformers' default ``layer_types``; 4.x always alternates, 5.x reads ``layer_types``),
 and soft-capping of the attention scores and of the final logits (``attn_logit_softcapping`` 50,
@@ -112,6 +117,10 @@ def _gemma2(conf: dict) -> bool:
     return conf.get("model_type") == "gemma2"
 
 
+def _gemma1(conf: dict) -> bool:
+    return conf.get("model_type") == "gemma"
+
+
 def _gemma2_theta(conf: dict) -> object:
     params = conf.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:
@@ -135,7 +144,10 @@ def layer_types(conf: dict) -> list[str] | None:
 
 
 def gemma_problems(conf: dict, bad) -> None:
-    """Call ``bad(field, value, why)`` for each gemma2 / gemma3_text setting the engine does not run."""
+    """Call ``bad(field, value, why)`` for each gemma / gemma2 / gemma3_text setting the engine does not run."""
+    if _gemma1(conf):
+        _gemma1_problems(conf, bad)
+        return
     act = conf.get("hidden_activation", conf.get("hidden_act", "gelu_pytorch_tanh"))
     if act != "gelu_pytorch_tanh":
         bad("hidden_activation", act, "only the tanh-approximated GELU (gelu_pytorch_tanh) is implemented")
@@ -179,6 +191,28 @@ def gemma_problems(conf: dict, bad) -> None:
                 bad(f"rope_parameters.{kind}.{key}", v, "it must be a positive number")
 
 
+def _gemma1_problems(conf: dict, bad) -> None:
+    """Gemma 1: transformers 5 reads ``hidden_act`` (``gelu`` meaning the tanh approximation) and no
+    window, soft-cap or query scalar."""
+    act = conf.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu", "gelu_pytorch_tanh"):
+        bad("hidden_act", act, "only the tanh-approximated GELU (gelu_pytorch_tanh; the released gelu) is implemented")
+    for key in SOFTCAP_FIELDS:
+        if conf.get(key) is not None:
+            bad(key, conf.get(key), "soft-capping is Gemma 2's (model_type gemma2)")
+    if conf.get("use_bidirectional_attention"):
+        bad("use_bidirectional_attention", conf.get("use_bidirectional_attention"), "only causal attention is implemented")
+    if conf.get("attention_bias", False) is not False:
+        bad("attention_bias", conf.get("attention_bias"), "our attention has no biases here")
+    params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
+    kind = _kind(params) if isinstance(params, dict) else "?"
+    if kind != "default":
+        bad("rope_parameters.rope_type", kind, "Gemma is implemented with default RoPE")
+    theta = _gemma2_theta(conf)
+    if type(theta) not in (int, float) or not 0 < theta < float("inf"):
+        bad("rope_theta", theta, "it must be a positive number")
+
+
 def _common_problems(conf: dict, bad) -> None:
     if "sliding_window" in conf and conf["sliding_window"] is None:
         bad("sliding_window", None, "the sliding_attention layers need a window")
@@ -188,8 +222,13 @@ def _common_problems(conf: dict, bad) -> None:
 
 
 def gemma_fields(conf: dict) -> dict[str, Any]:
-    """The recipe ``model`` fields a gemma2 / gemma3_text config sets beyond the common ones (checked
-    first: :func:`gemma_problems`)."""
+    """The recipe ``model`` fields a gemma / gemma2 / gemma3_text config sets beyond the common ones
+    (checked first: :func:`gemma_problems`)."""
+    if _gemma1(conf):  # no windows, post norms, query scalar or soft-caps
+        return {"rope_theta": float(_gemma2_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
+                "sliding_window": None, "full_attention_layers": None, "attention_scale": None,
+                "tie_embeddings": bool(conf.get("tie_word_embeddings", True)), "norm_offset": True, "post_norms": False,
+                "embed_scale": True, "mlp_activation": "gelu_tanh"}
     types = layer_types(conf) or []
     common = {
         "sliding_window": conf.get("sliding_window", 4096),
@@ -223,9 +262,11 @@ def query_pre_attn_scalar(cfg: ModelConfig) -> int | float:
 
 
 def gemma_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The gemma2 / gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
+    """The gemma / gemma2 / gemma3_text keys of :func:`llmtrain.recipe.hf_config.hf_config` (both config forms)."""
     windowed = set(cfg.windowed_layers)
     types = ["sliding_attention" if i in windowed else "full_attention" for i in range(cfg.layers)]
+    if cfg.hf_family == "gemma":  # Gemma 1: hf_config's RoPE, no windows
+        return {"hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": False, "attention_bias": False}
     if cfg.hf_family == "gemma2":  # one RoPE (rope_parameters / rope_theta: hf_config's), the soft-caps
         return {"hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
                 "query_pre_attn_scalar": query_pre_attn_scalar(cfg), "sliding_window": cfg.sliding_window or 4096,

@@ -175,7 +175,7 @@ class ModelConfig(Strict):
     logit_softcap: float | None = Field(
         None, gt=0, le=1e6,
         description="Soft-capping of the final logits, cap * tanh(logit / cap), in the loss too (Gemma 2: 30); None = none.")
-    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma2",
+    family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2",
                     "gemma3_text"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "

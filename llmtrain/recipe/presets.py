@@ -33,6 +33,11 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   3,821,079,552 parameters). Phi-4: microsoft/phi-4/config.json (40 layers, hidden 5120, 40
   heads, 10 KV heads, ffn 17920, vocab 100352, rope_theta 250000, rms_norm_eps 1e-5, 16384
   positions, no sliding window, untied). Both ``phi3`` (fused qkv_proj / gate_up_proj on disk).
+- Gemma 1 2B / 7B: google/gemma-{2b,7b}/config.json and the Gemma report (arXiv:2403.08295, Table 1:
+  d_model, layers, heads, KV heads, head size, feed-forward width as gate + up): 2B 18 layers, hidden
+  2048, 8 heads / 1 KV, ffn 16384; 7B 28 layers, hidden 3072, 16 / 16, ffn 24576; head_dim 256,
+  vocab 256000, tied, rms_norm_eps 1e-6, 8192 positions, rope_theta 1e4, hidden_act gelu (read as
+  the tanh approximation). Counts: transformers' own on the meta device.
 - Gemma 2 2B / 9B / 27B: google/gemma-2-{2b,9b,27b}/config.json (gemma2: 2B 26 layers, hidden 2304,
   8 heads / 4 KV, ffn 9216; 9B 42 layers, hidden 3584, 16 / 8, ffn 14336; 27B 46 layers, hidden
   4608, 32 / 16 heads of head_dim 128, ffn 36864, query_pre_attn_scalar 144; all head_dim 256
@@ -86,6 +91,10 @@ _GEMMA3 = dict(  # what Gemma 3 4B, 12B and 27B share (their text_config; transf
     mlp_activation="gelu_tanh", family="gemma3_text",
 )
 
+_GEMMA1 = dict(  # what Gemma 1 2B and 7B share (their config.json)
+    vocab_size=256000, max_seq_len=8192, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, norm_offset=True,
+    embed_scale=True, mlp_activation="gelu_tanh", family="gemma",
+)
 _GEMMA2 = dict(  # what Gemma 2 2B, 9B and 27B share (their config.json)
     vocab_size=256000, max_seq_len=8192, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, sliding_window=4096,
     attention_scale=0.0625, attention_softcap=50.0, logit_softcap=30.0, norm_offset=True, post_norms=True,
@@ -166,6 +175,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "phi4-14b": dict(
         layers=40, hidden=5120, heads=40, kv_heads=10, ffn_hidden=17920, vocab_size=100352, max_seq_len=16384,
         rope_theta=250000.0, norm_eps=1e-5, tie_embeddings=False, family="phi3",
+    ),
+    "gemma-2b": dict(
+        layers=18, hidden=2048, heads=8, kv_heads=1, head_dim=256, ffn_hidden=16384, **_GEMMA1,
+    ),
+    "gemma-7b": dict(
+        layers=28, hidden=3072, heads=16, kv_heads=16, head_dim=256, ffn_hidden=24576, **_GEMMA1,
     ),
     "gemma2-2b": dict(
         layers=26, hidden=2304, heads=8, kv_heads=4, head_dim=256, ffn_hidden=9216,
