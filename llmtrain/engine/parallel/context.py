@@ -161,9 +161,10 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Te
                       softcap: float | None = None):
     """All-to-all from (all heads, local sequence) to (heads / cp, full sequence) and back.
 
-    ``mask``: a sliding window's additive band over the whole sequence (``[S, S]``, built once per
-    forward by the model, ``models.llama.window_mask``): each rank holds whole sequences, in order,
-    of its heads, so the band is the one without CP. ``softcap``: Gemma 2's capped scores, by the
+    ``mask``: the model's additive mask over the whole sequence, built once per forward: a sliding
+    window's band (``[S, S]``, ``models.llama.window_mask``) and / or packed rows' sample mask
+    (``[b, 1, S, S]``, ``models.llama.packed_mask``, from the whole row's sample ids): each rank
+    holds whole sequences, in order, of its heads, so the mask is the one without CP. ``softcap``: Gemma 2's capped scores, by the
     model's own kernel (``models/softcap.py``) on the whole sequences of this rank's heads."""
     qh, kh, vh = (_seq_to_heads(t, group, cp) for t in (q, k, v))
     if softcap is not None:
@@ -195,7 +196,8 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
-    Ulysses takes them repeated to the query heads, and a sliding window's mask (``takes_mask``)."""
+    Ulysses takes them repeated to the query heads, the model's mask (``takes_mask``: a sliding
+    window, packed rows) and Gemma 2's soft-cap (``takes_softcap``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
