@@ -25,7 +25,8 @@ Shared by the interop tests (families, loading, export). Decisions:
   without q/k norms, one RoPE base, full / sliding / full / sliding... as transformers alternates
   (window 8), and soft-capping at caps small enough to bend the tiny model's values (attention
   scores at 1.0: the logits move by 0.6 without it; logits, whose largest is 0.92, at 0.5); ``gemma``
-  (Gemma 1) with the released ``hidden_act: gelu`` (transformers' tanh GELU).
+  (Gemma 1) with the released ``hidden_act: gelu`` (transformers' tanh GELU); ``granite`` with its
+  embedding, residual and softmax multipliers and logit divisor at 3, 0.5, 0.2 and 2.5.
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -38,7 +39,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-            "phi3_longrope", "gemma3", "gemma2", "gemma")
+            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -97,6 +98,10 @@ def tiny_config(family: str, *, tie: bool | None = None):
         kw.update(tie_word_embeddings=True)
         conf = tf.GemmaConfig(**kw, head_dim=8, hidden_act="gelu", rope_parameters={"rope_type": "default",
                                                                                    "rope_theta": 100.0})
+    elif family == "granite":  # Granite's four muP scalars, none of them 1 (nor the softmax scale 1 / sqrt(8))
+        kw.update(tie_word_embeddings=True)
+        conf = tf.GraniteConfig(**kw, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                logits_scaling=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

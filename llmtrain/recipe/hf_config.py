@@ -39,7 +39,8 @@ NOT_SUPPORTED = {
 }
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)
 OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim", "model.local_rope_theta",
-            "model.attention_scale", "model.attention_softcap", "model.logit_softcap")  # None is a value here, not a missing key
+            "model.attention_scale", "model.attention_softcap", "model.logit_softcap", "model.embed_multiplier",
+            "model.residual_multiplier", "model.logit_divisor")  # None is a value here, not a missing key
 
 
 # -- recipe -> config.json --------------------------------------------------------------------
@@ -91,6 +92,12 @@ def hf_config(cfg: ModelConfig) -> dict:
                                                         for i in range(cfg.layers)])
     if f.gemma:
         out.update(gemma_config(cfg))
+    if f.scalars:  # Granite: its four muP scalars (1 = none; its softmax scale is attention_multiplier itself)
+        out.update(embedding_multiplier=float(cfg.embed_multiplier or 1.0),
+                   residual_multiplier=float(cfg.residual_multiplier or 1.0),
+                   attention_multiplier=float(cfg.attention_scale if cfg.attention_scale is not None
+                                              else cfg.head_dim ** -0.5),
+                   logits_scaling=float(cfg.logit_divisor or 1.0), attention_bias=False, mlp_bias=False)
     m = cfg.moe
     if f.name == "mixtral":
         out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
@@ -196,9 +203,9 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         return out
     if conf.get("hidden_act", "silu") != "silu":
         bad("hidden_act", conf.get("hidden_act"), "only SwiGLU (silu) MLPs are implemented")
-    if mt in ("llama", "qwen3", "qwen3_moe") and conf.get("attention_bias", False) is not False:
+    if mt in ("llama", "qwen3", "qwen3_moe", "granite") and conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
-    if mt == "llama" and conf.get("mlp_bias", False) is not False:
+    if mt in ("llama", "granite") and conf.get("mlp_bias", False) is not False:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
     kind = _rope_type(conf)
     if kind not in ("default", FAMILIES[mt].rope_scaling):
@@ -253,6 +260,10 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         out["full_attention_layers"] = _qwen_full_layers(conf) or None  # layers below max_window_layers
     if FAMILIES[mt].gemma:
         out.update(gemma_fields(conf))
+    if FAMILIES[mt].scalars:  # Granite: GraniteConfig's defaults are 1 (a softmax scale of 1, not 1 / sqrt(d))
+        scale = lambda key: None if float(conf.get(key, 1.0)) == 1.0 else float(conf[key])  # noqa: E731
+        out.update(embed_multiplier=scale("embedding_multiplier"), residual_multiplier=scale("residual_multiplier"),
+                   logit_divisor=scale("logits_scaling"), attention_scale=float(conf.get("attention_multiplier", 1.0)))
     if mt == "mixtral":
         out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
                       "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
@@ -313,6 +324,10 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
                "query_pre_attn_scalar ** -0.5"),
               ("model.attention_softcap", cfg.attention_softcap, theirs.get("attention_softcap"), "attn_logit_softcapping"),
               ("model.logit_softcap", cfg.logit_softcap, theirs.get("logit_softcap"), "final_logit_softcapping"),
+              ("model.embed_multiplier", cfg.embed_multiplier, theirs.get("embed_multiplier"), "embedding_multiplier"),
+              ("model.residual_multiplier", cfg.residual_multiplier, theirs.get("residual_multiplier"),
+               "residual_multiplier"),
+              ("model.logit_divisor", cfg.logit_divisor, theirs.get("logit_divisor"), "logits_scaling"),
               ("model.moe.num_experts", cfg.moe.num_experts, moe.get("num_experts", 1), "num_experts")]
     if len(their_moe) < (theirs["layers"] or 0):  # some dense layers: their width matters
         fields.append(("model.ffn_hidden", cfg.ffn_hidden, theirs["ffn_hidden"], "intermediate_size"))
@@ -342,7 +357,8 @@ INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_
             "sliding_window_pattern", "max_window_layers")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
               "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar",
-              "attn_logit_softcapping", "final_logit_softcapping")
+              "attn_logit_softcapping", "final_logit_softcapping", "embedding_multiplier", "residual_multiplier",
+              "attention_multiplier", "logits_scaling")
 BOOL_KEYS = ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "use_bidirectional_attention")
 HINT = f"use a Hugging Face config.json of one of: {SUPPORTED}"
 

@@ -35,6 +35,7 @@ class Family:
     post_norms: bool = False          # norms on both branch outputs, query_pre_attn_scalar, sliding/full layers (Gemma 2/3)
     softcap: bool = False             # soft-capped attention scores and final logits (Gemma 2)
     local_rope: bool = False          # a RoPE base of its own for the windowed layers (Gemma 3)
+    scalars: bool = False             # muP multipliers: embeddings, residual branches, softmax scale, logits (Granite)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -49,6 +50,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("phi3", "Phi3ForCausalLM", sliding="plain", fused=True, rope_scaling="longrope",
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
     Family("gemma", "GemmaForCausalLM", rope_scaling="none", gemma=True),  # Gemma 1 / 1.1 2B, 7B; CodeGemma
+    Family("granite", "GraniteForCausalLM", rope_scaling="none", scalars=True),  # IBM Granite 3.x dense
     Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
            softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
@@ -107,10 +109,15 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
                 f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"
                 + ("" if f.gemma else ", or use model.family gemma, gemma2 or gemma3_text"))
     if not f.post_norms:
-        for name in ("attention_scale",) + (() if f.sliding == "qwen" else ("full_attention_layers",)):
+        for name in (() if f.scalars else ("attention_scale",)) + (() if f.sliding == "qwen" else ("full_attention_layers",)):
             if getattr(cfg, name) is not None:
                 bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 2 and 3 have)",
                     f"drop model.{name}, or use model.family gemma2 or gemma3_text")
+    if not f.scalars:
+        for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
+            if getattr(cfg, name) is not None:
+                bad(f"model.{name}", f"{name} is set; {f.name} has no such multiplier (Granite has)",
+                    f"drop model.{name}, or use model.family granite")
     if not f.local_rope and cfg.local_rope_theta is not None:
         bad("model.local_rope_theta", f"local_rope_theta is set; {f.name} has one RoPE base (Gemma 3 has two)",
             "drop model.local_rope_theta, or use model.family gemma3_text")

@@ -175,8 +175,15 @@ class ModelConfig(Strict):
     logit_softcap: float | None = Field(
         None, gt=0, le=1e6,
         description="Soft-capping of the final logits, cap * tanh(logit / cap), in the loss too (Gemma 2: 30); None = none.")
+    embed_multiplier: float | None = Field(
+        None, gt=0, le=1e6, description="Token embeddings times this (Granite's embedding_multiplier: 12); None = 1.")
+    residual_multiplier: float | None = Field(
+        None, gt=0, le=1e6,
+        description="The attention's and the MLP's outputs times this before each residual add (Granite: 0.22); None = 1.")
+    logit_divisor: float | None = Field(
+        None, gt=0, le=1e6, description="Logits divided by this, in the loss too (Granite's logits_scaling: 8, 16); None = 1.")
     family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2",
-                    "gemma3_text"] | None = Field(
+                    "gemma3_text", "granite"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",

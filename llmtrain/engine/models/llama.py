@@ -24,6 +24,10 @@ every family by construction:
   band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
   parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
   refuse a window the sequence exceeds).
+* ``embed_multiplier`` / ``residual_multiplier`` / ``logit_divisor`` (Granite's muP scalars): the
+  embeddings times a constant, each branch's output times a constant before its residual add, the
+  logits divided by a constant (applied to the final norm's output, the head's input, so the
+  chunked loss sees it); with ``attention_scale`` as the softmax scale.
 * ``attention_softcap`` / ``logit_softcap`` (Gemma 2): attention scores and final logits bounded by
   ``cap * tanh(x / cap)``; the scores need our own kernel (:mod:`.softcap`), which Ulysses context
   parallelism runs inside its exchange (ring and all-gather refuse it).
@@ -205,6 +209,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.windowed = cfg.is_windowed(layer_id)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch scaled before its residual add
         self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         self.attention = Attention(cfg)
         self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
@@ -220,11 +225,13 @@ class TransformerBlock(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
         post = getattr(self, "attention_post_norm", None)
-        h = x + (a if post is None else post(a))
+        a = a if post is None else post(a)
+        h = x + (a if self.residual_multiplier is None else a * self.residual_multiplier)
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
         m = mlp(self.ffn_norm(h))
         post = getattr(self, "ffn_post_norm", None)
-        return h + (m if post is None else post(m))
+        m = m if post is None else post(m)
+        return h + (m if self.residual_multiplier is None else m * self.residual_multiplier)
 
 
 class Transformer(nn.Module):
@@ -295,6 +302,8 @@ class Transformer(nn.Module):
         h = tokens_or_hidden if self.tok_embeddings is None else self.tok_embeddings(tokens_or_hidden)
         if self.tok_embeddings is not None and self.cfg.embed_scale:  # Gemma: sqrt(hidden) in the embedding's dtype
             h = h * torch.tensor(self.cfg.hidden**0.5, dtype=torch.float32).to(h.dtype).item()
+        if self.tok_embeddings is not None and self.cfg.embed_multiplier is not None:  # Granite: a plain multiplier
+            h = h * self.cfg.embed_multiplier
         if torch.is_autocast_enabled(h.device.type) and h.dtype != torch.get_autocast_dtype(h.device.type):
             # zero 0/1 in bf16 run under autocast with fp32 parameters: the embedding returns fp32,
             # and every residual add would then stay fp32. Cast once here so the residual stream,
@@ -326,6 +335,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin) if m is None else layer(h, cos, sin, mask=m)
         if self.norm is not None:
             h = self.norm(h)
+            if self.cfg.logit_divisor is not None:  # Granite's logits / logits_scaling, as the head's input (linear):
+                h = h / self.cfg.logit_divisor  # the chunked loss, which takes this output, sees it too
         if self.output is not None and not (self.return_hidden if return_hidden is None else return_hidden):
             h = softcap_logits(self.output(h), self.cfg.logit_softcap)  # the chunked loss caps its own chunks
         return h
