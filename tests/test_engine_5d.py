@@ -100,6 +100,9 @@ CASES = {
                                               "train.activation_checkpointing=selective"]),
     "pp2_cp2_dp2_interleaved": (8, "dense", pp("interleaved-1f1b") + ["parallel.cp=2", "parallel.zero=1",
                                                                        "train.micro_batch_size=1"]),
+    # Ulysses over tp x cp = 8 query-head groups with 4 KV heads: K/V arrive repeated to the query heads
+    # (refused before the thirty-seventh session, which required kv_heads divisible by tp x cp)
+    "tp2_cp4_ulysses": (8, "dense", ["parallel.tp=2", "parallel.cp=4", "parallel.cp_method=ulysses"]),
     # all five dimensions > 1
     "pp2_dp2_cp2_tp2_ep2_moe": (16, "moe", MOE + pp("1f1b") + ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
                                                                "parallel.zero=3", "train.micro_batch_size=1"]),

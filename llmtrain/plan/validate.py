@@ -170,11 +170,11 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
             why = f"2 x cp for load-balanced {p.cp_method} attention" if zigzag else "cp"
             err(Problem("train.seq_len", f"seq_len ({t.seq_len}) not divisible by {why} = {need}",
                         f"use a seq_len that is a multiple of {need}"))
-        if p.cp_method == "ulysses":
-            for path, value in (("model.heads", m.heads), ("model.kv_heads", m.kv_heads)):
-                if value % (p.tp * p.cp):
-                    err(Problem("parallel.cp", f"ulysses needs {path.split('.')[-1]} ({value}) divisible by tp x cp = {p.tp * p.cp}",
-                                "use cp_method ring or allgather, or tp and cp whose product divides heads and kv_heads"))
+        # Ulysses re-shards q, k, v from sequence to heads: the model hands it K/V already repeated to the
+        # query heads (models/llama.py), so only the query heads must split over tp x cp (kv_heads: TP's rule)
+        if p.cp_method == "ulysses" and m.heads % (p.tp * p.cp):
+            err(Problem("parallel.cp", f"ulysses needs heads ({m.heads}) divisible by tp x cp = {p.tp * p.cp}",
+                        "use cp_method ring or allgather, or tp and cp whose product divides heads"))
     if p.tp > 1 and p.sequence_parallel and (t.seq_len // max(1, p.cp)) % p.tp:
         err(Problem("train.seq_len", f"sequence parallel splits the per-CP-rank sequence ({t.seq_len // p.cp}) over tp ({p.tp}), "
                     "which does not divide it", f"use a seq_len that is a multiple of cp x tp = {p.cp * p.tp}, or sequence_parallel: false"))
