@@ -124,11 +124,17 @@ def test_gradients_do_not_cross_samples():
     assert emb.grad[0, s2].abs().max() == 0 and emb.grad[0, s0].abs().max() > 0
 
 
-def test_sliding_window_in_packed_rows_counts_within_each_sample():
-    """A window of 4 (shorter than samples of 5, 9 and 7 tokens): each packed sample's logits equal
-    its logits alone (same window), and differ from full causal attention (the window acts). The
-    band is by position, which restarts per sample, so a sample never sees the previous one's tail."""
-    model, full = tiny(sliding_window=4), tiny()
+@pytest.mark.parametrize("switches, reference", [
+    ({"sliding_window": 4}, {}),  # the window acts (every sample is longer than 4)
+    ({"attention_softcap": 0.5, "logit_softcap": 0.3}, {}),  # Gemma 2's caps (our kernel) take the packed mask
+    ({"attention_softcap": 0.5, "logit_softcap": 0.3, "sliding_window": 4}, {"sliding_window": 4}),
+])
+def test_packed_samples_equal_their_logits_alone(switches, reference):
+    """A window of 4 (shorter than samples of 5, 9 and 7 tokens) and / or soft-capped attention: each
+    packed sample's logits equal its logits alone, and differ from the model without the switch (it
+    acts). The band is by position, which restarts per sample, so a sample never sees the previous
+    one's tail; the capped kernel takes the same additive mask as SDPA."""
+    model, plain = tiny(**switches), tiny(**reference)
     parts = samples(3)
     with torch.no_grad():
         p = pack(parts)
@@ -136,23 +142,7 @@ def test_sliding_window_in_packed_rows_counts_within_each_sample():
         for sl, s in zip(spans(), parts):
             alone = model(s[:-1].unsqueeze(0))
             assert (packed[0, sl] - alone[0]).abs().max() <= 1e-5
-            assert (alone - full(s[:-1].unsqueeze(0))).abs().max() > 1e-3  # every sample is longer than 4
-
-
-def test_soft_capped_attention_in_packed_rows_keeps_samples_apart():
-    """Gemma 2's capped attention (our kernel, engine/models/softcap.py) takes the packed mask, with
-    and without a window: each packed sample's logits equal its logits alone, and the caps act."""
-    for window in (None, 4):
-        model = tiny(attention_softcap=0.5, logit_softcap=0.3, sliding_window=window)
-        plain = tiny(sliding_window=window)
-        parts = samples(4)
-        with torch.no_grad():
-            p = pack(parts)
-            packed = model(p["inputs"], positions=p["positions"], segments=p["segments"])
-            for sl, s in zip(spans(), parts):
-                alone = model(s[:-1].unsqueeze(0))
-                assert (packed[0, sl] - alone[0]).abs().max() <= 1e-5, window
-                assert (alone - plain(s[:-1].unsqueeze(0))).abs().max() > 1e-3, window
+            assert (alone - plain(s[:-1].unsqueeze(0))).abs().max() > 1e-3
 
 
 def test_window_mask_is_saved_once_per_forward_and_planned_so():

@@ -145,36 +145,34 @@ def layer_types(conf: dict) -> list[str] | None:
 
 def gemma_problems(conf: dict, bad) -> None:
     """Call ``bad(field, value, why)`` for each gemma / gemma2 / gemma3_text setting the engine does not run."""
-    if _gemma1(conf):
-        _gemma1_problems(conf, bad)
-        return
-    act = conf.get("hidden_activation", conf.get("hidden_act", "gelu_pytorch_tanh"))
-    if act != "gelu_pytorch_tanh":
-        bad("hidden_activation", act, "only the tanh-approximated GELU (gelu_pytorch_tanh) is implemented")
+    if _gemma1(conf):  # transformers 5 reads hidden_act, the released "gelu" meaning the tanh approximation
+        act, allowed = conf.get("hidden_act", "gelu_pytorch_tanh"), ("gelu", "gelu_pytorch_tanh")
+    else:
+        act, allowed = conf.get("hidden_activation", conf.get("hidden_act", "gelu_pytorch_tanh")), ("gelu_pytorch_tanh",)
+    if act not in allowed:
+        bad("hidden_act" if _gemma1(conf) else "hidden_activation", act,
+            "only the tanh-approximated GELU (gelu_pytorch_tanh) is implemented")
     for key in SOFTCAP_FIELDS:
         v = conf.get(key)
         if v is not None and not _gemma2(conf):
-            bad(key, v, "soft-capping is Gemma 2's (model_type gemma2); Gemma 3 has none")
+            bad(key, v, "soft-capping is Gemma 2's (model_type gemma2); Gemma 1 and 3 have none")
         elif v is not None and (type(v) not in (int, float) or not 0 < v < float("inf")):
             bad(key, v, "it must be a positive number or null")
     if conf.get("use_bidirectional_attention"):
         bad("use_bidirectional_attention", conf.get("use_bidirectional_attention"), "only causal attention is implemented")
     if conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "our attention has no biases here")
+    if _gemma1(conf):  # one RoPE, every layer full
+        _single_rope_problems(conf, bad)
+        return
     types = layer_types(conf)
     if types is None or len(types) != conf.get("num_hidden_layers") or any(
             t not in ("sliding_attention", "full_attention") for t in types):
         bad("layer_types", conf.get("layer_types", conf.get("sliding_window_pattern")),
             "it must name sliding_attention or full_attention for each of num_hidden_layers")
+    _common_problems(conf, bad)
     if _gemma2(conf):
-        params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
-        kind = _kind(params) if isinstance(params, dict) else "?"
-        if kind != "default":
-            bad("rope_parameters.rope_type", kind, "Gemma 2 is implemented with default RoPE")
-        theta = _gemma2_theta(conf)
-        if type(theta) not in (int, float) or not 0 < theta < float("inf"):
-            bad("rope_theta", theta, "it must be a positive number")
-        _common_problems(conf, bad)
+        _single_rope_problems(conf, bad)
         return
     rope = _per_type(conf)
     if _kind(rope["sliding_attention"]) != "default":
@@ -183,7 +181,6 @@ def gemma_problems(conf: dict, bad) -> None:
     if _kind(rope["full_attention"]) not in ("default", "linear"):
         bad("rope_parameters.full_attention.rope_type", _kind(rope["full_attention"]),
             "the full-attention layers are implemented with default and linear RoPE")
-    _common_problems(conf, bad)
     for kind, params in rope.items():
         for key in ("rope_theta", "factor"):
             v = params.get(key)
@@ -191,23 +188,12 @@ def gemma_problems(conf: dict, bad) -> None:
                 bad(f"rope_parameters.{kind}.{key}", v, "it must be a positive number")
 
 
-def _gemma1_problems(conf: dict, bad) -> None:
-    """Gemma 1: transformers 5 reads ``hidden_act`` (``gelu`` meaning the tanh approximation) and no
-    window, soft-cap or query scalar."""
-    act = conf.get("hidden_act", "gelu_pytorch_tanh")
-    if act not in ("gelu", "gelu_pytorch_tanh"):
-        bad("hidden_act", act, "only the tanh-approximated GELU (gelu_pytorch_tanh; the released gelu) is implemented")
-    for key in SOFTCAP_FIELDS:
-        if conf.get(key) is not None:
-            bad(key, conf.get(key), "soft-capping is Gemma 2's (model_type gemma2)")
-    if conf.get("use_bidirectional_attention"):
-        bad("use_bidirectional_attention", conf.get("use_bidirectional_attention"), "only causal attention is implemented")
-    if conf.get("attention_bias", False) is not False:
-        bad("attention_bias", conf.get("attention_bias"), "our attention has no biases here")
+def _single_rope_problems(conf: dict, bad) -> None:
+    """Gemma 1 and 2: one RoPE (``rope_parameters`` or 4.x's ``rope_theta``), default type only."""
     params = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
     kind = _kind(params) if isinstance(params, dict) else "?"
     if kind != "default":
-        bad("rope_parameters.rope_type", kind, "Gemma is implemented with default RoPE")
+        bad("rope_parameters.rope_type", kind, f"{conf.get('model_type')} is implemented with default RoPE")
     theta = _gemma2_theta(conf)
     if type(theta) not in (int, float) or not 0 < theta < float("inf"):
         bad("rope_theta", theta, "it must be a positive number")
