@@ -25,6 +25,9 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   8 KV heads, ffn 14336, vocab 32768, rope_theta 1e6, 32768 positions, sliding_window null).
   Mistral-7B v0.1: mistralai/Mistral-7B-v0.1/config.json (the same shape with vocab 32000,
   rope_theta 1e4 and sliding_window 4096: sequences past 4,096 tokens attend to a band).
+- Mistral NeMo 12B: mistralai/Mistral-Nemo-Base-2407/config.json (40 layers, hidden 5120, 32 heads of
+  head_dim 128, not hidden / heads, 8 KV heads, ffn 14336, vocab 131072 (Tekken), rope_theta 1e6,
+  1,024,000 positions, no window, untied; NeMo's MistralNeMoConfig12B the same shape).
 - Mixtral 8x7B: mistralai/Mixtral-8x7B-v0.1/config.json (8 experts, top-2, softmax router,
   router_aux_loss_coef 0.02, rope_theta 1e6, vocab 32000, 32768 positions).
 - Phi-3-mini-4k: microsoft/Phi-3-mini-4k-instruct/config.json (32 layers, hidden 3072, 32 heads,
@@ -167,6 +170,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000,
         max_seq_len=32768, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False, sliding_window=4096,
         family="mistral",
+    ),
+    "mistral-nemo-12b": dict(
+        layers=40, hidden=5120, heads=32, kv_heads=8, head_dim=128, ffn_hidden=14336, vocab_size=131072,
+        max_seq_len=1024000, rope_theta=1000000.0, norm_eps=1e-5, tie_embeddings=False, family="mistral",
     ),
     "phi3-mini-4k": dict(
         layers=32, hidden=3072, heads=32, kv_heads=32, ffn_hidden=8192, vocab_size=32064, max_seq_len=4096,
