@@ -147,3 +147,23 @@ def test_compiled_price_keeps_tp_sums_and_unfused_complex_rope():
     cf, cb = ops._elementwise(ops.BlockShape(**{**shape.__dict__, "rope": "complex"}), False)
     complex_rope = (2 * e + 16) * (q + k) + e * (q - k) + e * (k + q)
     assert (cf - fwd, cb - bwd) == (complex_rope - rope, complex_rope - rope)
+
+
+def test_offset_norm_bytes_are_the_functions_ops():
+    """Gemma's OffsetRMSNorm (engine/models/norm.py: eager fp32 ops in an autograd Function) moves what
+    ``ops.norm_bytes(e, offset=True)`` prices (2e + 36 forward, 3e + 88 backward per element) within
+    1 %, with the per-row tensors and the weight's reduction left out; a fused norm would move 5e."""
+    from llmtrain.engine.models.norm import OffsetRMSNorm
+
+    rows, h = 512, 1024
+    norm = OffsetRMSNorm(h).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(rows, h, dtype=torch.bfloat16, requires_grad=True)
+    traffic = Traffic()
+    with traffic:
+        y = norm(x)
+        y.backward(torch.ones_like(y))
+    nf, nb = ops.norm_bytes(2, False, offset=True)
+    assert (nf, nb) == (40, 94)
+    assert traffic.bytes == pytest.approx((nf + nb) * rows * h, rel=0.01)

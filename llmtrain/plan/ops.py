@@ -103,9 +103,10 @@ class BlockShape:
     compiled: bool = False  # train.compile: Inductor's kernels for the engine's element-wise ops (_compiled_elementwise)
     rope: str = "engine"  # planner.rope: complex (a complex multiply Inductor does not fuse)
     norms: int = 2  # RMSNorms per block: 4 with model.post_norms (Gemma), priced like the others
+    offset_norm: bool = False  # model.norm_offset (Gemma): eager OffsetRMSNorm ops unless compiled (norm_bytes)
 
 
-def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
+def norm_bytes(e: int, unfused: bool, offset: bool = False) -> tuple[int, int]:
     """(forward, backward) HBM bytes per normalized element of one RMSNorm (``e``: activation bytes).
 
     Fused (``nn.RMSNorm``'s kernel, the engine): read x and write y forward (``2e``); backward read
@@ -118,7 +119,17 @@ def norm_bytes(e: int, unfused: bool) -> tuple[int, int]:
     (8 for the input, 16 for the per-row gradient's product and sum), ``mean`` 4 (the expanded
     gradient), ``pow`` 28 (``grad * 2 * x``: three kernels), the two gradients of ``x.float()``
     summed 12, ``float()`` 4 + e: ``8e + 76``. An estimate of the memory traffic, not a
-    measurement (an allocator or kernel that fuses two of these would move less)."""
+    measurement (an allocator or kernel that fuses two of these would move less).
+
+    ``offset`` (Gemma's ``model.norm_offset``, engine/models/norm.py ``OffsetRMSNorm``, an autograd
+    Function of eager ops on every device unless compiled): forward ``float()`` e + 4, ``pow`` 8,
+    ``mean`` 4, ``* rstd`` 8, ``* (1 + w)`` 8, the cast back 4 + e: ``2e + 36``; backward the
+    normalized input again (e + 12), the gradient's upcast (e + 4), the weight's product and row sum
+    (16), ``g (1 + w)`` 8, its product with the normalized input 12, their mean 4, the two products
+    and the difference (28), the cast back (4 + e): ``3e + 88`` (tests/test_block_traffic.py counts
+    the Function's ops)."""
+    if offset:
+        return 2 * e + 36, 3 * e + 88
     if unfused:
         return 4 * e + 28, 8 * e + 76
     return 2 * e, 3 * e
@@ -144,8 +155,8 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     # projections' full [tokens, hidden] input. planner.block_kernels fused: a fused RoPE (2e), a fused
     # activation (read gate and up, write the product: 3e; backward 5e), no repeat, one QKV and one fc1
     # GEMM (no sums).
-    nf, nb = norm_bytes(e, x.norm_unfused)  # Gemma's post norms (x.norms 4) priced as two more norms: their
-    # eager fp32 ops (engine/models/norm.py OffsetRMSNorm) move more bytes than a fused kernel, not modelled
+    nf, nb = norm_bytes(e, x.norm_unfused, x.offset_norm)  # Gemma's post norms: x.norms 4; its offset norms
+    # (engine/models/norm.py OffsetRMSNorm): eager fp32 ops
     base_f, base_b = x.norms * nf * hdim + 2 * 3 * e * hdim, x.norms * nb * hdim + 2 * 3 * e * hdim
     if x.kernels == "fused":
         fwd, bwd = base_f + 2 * e * qk + 3 * e * act, base_b + 2 * e * qk + 5 * e * act
@@ -339,7 +350,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
-                      rope=recipe.planner.rope, norms=4 if m.post_norms else 2)
+                      rope=recipe.planner.rope, norms=4 if m.post_norms else 2, offset_norm=m.norm_offset)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
