@@ -1,5 +1,5 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma, gemma2 (soft-capping), gemma3_text, granite -- import, export, config.json, parameter counts, and
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma, gemma2 (soft-capping), gemma3_text, granite, smollm3 -- import, export, config.json, parameter counts, and
 every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
@@ -122,6 +122,7 @@ def test_mapping_has_teeth(tiny):
                            # Granite: each of its scalars
                            ("granite", {"embed_multiplier": None}), ("granite", {"residual_multiplier": None}),
                            ("granite", {"attention_scale": None}), ("granite", {"logit_divisor": None}),
+                           ("smollm3", {"nope_layers": None}), ("smollm3", {"nope_layers": [3]}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters

@@ -162,6 +162,12 @@ def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
         assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
+def test_nope_layers_must_exist():
+    p = find(errors(debug({"model": {"nope_layers": [1, 4, 9]}})), "model.nope_layers", "layers [4, 9] do not exist")
+    assert p.hint == "use layer indices 0..3"
+    assert plan_of(debug({"model": {"nope_layers": [3]}})).valid
+
+
 def test_soft_capped_attention_runs_except_under_ring_cp():
     """model.attention_softcap (Gemma 2) is the engine's own kernel: alone and in Ulysses' attention,
     refused naming cp_method under ring and all-gather CP, whose blocks are SDPA's."""

@@ -121,6 +121,10 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if bad_layers:
         err(Problem("model.full_attention_layers", f"layers {bad_layers} do not exist (the model has {m.layers}: "
                     f"0..{m.layers - 1})", f"use layer indices 0..{m.layers - 1}"))
+    bad_nope = sorted({i for i in m.nope_layers or () if not 0 <= i < m.layers})
+    if bad_nope:
+        err(Problem("model.nope_layers", f"layers {bad_nope} do not exist (the model has {m.layers}: 0..{m.layers - 1})",
+                    f"use layer indices 0..{m.layers - 1}"))
     if m.sliding_window is None and (m.full_attention_layers is not None or m.local_rope_theta is not None):
         name = "full_attention_layers" if m.full_attention_layers is not None else "local_rope_theta"
         err(Problem(f"model.{name}", f"{name} is set but model.sliding_window is not: no layer is windowed",

@@ -92,6 +92,11 @@ def hf_config(cfg: ModelConfig) -> dict:
                                                         for i in range(cfg.layers)])
     if f.gemma:
         out.update(gemma_config(cfg))
+    if f.nope:  # SmolLM3: 1 = RoPE, 0 = NoPE per layer (transformers' naming); no sliding window
+        nope = set(cfg.nope_layers or ())
+        out.update(no_rope_layers=[0 if i in nope else 1 for i in range(cfg.layers)], use_sliding_window=False,
+                   sliding_window=None, layer_types=["full_attention"] * cfg.layers, attention_bias=False,
+                   mlp_bias=False)
     if f.scalars:  # Granite: its four muP scalars (1 = none; its softmax scale is attention_multiplier itself)
         out.update(embedding_multiplier=float(cfg.embed_multiplier or 1.0),
                    residual_multiplier=float(cfg.residual_multiplier or 1.0),
@@ -168,6 +173,20 @@ def _hf_theta(conf: dict) -> float | None:
     return float(conf["rope_theta"]) if conf.get("rope_theta") is not None else None
 
 
+def _nope_layers(conf: dict) -> list[int] | None:
+    """SmolLM3's NoPE layers: ``no_rope_layers`` (per layer 1 = RoPE, 0 = none), else every
+    ``no_rope_layer_interval``-th layer (default 4), as transformers' SmolLM3Config; None: malformed."""
+    layers, flags = conf.get("num_hidden_layers"), conf.get("no_rope_layers")
+    if type(layers) is not int:
+        return None
+    if flags is None:
+        interval = conf.get("no_rope_layer_interval", 4)
+        return [i for i in range(layers) if (i + 1) % interval == 0] if type(interval) is int and interval >= 1 else None
+    if not isinstance(flags, list) or len(flags) != layers or any(type(f) is not int or f not in (0, 1) for f in flags):
+        return None
+    return [i for i, f in enumerate(flags) if f == 0]
+
+
 def _qwen_full_layers(conf: dict) -> list[int] | None:
     """Qwen2/3's full-attention layers under ``use_sliding_window``: ``layer_types``' full ones when given
     (transformers 5 writes them) and they come first, else the layers below ``max_window_layers``
@@ -203,9 +222,15 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         return out
     if conf.get("hidden_act", "silu") != "silu":
         bad("hidden_act", conf.get("hidden_act"), "only SwiGLU (silu) MLPs are implemented")
-    if mt in ("llama", "qwen3", "qwen3_moe", "granite") and conf.get("attention_bias", False) is not False:
+    if mt == "smollm3":
+        if _nope_layers(conf) is None:
+            bad("no_rope_layers", conf.get("no_rope_layers", conf.get("no_rope_layer_interval")),
+                "it must be 0 (NoPE) or 1 (RoPE) for each of num_hidden_layers, or an interval >= 1")
+        if conf.get("use_sliding_window"):
+            bad("use_sliding_window", True, "SmolLM3's sliding window (on its NoPE layers) is not implemented")
+    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
-    if mt in ("llama", "granite") and conf.get("mlp_bias", False) is not False:
+    if mt in ("llama", "granite", "smollm3") and conf.get("mlp_bias", False) is not False:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
     kind = _rope_type(conf)
     if kind not in ("default", FAMILIES[mt].rope_scaling):
@@ -260,6 +285,8 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         out["full_attention_layers"] = _qwen_full_layers(conf) or None  # layers below max_window_layers
     if FAMILIES[mt].gemma:
         out.update(gemma_fields(conf))
+    if FAMILIES[mt].nope:  # SmolLM3: checked first (unsupported_problems)
+        out["nope_layers"] = _nope_layers(conf) or None
     if FAMILIES[mt].scalars:  # Granite: GraniteConfig's defaults are 1 (a softmax scale of 1, not 1 / sqrt(d))
         scale = lambda key: None if float(conf.get(key, 1.0)) == 1.0 else float(conf[key])  # noqa: E731
         out.update(embed_multiplier=scale("embedding_multiplier"), residual_multiplier=scale("residual_multiplier"),
@@ -324,6 +351,8 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
                "query_pre_attn_scalar ** -0.5"),
               ("model.attention_softcap", cfg.attention_softcap, theirs.get("attention_softcap"), "attn_logit_softcapping"),
               ("model.logit_softcap", cfg.logit_softcap, theirs.get("logit_softcap"), "final_logit_softcapping"),
+              ("model.nope_layers", sorted(cfg.nope_layers or []), sorted(theirs.get("nope_layers") or []),
+               "no_rope_layers"),
               ("model.embed_multiplier", cfg.embed_multiplier, theirs.get("embed_multiplier"), "embedding_multiplier"),
               ("model.residual_multiplier", cfg.residual_multiplier, theirs.get("residual_multiplier"),
                "residual_multiplier"),
@@ -354,7 +383,7 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
 INT_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
             "vocab_size", "head_dim", "max_position_embeddings", "num_local_experts", "num_experts",
             "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "sliding_window",
-            "sliding_window_pattern", "max_window_layers")
+            "sliding_window_pattern", "max_window_layers", "no_rope_layer_interval")
 FLOAT_KEYS = ("rms_norm_eps", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "router_aux_loss_coef",
               "partial_rotary_factor", "attention_factor", "rope_local_base_freq", "query_pre_attn_scalar",
               "attn_logit_softcapping", "final_logit_softcapping", "embedding_multiplier", "residual_multiplier",

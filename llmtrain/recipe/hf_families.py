@@ -36,6 +36,7 @@ class Family:
     softcap: bool = False             # soft-capped attention scores and final logits (Gemma 2)
     local_rope: bool = False          # a RoPE base of its own for the windowed layers (Gemma 3)
     scalars: bool = False             # muP multipliers: embeddings, residual branches, softmax scale, logits (Granite)
+    nope: bool = False                # layers without RoPE (no_rope_layers: SmolLM3)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -51,6 +52,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
     Family("gemma", "GemmaForCausalLM", rope_scaling="none", gemma=True),  # Gemma 1 / 1.1 2B, 7B; CodeGemma
     Family("granite", "GraniteForCausalLM", rope_scaling="none", scalars=True),  # IBM Granite 3.x dense
+    Family("smollm3", "SmolLM3ForCausalLM", rope_scaling="none", nope=True),  # SmolLM3: NoPE every 4th layer
     Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
            softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
@@ -113,6 +115,9 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
             if getattr(cfg, name) is not None:
                 bad(f"model.{name}", f"{name} is set; {f.name} has no such setting (Gemma 2 and 3 have)",
                     f"drop model.{name}, or use model.family gemma2 or gemma3_text")
+    if not f.nope and cfg.nope_layers:
+        bad("model.nope_layers", f"nope_layers {cfg.nope_layers[:8]}; {f.name} applies RoPE in every layer (SmolLM3 "
+            "has NoPE layers)", "drop model.nope_layers, or use model.family smollm3")
     if not f.scalars:
         for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
             if getattr(cfg, name) is not None:

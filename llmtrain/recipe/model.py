@@ -175,6 +175,9 @@ class ModelConfig(Strict):
     logit_softcap: float | None = Field(
         None, gt=0, le=1e6,
         description="Soft-capping of the final logits, cap * tanh(logit / cap), in the loss too (Gemma 2: 30); None = none.")
+    nope_layers: list[int] | None = Field(
+        None, max_length=BIG,
+        description="Layers (0-based) whose attention takes no RoPE (NoPE: SmolLM3's every 4th); None = RoPE in every layer.")
     embed_multiplier: float | None = Field(
         None, gt=0, le=1e6, description="Token embeddings times this (Granite's embedding_multiplier: 12); None = 1.")
     residual_multiplier: float | None = Field(
@@ -183,7 +186,7 @@ class ModelConfig(Strict):
     logit_divisor: float | None = Field(
         None, gt=0, le=1e6, description="Logits divided by this, in the loss too (Granite's logits_scaling: 8, 16); None = 1.")
     family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2",
-                    "gemma3_text", "granite"] | None = Field(
+                    "gemma3_text", "granite", "smollm3"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",
@@ -248,6 +251,10 @@ class ModelConfig(Strict):
     def explicit_head_dim(self) -> bool:
         """head_dim was given (not derived as hidden / heads); then hidden % heads need not be 0."""
         return "head_dim" in self.model_fields_set
+
+    def uses_rope(self, layer: int) -> bool:
+        """Whether block ``layer``'s attention applies RoPE (not a ``nope_layers`` layer)."""
+        return layer not in (self.nope_layers or ())
 
     def is_windowed(self, layer: int) -> bool:
         """Whether block ``layer`` uses the sliding window (``sliding_window`` set, not a full-attention layer)."""

@@ -24,6 +24,7 @@ every family by construction:
   band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
   parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
   refuse a window the sequence exceeds).
+* ``nope_layers`` (SmolLM3): layers whose attention applies no RoPE to q and k.
 * ``embed_multiplier`` / ``residual_multiplier`` / ``logit_divisor`` (Granite's muP scalars): the
   embeddings times a constant, each branch's output times a constant before its residual add, the
   logits divided by a constant (applied to the final norm's output, the head's input, so the
@@ -139,9 +140,10 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rope: bool = True):
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.rope = rope  # False: a NoPE layer (model.nope_layers, SmolLM3)
         bias = cfg.qkv_bias
         self.wq = nn.Linear(cfg.hidden, cfg.heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
@@ -164,7 +166,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
+        if self.rope:
+            q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
         if self.q_scale is not None and self.q_scale != 1.0:
             q = q * self.q_scale
         v = self.wv(x).view(b, s, -1, self.head_dim)
@@ -211,7 +214,7 @@ class TransformerBlock(nn.Module):
         self.windowed = cfg.is_windowed(layer_id)
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch scaled before its residual add
         self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, rope=cfg.uses_rope(layer_id))
         self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         if cfg.post_norms:
             self.attention_post_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
