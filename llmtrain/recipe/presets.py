@@ -25,6 +25,12 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   8 KV heads, ffn 14336, vocab 32768, rope_theta 1e6, 32768 positions, sliding_window null).
   Mistral-7B v0.1: mistralai/Mistral-7B-v0.1/config.json (the same shape with vocab 32000,
   rope_theta 1e4 and sliding_window 4096: sequences past 4,096 tokens attend to a band).
+- Qwen2.5 0.5B / 1.5B / 3B / 14B / 32B / 72B: Qwen/Qwen2.5-*/config.json (q/k/v biases, rope_theta 1e6,
+  rms_norm_eps 1e-6; 0.5B-3B tied with vocab 151936 and 32768 positions, 14B-72B untied with 152064
+  and 131072). Counts (transformers' own): 494,032,768, 1,543,714,304, 3,085,938,688,
+  14,770,033,664, 32,763,876,352, 72,706,203,648, the model cards' 0.49B, 1.54B, 3.09B, 14.7B and
+  72.7B; the 32B card says 32.5B (and 31.0B without embeddings, ours 31.2B): the shape is its
+  config.json's, the card's figure is not reproduced.
 - Mistral NeMo 12B: mistralai/Mistral-Nemo-Base-2407/config.json (40 layers, hidden 5120, 32 heads of
   head_dim 128, not hidden / heads, 8 KV heads, ffn 14336, vocab 131072 (Tekken), rope_theta 1e6,
   1,024,000 positions, no window, untied; NeMo's MistralNeMoConfig12B the same shape).
@@ -94,6 +100,9 @@ _GEMMA3 = dict(  # what Gemma 3 4B, 12B and 27B share (their text_config; transf
     mlp_activation="gelu_tanh", family="gemma3_text",
 )
 
+_QWEN25 = dict(rope_theta=1000000.0, norm_eps=1e-6, qkv_bias=True, family="qwen2")
+_QWEN25_SMALL = dict(vocab_size=151936, max_seq_len=32768, tie_embeddings=True, **_QWEN25)  # 0.5B-3B: tied
+_QWEN25_LARGE = dict(vocab_size=152064, max_seq_len=131072, tie_embeddings=False, **_QWEN25)  # 7B and up
 _GEMMA1 = dict(  # what Gemma 1 2B and 7B share (their config.json)
     vocab_size=256000, max_seq_len=8192, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, norm_offset=True,
     embed_scale=True, mlp_activation="gelu_tanh", family="gemma",
@@ -142,6 +151,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         layers=28, hidden=3072, heads=24, kv_heads=8, head_dim=128, ffn_hidden=8192,
         **{**_LLAMA31, "tie_embeddings": True, "rope_scaling": {**_LLAMA31["rope_scaling"], "factor": 32.0}},
     ),
+    "qwen2.5-0.5b": dict(layers=24, hidden=896, heads=14, kv_heads=2, ffn_hidden=4864, **_QWEN25_SMALL),
+    "qwen2.5-1.5b": dict(layers=28, hidden=1536, heads=12, kv_heads=2, ffn_hidden=8960, **_QWEN25_SMALL),
+    "qwen2.5-3b": dict(layers=36, hidden=2048, heads=16, kv_heads=2, ffn_hidden=11008, **_QWEN25_SMALL),
+    "qwen2.5-14b": dict(layers=48, hidden=5120, heads=40, kv_heads=8, ffn_hidden=13824, **_QWEN25_LARGE),
+    "qwen2.5-32b": dict(layers=64, hidden=5120, heads=40, kv_heads=8, ffn_hidden=27648, **_QWEN25_LARGE),
+    "qwen2.5-72b": dict(layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=29568, **_QWEN25_LARGE),
     "qwen2.5-7b": dict(
         layers=28, hidden=3584, heads=28, kv_heads=4, ffn_hidden=18944, vocab_size=152064,
         max_seq_len=131072, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True,
