@@ -89,3 +89,16 @@ def test_packed_rows_are_priced_as_masked_kernels_and_their_mask_held():
     assert packed.time.tflops_per_gpu * packed.time.step_s == pytest.approx(unpacked.time.tflops_per_gpu * unpacked.time.step_s)
     assert packed.worst.saved_detail["packed_mask"] == 2 * micro["true"] * 8192 ** 2  # bf16, one kind of layer
     assert "packed_mask" not in unpacked.worst.saved_detail
+
+
+def test_plan_says_the_soft_capped_kernel_is_unfused():
+    """`plan` of a soft-capped model priced with the engine's kernel says so in a recommendation naming
+    the setting for a fused stack; priced as FA2 (planner.attention_kernel fa2) it does not."""
+    from llmtrain.plan.report import cost_dict
+
+    base = ["model.preset=gemma2-9b", "parallel.tp=2"]
+    notes = cost_dict(_plan("recipes/llama3-8b.yaml", base))["recommendations"]
+    (note,) = [n for n in notes if n["kind"] == "softcap_kernel"]
+    assert "unfused" in note["message"] and "planner.attention_kernel fa2" in note["message"]
+    fused = cost_dict(_plan("recipes/llama3-8b.yaml", base + ["planner.attention_kernel=fa2"]))["recommendations"]
+    assert not [n for n in fused if n["kind"] == "softcap_kernel"]

@@ -104,7 +104,14 @@ def cost_dict(plan: Plan) -> dict[str, Any]:
     from llmtrain.plan.hier import hsdp_hint  # noqa: PLC0415
 
     hint = hsdp_hint(plan.recipe, plan.placement, cost, v.dims)  # plan/hier.py: in-node HSDP for FSDP across nodes
-    return {**cost_to_dict(cost, v.dims), "recommendations": [hint] if hint else []}
+    notes = [hint] if hint else []
+    if plan.recipe.model.attention_softcap is not None and plan.recipe.planner.attention_kernel == "engine":
+        notes.append({"kind": "softcap_kernel", "set": {},
+                      "message": "model.attention_softcap runs the engine's own attention kernel, unfused "
+                                 "(engine/models/softcap.py: every score through memory, no causal skipping), and "
+                                 "this plan prices it so; a stack with a fused soft-capping kernel (FlashAttention "
+                                 "2's softcap): --set planner.attention_kernel fa2"})
+    return {**cost_to_dict(cost, v.dims), "recommendations": notes}
 
 
 def launch_dict(plan: Plan) -> dict[str, Any]:
