@@ -27,7 +27,7 @@ Shared by the interop tests (families, loading, export). Decisions:
   scores at 1.0: the logits move by 0.6 without it; logits, whose largest is 0.92, at 0.5); ``gemma``
   (Gemma 1) with the released ``hidden_act: gelu`` (transformers' tanh GELU); ``granite`` with its
   embedding, residual and softmax multipliers and logit divisor at 3, 0.5, 0.2 and 2.5; ``smollm3``
-  with NoPE layers 1 and 3 of 4.
+  with NoPE layers 1 and 3 of 4; ``olmo2`` with its post-norm-only block and q/k norms over all heads.
 * **Random but not tiny-valued**: transformers initializes norms to 1 and biases to 0; they are
   re-drawn here (norms around 1, biases ~0.1) so that a dropped bias or a mis-permuted q/k norm
   changes the logits. ``seed`` fixes everything.
@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "smollm3")
+            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "smollm3", "olmo2")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -107,6 +107,8 @@ def tiny_config(family: str, *, tie: bool | None = None):
         kw.update(num_hidden_layers=4, tie_word_embeddings=True)
         conf = tf.SmolLM3Config(**kw, no_rope_layers=[1, 0, 1, 0],
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    elif family == "olmo2":  # post norms only, q/k norms over all heads (32 and 16 features), untied
+        conf = tf.Olmo2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

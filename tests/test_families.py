@@ -1,5 +1,5 @@
 """Hugging Face families (issue 13): llama (+ Llama 3.1 rope scaling, tied), mistral, qwen2, qwen3,
-mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma, gemma2 (soft-capping), gemma3_text, granite, smollm3 -- import, export, config.json, parameter counts, and
+mixtral, qwen3_moe, phi3 (fused qkv / gate_up), gemma, gemma2 (soft-capping), gemma3_text, granite, smollm3, olmo2 -- import, export, config.json, parameter counts, and
 every parallel layout.
 
 Checkpoints are tiny random models written by transformers' own ``save_pretrained`` in several
@@ -123,6 +123,7 @@ def test_mapping_has_teeth(tiny):
                            ("granite", {"embed_multiplier": None}), ("granite", {"residual_multiplier": None}),
                            ("granite", {"attention_scale": None}), ("granite", {"logit_divisor": None}),
                            ("smollm3", {"nope_layers": None}), ("smollm3", {"nope_layers": [3]}),
+                           ("olmo2", {"pre_norms": True}), ("olmo2", {"post_norms": False}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),
                            ("phi3_longrope", {"rope_scaling": {"short_factor": [1.0, 1.0, 1.0]}}),
                            # the third pair unrotated (the first two keep their factors): rotary_dim matters
@@ -330,6 +331,8 @@ def layouts_of(family: str) -> list[str]:
         # attention (Gemma 2: its soft-capped kernel there too)
         return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2"]  # (ring and all-gather
         # CP refuse it: test_validate.py)
+    if family == "olmo2":  # its q/k norms span the heads TP splits: tp 1 (validate.py)
+        return ["pp2", "cp2", "fsdp2", "ulysses2"]
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
     return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies

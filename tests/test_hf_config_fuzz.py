@@ -96,12 +96,14 @@ GEMMA3_4B_HUB = {"model_type": "gemma3", "architectures": ["Gemma3ForConditional
 GRANITE = ModelConfig(preset="llama3.2-1b", family="granite", rope_scaling=None, embed_multiplier=12.0,
                       residual_multiplier=0.22, attention_scale=0.015625, logit_divisor=8.0)  # Granite 3's scalars
 SMOLLM3 = ModelConfig(preset="llama3.2-1b", family="smollm3", rope_scaling=None, nope_layers=[3, 7, 11, 15])  # NoPE
+OLMO2 = ModelConfig(preset="llama3.2-1b", family="olmo2", rope_scaling=None, tie_embeddings=False, pre_norms=False,
+                    post_norms=True, qk_norm=True, qk_norm_width="all")  # post norms only, q/k norms over all heads
 BASES = [hf_config(ModelConfig(preset=p)) for p in PRESETS] + [hf_config(LONGROPE), hf_config(PHI4_MINI), hf_config(GRANITE),
-                                                                hf_config(SMOLLM3),
+                                                                hf_config(SMOLLM3), hf_config(OLMO2),
                                                                 PHI4_HUB,
                                                                 PHI35_HUB, GEMMA3_1B_HUB, GEMMA3_4B_HUB, GEMMA2_9B_HUB,
                                                                 GEMMA_7B_HUB]
-MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI, GRANITE, SMOLLM3]
+MODELS = [ModelConfig(preset=p) for p in PRESETS] + [LONGROPE, PHI4_MINI, GRANITE, SMOLLM3, OLMO2]
 
 KEYS = sorted({k for b in BASES for k in b} | {"partial_rotary_factor", "mlp_only_layers", "decoder_sparse_step",
                                                  "use_bidirectional_attention",
@@ -126,7 +128,7 @@ mutation = st.one_of(
     st.tuples(st.just("del"), st.sampled_from(KEYS)),
     st.tuples(st.just("model_type"), st.sampled_from(
         ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3",
-         "gemma3_text", "granite", "smollm3",
+         "gemma3_text", "granite", "smollm3", "olmo2",
          "deepseek_v3",
          "phi",
          "", "LLAMA", None, 3, ["llama"], {"x": 1}])),

@@ -141,7 +141,8 @@ def test_adapters_freeze_init_and_merge():
 
 
 @pytest.mark.parametrize("family, targets", [("phi3", None), ("phi3", ["wq", "wv", "w3", "wo"]), ("gemma3", None),
-                                             ("gemma2", None), ("gemma", None), ("granite", None), ("smollm3", None)])
+                                             ("gemma2", None), ("gemma", None), ("granite", None), ("smollm3", None),
+                                             ("olmo2", None)])
 def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets):
     """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters: our per-projection adapters
     become one block-diagonal adapter per fused module (peft_export.py). On transformers' own tiny
@@ -149,7 +150,7 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
     every projection adapted (rank 12 on qkv_proj, 8 on gate_up_proj) and with some (k and gate
     not: their rows of B stay zero). Gemma 3 (unfused; GeGLU, offset and post norms, sliding and
     full layers) the same, on its own tiny base; Gemma 2 (soft-capped scores and logits), Gemma 1,
-    Granite (its multipliers) and SmolLM3 (NoPE layers) too."""
+    Granite (its multipliers), SmolLM3 (NoPE layers) and OLMo 2 (post norms only) too."""
     from peft import PeftModel
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM

@@ -38,7 +38,7 @@ def export_cmd(run_dir: Path = typer.Argument(..., help=RUN_HELP),
                                           "export's shards, index, config and tokenizer files are replaced).")
                ) -> None:
     """Export a (verified) checkpoint's model to a Hugging Face directory of its family (llama, mistral, qwen2,
-    qwen3, mixtral, qwen3_moe, phi3, gemma, gemma2, gemma3_text, granite, smollm3), loadable by transformers' AutoModelForCausalLM."""
+    qwen3, mixtral, qwen3_moe, phi3, gemma, gemma2, gemma3_text, granite, smollm3, olmo2), loadable by transformers' AutoModelForCausalLM."""
     from llmtrain.engine.checkpoint_store import STEP_RE, resolve
     from llmtrain.engine.hf.export import DTYPES, parse_size
     from llmtrain.safeio import output_dir

@@ -125,6 +125,8 @@ class ActShape:
     qk_norm: bool = False  # model.qk_norm (Qwen3, Gemma 3): RMSNorm over each query and key head
     offset_norm: bool = False  # model.norm_offset (Gemma): engine/models/norm.py OffsetRMSNorm on every device
     logit_softcap: bool = False  # model.logit_softcap (Gemma 2): the chunked loss keeps the cap's slope per chunk
+    pre_norms: bool = True  # model.pre_norms false (OLMo 2): no norms on the attention's and the MLP's inputs
+    qk_norm_all: bool = False  # model.qk_norm_width all (OLMo 2): q/k norms over all heads, one rstd per token
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -178,7 +180,7 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
             # (before it, diagonal); rank 0's first chunk has no prefix: 3 of the 4 halves
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2
         return out
-    out = _norm(x)
+    out = _norm(x) if x.pre_norms else {}  # OLMo 2: wq / wk / wv keep the block's input itself
     out["attn_input"] = bs * x.h * e
     out.update(core_attention_terms(x))
     return out
@@ -212,7 +214,7 @@ def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
     f = bs * x.ffn // x.tp
     if recompute in ("selective", "selective_mm"):  # outputs of w1, w3 (w2's output, the block's last op,
         return {"mlp_proj_out": e * (2 if recompute == "selective" else 1) * f}  # is discarded; selective_mm: w3's too
-    out = _norm(x)
+    out = _norm(x) if x.pre_norms else {}
     out["mlp_input"] = bs * x.h * e
     out["swiglu"] = 3 * e * f  # w1's and w3's outputs (engine/models/swiglu.py) and w2's input
     return out
@@ -229,7 +231,7 @@ def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
         # w1/w3/w2 (selective_mm too: an MoE block has no feed_forward.w3, engine/parallel/checkpointing.py)
         return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * f + h)
                                      + t_tok * (2 * sf + h) * (1 if sf else 0))}
-    out = _norm(x)
+    out = _norm(x) if x.pre_norms else {}
     out["moe_input"] = t_tok * h * e  # router (+ shared experts') input
     out["moe_dispatch"] = slots * h * e  # tokens gathered per expert
     out["moe_experts"] = 3 * slots * f * e  # gate, up (engine/models/swiglu.py) and w2's input, per slot
@@ -265,6 +267,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     out: dict[str, int] = {}
     rows = x.b * x.s // x.n
     norm = {"norm_input": rows * x.h * _norm_bytes(x), "norm_rstd": rows * LSE}  # the normalized input: weight gradient only
+    norm = norm if x.pre_norms else {}  # OLMo 2: no input norms
     x_grad = not first
     attn_t = [name for name in targets if name in ("wq", "wk", "wv")]
     if x_grad:

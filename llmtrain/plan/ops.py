@@ -350,7 +350,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
-                      rope=recipe.planner.rope, norms=4 if m.post_norms else 2, offset_norm=m.norm_offset)
+                      rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset)
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

@@ -31,9 +31,9 @@ def count_params(m: ModelConfig) -> ParamCount:
     attn = h * m.heads * hd + 2 * h * m.kv_heads * hd + m.heads * hd * h
     if m.qkv_bias:
         attn += (m.heads + 2 * m.kv_heads) * hd
-    if m.qk_norm:
-        attn += 2 * hd
-    norms = (4 if m.post_norms else 2) * h  # Gemma's post norms: two more per block
+    if m.qk_norm:  # per head (one head's weights), or OLMo 2's over all heads
+        attn += (m.heads + m.kv_heads) * hd if m.qk_norm_width == "all" else 2 * hd
+    norms = (2 * m.pre_norms + 2 * m.post_norms) * h  # Gemma's post norms: two more per block; OLMo 2: only those
     dense_mlp = 3 * h * m.ffn_hidden
     dense_block = attn + norms + dense_mlp
     expert = 3 * h * m.expert_ffn

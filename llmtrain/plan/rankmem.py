@@ -74,7 +74,8 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         megatron_loss=recipe.planner.loss in ("megatron", "megatron_fused"),
         materialized=recipe.planner.attention_kernel == "materialized", window=m.sliding_window if m.windowed_layers else 0,
         post_norms=m.post_norms, offset_norm=m.norm_offset, qk_norm=m.qk_norm,
-        logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing,
+        logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing, pre_norms=m.pre_norms,
+        qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
         full_layers=bool(m.windowed_layers) and len(m.windowed_layers) < m.layers)
 
 

@@ -168,6 +168,8 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         ParamShape(p + "attention.wo.weight", (h, m.heads * hd // tp), "matmul"),
         ParamShape(p + "ffn_norm.weight", (h,), "norm"),
     ]
+    if not m.pre_norms:  # OLMo 2: only the post norms
+        out = [s for s in out if not s.name.endswith(("attention_norm.weight", "ffn_norm.weight"))]
     if m.post_norms:  # Gemma: on the attention's and the MLP's outputs
         out += [ParamShape(p + "attention_post_norm.weight", (h,), "norm"),
                 ParamShape(p + "ffn_post_norm.weight", (h,), "norm")]
@@ -175,9 +177,10 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         out += [ParamShape(p + "attention.wq.bias", (m.heads * hd // tp,), "norm"),
                 ParamShape(p + "attention.wk.bias", (m.kv_heads * hd // tp,), "norm"),
                 ParamShape(p + "attention.wv.bias", (m.kv_heads * hd // tp,), "norm")]
-    if m.qk_norm:  # one head's weights, replicated on the TP ranks
-        out += [ParamShape(p + "attention.q_norm.weight", (hd,), "norm"),
-                ParamShape(p + "attention.k_norm.weight", (hd,), "norm")]
+    if m.qk_norm:  # one head's weights, replicated on the TP ranks (OLMo 2: all heads', tp 1)
+        wide = m.qk_norm_width == "all"
+        out += [ParamShape(p + "attention.q_norm.weight", ((m.heads if wide else 1) * hd,), "norm"),
+                ParamShape(p + "attention.k_norm.weight", ((m.kv_heads if wide else 1) * hd,), "norm")]
     if is_moe_layer(m, layer):
         e, f = m.moe.num_experts, m.expert_ffn
         local_e = e // ep
@@ -277,7 +280,7 @@ def _model_key(m: ModelConfig) -> tuple:
     moe = m.moe
     key = (m.layers, m.hidden, m.heads, m.kv_heads, m.ffn_hidden, m.vocab_size, m.tie_embeddings, moe.num_experts,
            moe.top_k, moe.shared_experts, m.expert_ffn, moe.first_dense_layers, m.head_dim, m.qkv_bias, m.qk_norm,
-           moe.sparse_step, tuple(moe.dense_layers), m.post_norms)
+           moe.sparse_step, tuple(moe.dense_layers), m.post_norms, m.pre_norms, m.qk_norm_width)
     if len(_MODEL_KEYS) > 256:
         _MODEL_KEYS.clear()
     _MODEL_KEYS[id(m)] = (m, key)

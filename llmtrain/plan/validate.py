@@ -121,6 +121,13 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if bad_layers:
         err(Problem("model.full_attention_layers", f"layers {bad_layers} do not exist (the model has {m.layers}: "
                     f"0..{m.layers - 1})", f"use layer indices 0..{m.layers - 1}"))
+    if m.qk_norm_width == "all" and not m.qk_norm:
+        err(Problem("model.qk_norm_width", "qk_norm_width all is set but model.qk_norm is false",
+                    "set model.qk_norm: true, or drop model.qk_norm_width"))
+    if m.qk_norm and m.qk_norm_width == "all" and p.tp > 1:
+        err(Problem("parallel.tp", f"q/k norms over all heads (model.qk_norm_width all, OLMo 2) with tp {p.tp}: the norm "
+                    "spans the heads tensor parallelism splits, which is not implemented",
+                    "use parallel.tp: 1 (FSDP, PP and CP run it)"))
     bad_nope = sorted({i for i in m.nope_layers or () if not 0 <= i < m.layers})
     if bad_nope:
         err(Problem("model.nope_layers", f"layers {bad_nope} do not exist (the model has {m.layers}: 0..{m.layers - 1})",

@@ -92,6 +92,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                                                         for i in range(cfg.layers)])
     if f.gemma:
         out.update(gemma_config(cfg))
+    if f.olmo:  # OLMo 2: no biases; its norms are the recipe's switches (post norms, q/k norms over all heads)
+        out.update(attention_bias=False)
     if f.nope:  # SmolLM3: 1 = RoPE, 0 = NoPE per layer (transformers' naming); no sliding window
         nope = set(cfg.nope_layers or ())
         out.update(no_rope_layers=[0 if i in nope else 1 for i in range(cfg.layers)], use_sliding_window=False,
@@ -228,7 +230,7 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
                 "it must be 0 (NoPE) or 1 (RoPE) for each of num_hidden_layers, or an interval >= 1")
         if conf.get("use_sliding_window"):
             bad("use_sliding_window", True, "SmolLM3's sliding window (on its NoPE layers) is not implemented")
-    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3") and conf.get("attention_bias", False) is not False:
+    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "olmo2") and conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
     if mt in ("llama", "granite", "smollm3") and conf.get("mlp_bias", False) is not False:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
@@ -285,6 +287,8 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         out["full_attention_layers"] = _qwen_full_layers(conf) or None  # layers below max_window_layers
     if FAMILIES[mt].gemma:
         out.update(gemma_fields(conf))
+    if FAMILIES[mt].olmo:  # OLMo 2's block: post norms only, q/k norms over all heads
+        out.update(pre_norms=False, post_norms=True, qk_norm_width="all")
     if FAMILIES[mt].nope:  # SmolLM3: checked first (unsupported_problems)
         out["nope_layers"] = _nope_layers(conf) or None
     if FAMILIES[mt].scalars:  # Granite: GraniteConfig's defaults are 1 (a softmax scale of 1, not 1 / sqrt(d))
@@ -353,6 +357,9 @@ def config_problems(conf: dict, cfg: ModelConfig, where: str = "--init-from-hf")
               ("model.logit_softcap", cfg.logit_softcap, theirs.get("logit_softcap"), "final_logit_softcapping"),
               ("model.nope_layers", sorted(cfg.nope_layers or []), sorted(theirs.get("nope_layers") or []),
                "no_rope_layers"),
+              ("model.pre_norms", cfg.pre_norms, theirs.get("pre_norms", True), f"model_type={theirs['family']}"),
+              ("model.qk_norm_width", cfg.qk_norm_width if cfg.qk_norm else "head",
+               theirs.get("qk_norm_width", "head"), f"model_type={theirs['family']}"),
               ("model.embed_multiplier", cfg.embed_multiplier, theirs.get("embed_multiplier"), "embedding_multiplier"),
               ("model.residual_multiplier", cfg.residual_multiplier, theirs.get("residual_multiplier"),
                "residual_multiplier"),

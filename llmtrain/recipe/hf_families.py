@@ -37,6 +37,7 @@ class Family:
     local_rope: bool = False          # a RoPE base of its own for the windowed layers (Gemma 3)
     scalars: bool = False             # muP multipliers: embeddings, residual branches, softmax scale, logits (Granite)
     nope: bool = False                # layers without RoPE (no_rope_layers: SmolLM3)
+    olmo: bool = False                # only post norms, q/k norms over all heads (OLMo 2)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -53,6 +54,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma", "GemmaForCausalLM", rope_scaling="none", gemma=True),  # Gemma 1 / 1.1 2B, 7B; CodeGemma
     Family("granite", "GraniteForCausalLM", rope_scaling="none", scalars=True),  # IBM Granite 3.x dense
     Family("smollm3", "SmolLM3ForCausalLM", rope_scaling="none", nope=True),  # SmolLM3: NoPE every 4th layer
+    Family("olmo2", "Olmo2ForCausalLM", qk_norm=True, rope_scaling="none", olmo=True),  # OLMo 2: post norms only
     Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
            softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
@@ -104,8 +106,17 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
     elif cfg.rope_dim != cfg.head_dim and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim} is no partial_rotary_factor "
             "transformers turns back into it (int(head_dim x factor))", "use a rotary_dim such as head_dim x 3/4")
+    if cfg.qk_norm and (cfg.qk_norm_width == "all") != f.olmo:
+        bad("model.qk_norm_width", f"qk_norm_width {cfg.qk_norm_width}; {f.name}'s q/k norms are "
+            + ("over all heads" if f.olmo else "per head"), f"set model.qk_norm_width: {'all' if f.olmo else 'head'}")
+    if cfg.pre_norms == f.olmo:
+        bad("model.pre_norms", f"pre_norms is {cfg.pre_norms}; {f.name} " + ("has none (only post norms)" if f.olmo
+            else "normalizes the attention's and the MLP's inputs"), f"set model.pre_norms: {str(not f.olmo).lower()}"
+            + ("" if f.olmo else ", or use model.family olmo2"))
     for name, plain in GEMMA_SWITCHES.items():
         want = plain if not f.gemma else {"mlp_activation": "gelu_tanh", "post_norms": f.post_norms}.get(name, True)
+        if f.olmo and name == "post_norms":
+            want = True
         if getattr(cfg, name) != want:
             bad(f"model.{name}", f"{name} is {getattr(cfg, name)}; {f.name} needs {want}",
                 f"set model.{name}: {str(want).lower() if isinstance(want, bool) else want}"

@@ -142,6 +142,12 @@ class ModelConfig(Strict):
     )
     qkv_bias: bool = Field(False, description="Biases on the q, k and v projections (Qwen2 / Qwen2.5).")
     qk_norm: bool = Field(False, description="RMSNorm over head_dim on each query and key head before RoPE (Qwen3).")
+    qk_norm_width: Literal["head", "all"] = Field(
+        "head", description="With qk_norm: normalize each head over head_dim (Qwen3, Gemma 3), or all of q's heads "
+        "together and all of k's (OLMo 2: weights of heads x head_dim and kv_heads x head_dim).")
+    pre_norms: bool = Field(
+        True, description="An RMSNorm on the attention's and on the MLP's input (every family but OLMo 2, which "
+        "normalizes only the branch outputs: pre_norms false with post_norms true).")
     rope_scaling: RopeScaling | None = Field(None, description="RoPE frequency scaling (Llama 3.1+ llama3, Phi-3 longrope); None = plain RoPE.")
     sliding_window: int | None = Field(
         None, ge=1, le=BIG,
@@ -186,7 +192,7 @@ class ModelConfig(Strict):
     logit_divisor: float | None = Field(
         None, gt=0, le=1e6, description="Logits divided by this, in the loss too (Granite's logits_scaling: 8, 16); None = 1.")
     family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2",
-                    "gemma3_text", "granite", "smollm3"] | None = Field(
+                    "gemma3_text", "granite", "smollm3", "olmo2"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",

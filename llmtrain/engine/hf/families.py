@@ -39,6 +39,9 @@ Decisions:
   ``attention_post_norm`` -> ``post_attention_layernorm`` (the attention output's norm, not the
   MLP's input norm as in Llama), ``ffn_post_norm`` -> ``post_feedforward_layernorm``. Its norm
   weights are stored as they are (our ``OffsetRMSNorm`` is the same ``1 + w`` form).
+* **OLMo 2** (``olmo2``, ``model.pre_norms`` false): no input norms; ``attention_post_norm`` ->
+  ``post_attention_layernorm``, ``ffn_post_norm`` -> ``post_feedforward_layernorm``; its q/k norms span
+  all heads (``[heads x head_dim]``), permuted per head like wq's rows.
 * **What no family has is refused**, naming the recipe field (:func:`family_problems`): shared
   experts, the sigmoid router, bias balancing (``expert_bias``), a dense-only family with experts,
   Mixtral without renormalized top-k or with dense layers, q/k norm outside Qwen3, q/k/v biases
@@ -142,6 +145,9 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
             names.update(QK_NORM_NAMES)
         if cfg.post_norms:  # Gemma: post_attention_layernorm is the attention's post norm, the MLP has its own pair
             names.update(POST_NORM_NAMES)
+        if not cfg.pre_norms:  # OLMo 2: only the post norms (post_attention_layernorm, post_feedforward_layernorm)
+            for name in ("attention_norm.weight", "ffn_norm.weight"):
+                names.pop(name, None)
         blocks = fused_rows(cfg) if f.fused else {}
         for ours, theirs in names.items():
             theirs = FUSED_NAMES.get(ours, theirs) if f.fused else theirs

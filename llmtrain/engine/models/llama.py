@@ -25,6 +25,9 @@ every family by construction:
   parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
   refuse a window the sequence exceeds).
 * ``nope_layers`` (SmolLM3): layers whose attention applies no RoPE to q and k.
+* ``pre_norms`` false (OLMo 2): no norm on the branch inputs (``attention_norm`` / ``ffn_norm`` do not
+  exist), only the post norms on their outputs; ``qk_norm_width: all``: q's norm over all its heads
+  (weight ``heads x head_dim``) and k's over all of k's, before the split into heads.
 * ``embed_multiplier`` / ``residual_multiplier`` / ``logit_divisor`` (Granite's muP scalars): the
   embeddings times a constant, each branch's output times a constant before its residual add, the
   logits divided by a constant (applied to the final norm's output, the head's input, so the
@@ -149,9 +152,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
+        self.qk_norm_all = cfg.qk_norm and cfg.qk_norm_width == "all"  # OLMo 2: over all heads, before the split
         if cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
-            self.q_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
-            self.k_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
+            width = (cfg.heads, cfg.kv_heads) if self.qk_norm_all else (1, 1)
+            self.q_norm = make_norm(width[0] * self.head_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = make_norm(width[1] * self.head_dim, cfg.norm_eps, cfg.norm_offset)
         # model.attention_scale (Gemma 3's query_pre_attn_scalar ** -0.5): folded into q after RoPE, so
         # every attention path (SDPA, the CP kernel blocks) keeps its default 1 / sqrt(head_dim)
         self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * self.head_dim**0.5
@@ -162,9 +167,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
-        if hasattr(self, "q_norm"):
+        q, k = self.wq(x), self.wk(x)
+        if self.qk_norm_all:  # OLMo 2 (tp 1: validate.py), over all of q's and all of k's features
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm") and not self.qk_norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = self.rope_fn(q, cos, sin), self.rope_fn(k, cos, sin)
@@ -213,9 +220,11 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.windowed = cfg.is_windowed(layer_id)
         self.residual_multiplier = cfg.residual_multiplier  # Granite: each branch scaled before its residual add
-        self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
+        if cfg.pre_norms:  # OLMo 2 has none (only the post norms)
+            self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         self.attention = Attention(cfg, rope=cfg.uses_rope(layer_id))
-        self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
+        if cfg.pre_norms:
+            self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         if cfg.post_norms:
             self.attention_post_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
             self.ffn_post_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
@@ -226,12 +235,14 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
+        pre = getattr(self, "attention_norm", None)
+        a = self.attention(x if pre is None else pre(x), cos, sin, mask=mask)  # kwarg: TP input layouts list 3 args
         post = getattr(self, "attention_post_norm", None)
         a = a if post is None else post(a)
         h = x + (a if self.residual_multiplier is None else a * self.residual_multiplier)
         mlp = self.moe if hasattr(self, "moe") else self.feed_forward
-        m = mlp(self.ffn_norm(h))
+        pre = getattr(self, "ffn_norm", None)
+        m = mlp(h if pre is None else pre(h))
         post = getattr(self, "ffn_post_norm", None)
         m = m if post is None else post(m)
         return h + (m if self.residual_multiplier is None else m * self.residual_multiplier)

@@ -120,7 +120,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         if getattr(block.attention, "q_norm", None) is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if sp:
+        if sp and getattr(block, "attention_norm", None) is not None:  # OLMo 2 has no pre norms (nor TP: validate.py)
             plan.update({
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
