@@ -58,6 +58,8 @@ CASES = {
     # OLMo 2's block: post norms only (wq/wk/wv and w1/w3 keep the residual stream itself), q/k norms over all heads
     "olmo_zero1": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
                    "parallel.zero=1"],
+    "olmo_tp2": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
+                 "parallel.tp=2", "parallel.sequence_parallel=false", "parallel.zero=1"],  # q/k norms split with heads
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
                               "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
     # LoRA (engine/finetune/lora.py): frozen base (parameters only), adapters with gradients and AdamW

@@ -45,6 +45,7 @@ COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_si
           "parallel.dp_shard=-1", "parallel.tp=1", "parallel.zero=0"]
 MOE = ["model.preset=debug-moe", "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
 DEEP = ["model.layers=8"]  # 8 stages for pp 4 interleaved
+OLMO = ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all"]
 LOSS_TOL, WEIGHT_TOL = 2e-5, 2e-4
 
 
@@ -67,6 +68,9 @@ CASES = {
     "ep2_dp4_moe_e2": (4, "moe_e2", MOE + ["model.moe.num_experts=2", "parallel.ep=2", "parallel.zero=3"]),
     "dp4_moe_e2_zero2": (4, "moe_e2", MOE + ["model.moe.num_experts=2", "parallel.zero=2"]),
     "tp2": (2, "dense", ["parallel.tp=2"]),
+    # OLMo 2's q/k norms over all heads, split with them under TP: the squares summed over the TP group
+    # (engine/models/norm.py SplitRMSNorm); without SP (validate.py refuses SP for blocks without input norms)
+    "tp2_olmo": (2, "olmo", OLMO + ["parallel.tp=2", "parallel.sequence_parallel=false"]),
     "tp2_moe_aux": (2, "moe_aux", ["model.preset=debug-moe", "parallel.tp=2"]),  # expert-TP + SP, aux loss
     # expert-TP on the 2-D (ep, tp) mesh with the zero-1 expert optimizer, without SP (copy / sum region)
     "tp2_ep2_moe_zero1": (4, "moe", MOE + ["parallel.tp=2", "parallel.ep=2", "parallel.zero=1",
@@ -107,7 +111,7 @@ CASES = {
     "pp2_dp2_cp2_tp2_ep2_moe": (16, "moe", MOE + pp("1f1b") + ["parallel.cp=2", "parallel.tp=2", "parallel.ep=2",
                                                                "parallel.zero=3", "train.micro_batch_size=1"]),
 }
-REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"],
+REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"], "olmo": OLMO,
         "moe_e2": MOE + ["model.moe.num_experts=2"]}
 # checks run inside the same jobs (dist_worker "check" cases): world size -> cases
 CHECKS = {2: [{"name": "pp_bf16_kernels", "check": "tests.pp_precision_check:stage_matmul_dtypes"}],

@@ -162,14 +162,18 @@ def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
         assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
-def test_qk_norms_over_all_heads_need_qk_norm_and_tp_1():
-    """OLMo 2's q/k norms span every head (model.qk_norm_width all): they need qk_norm, and tensor
-    parallelism, which splits the heads, is refused naming parallel.tp."""
+def test_qk_norms_over_all_heads_need_qk_norm_and_no_offset():
+    """OLMo 2's q/k norms span every head (model.qk_norm_width all): they need qk_norm, run under TP
+    (engine/models/norm.py SplitRMSNorm), and refuse Gemma's offset norms, which no family combines."""
     find(errors(debug({"model": {"qk_norm_width": "all"}})), "model.qk_norm_width", "model.qk_norm is false")
     olmo = {"model": {"qk_norm": True, "qk_norm_width": "all", "pre_norms": False, "post_norms": True}}
-    p = find(errors(debug({**olmo, "parallel": {"tp": 2}})), "parallel.tp", "q/k norms over all heads", "tp 2")
-    assert p.hint == "use parallel.tp: 1 (FSDP, PP and CP run it)"
-    assert plan_of(debug(olmo)).valid
+    p = find(errors(debug({**olmo, "parallel": {"tp": 2, "sequence_parallel": True}})), "parallel.sequence_parallel",
+             "without input norms")
+    assert p.hint.startswith("set parallel.sequence_parallel: false")
+    assert plan_of(debug({**olmo, "parallel": {"tp": 2, "sequence_parallel": False}})).valid
+    offset = {"model": {**olmo["model"], "norm_offset": True}}
+    p = find(errors(debug(offset)), "model.qk_norm_width", "offset norms")
+    assert p.hint == "set model.qk_norm_width: head, or model.norm_offset: false"
 
 
 def test_nope_layers_must_exist():

@@ -43,6 +43,9 @@ def qk_norm_terms(x: ActShape, recompute: str) -> dict[str, int]:
     out = {"qk_norm_input": rows * x.head_dim * _norm_bytes(x), "qk_norm_rstd": rows * LSE}
     if x.qk_norm_all:  # OLMo 2: one rstd per token for q and one for k (the same inputs)
         out["qk_norm_rstd"] = 2 * x.b * x.s * LSE
+        if x.tp > 1:  # engine/models/norm.py SplitRMSNorm's eager ops: the fp32 input and the normalized shard
+            out["qk_norm_input"] = rows * x.head_dim * 4
+            out["qk_norm_normalized"] = rows * x.head_dim * x.e
     if not (x.fused_norm or x.offset_norm):
         out["qk_norm_normalized"] = rows * x.head_dim * 4
     return out

@@ -177,10 +177,12 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
         out += [ParamShape(p + "attention.wq.bias", (m.heads * hd // tp,), "norm"),
                 ParamShape(p + "attention.wk.bias", (m.kv_heads * hd // tp,), "norm"),
                 ParamShape(p + "attention.wv.bias", (m.kv_heads * hd // tp,), "norm")]
-    if m.qk_norm:  # one head's weights, replicated on the TP ranks (OLMo 2: all heads', tp 1)
-        wide = m.qk_norm_width == "all"
-        out += [ParamShape(p + "attention.q_norm.weight", ((m.heads if wide else 1) * hd,), "norm"),
-                ParamShape(p + "attention.k_norm.weight", ((m.kv_heads if wide else 1) * hd,), "norm")]
+    if m.qk_norm and m.qk_norm_width == "all":  # OLMo 2: all heads' weights, split with the heads (Shard(0))
+        out += [ParamShape(p + "attention.q_norm.weight", (m.heads * hd // tp,), "norm"),
+                ParamShape(p + "attention.k_norm.weight", (m.kv_heads * hd // tp,), "norm")]
+    elif m.qk_norm:  # one head's weights, replicated on the TP ranks
+        out += [ParamShape(p + "attention.q_norm.weight", (hd,), "norm"),
+                ParamShape(p + "attention.k_norm.weight", (hd,), "norm")]
     if is_moe_layer(m, layer):
         e, f = m.moe.num_experts, m.expert_ffn
         local_e = e // ep

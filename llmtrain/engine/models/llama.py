@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.engine.models.moe import MoE, FeedForward
-from llmtrain.engine.models.norm import RMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
+from llmtrain.engine.models.norm import RMSNorm, SplitRMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
 from llmtrain.engine.models.softcap import softcap_attention, softcap_logits
 from llmtrain.recipe.schema import ModelConfig
@@ -153,10 +153,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.hidden, cfg.kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.heads * self.head_dim, cfg.hidden, bias=False)
         self.qk_norm_all = cfg.qk_norm and cfg.qk_norm_width == "all"  # OLMo 2: over all heads, before the split
-        if cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
-            width = (cfg.heads, cfg.kv_heads) if self.qk_norm_all else (1, 1)
-            self.q_norm = make_norm(width[0] * self.head_dim, cfg.norm_eps, cfg.norm_offset)
-            self.k_norm = make_norm(width[1] * self.head_dim, cfg.norm_eps, cfg.norm_offset)
+        if cfg.qk_norm and self.qk_norm_all:  # over all heads: TP splits them (engine/models/norm.py SplitRMSNorm)
+            self.q_norm = SplitRMSNorm(cfg.heads * self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = SplitRMSNorm(cfg.kv_heads * self.head_dim, eps=cfg.norm_eps)
+        elif cfg.qk_norm:  # only existing modules get parameters (names are a checkpoint contract)
+            self.q_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = make_norm(self.head_dim, cfg.norm_eps, cfg.norm_offset)
         # model.attention_scale (Gemma 3's query_pre_attn_scalar ** -0.5): folded into q after RoPE, so
         # every attention path (SDPA, the CP kernel blocks) keeps its default 1 / sqrt(head_dim)
         self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * self.head_dim**0.5
@@ -168,7 +170,7 @@ class Attention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q, k = self.wq(x), self.wk(x)
-        if self.qk_norm_all:  # OLMo 2 (tp 1: validate.py), over all of q's and all of k's features
+        if self.qk_norm_all:  # OLMo 2: over all of q's and all of k's features (under TP: SplitRMSNorm)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         if hasattr(self, "q_norm") and not self.qk_norm_all:

@@ -33,6 +33,46 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, w, self.eps)
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """The sum of a tensor over a process group, forward; the sum of its gradient over the group,
+    backward (every rank's output is the same sum, and each rank's loss depends on it)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, group) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol  # noqa: PLC0415 (only under TP)
+
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(t.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        from torch.distributed import _functional_collectives as funcol  # noqa: PLC0415
+
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+class SplitRMSNorm(RMSNorm):
+    """An RMSNorm over a last dimension that tensor parallelism may split: OLMo 2's q and k norms, over
+    all heads, which column-parallel wq / wk leave ``heads / tp`` of per rank. Without TP it is
+    :class:`RMSNorm`. Under TP (engine/parallel/tensor.py sets ``group`` and ``full`` and makes the
+    weight a ``Shard(0)`` DTensor) each rank sums its shard's squares, an all-reduce over the TP group
+    (:class:`_SumOverGroup`: its backward all-reduces the gradient) gives the whole row's, and the
+    rank scales its shard by its slice of the weight. Eager ops, fp32 inside: it keeps the fp32 input,
+    the normalized shard and one rstd per row (plan/norm_activations.py counts them so)."""
+
+    group = None  # the TP process group, set by tensor parallelism
+    full = 0  # the whole normalized width (the weight's global size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return super().forward(x)
+        xf = x.float()
+        squares = _SumOverGroup.apply(xf.pow(2).sum(-1, keepdim=True), self.group)
+        rstd = torch.rsqrt(squares / self.full + (self.eps if self.eps is not None else torch.finfo(xf.dtype).eps))
+        w = self.weight.to_local() if hasattr(self.weight, "to_local") else self.weight
+        return (xf * rstd).to(x.dtype) * w.to(x.dtype)
+
+
 class _OffsetRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

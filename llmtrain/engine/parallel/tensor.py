@@ -14,7 +14,9 @@ Family switches: q/k/v biases (Qwen2) are split with their column-parallel weigh
 styles shard ``bias`` like the output rows). Qwen3's per-head ``q_norm``/``k_norm`` see the local
 heads ``[b, s, heads / tp, head_dim]``; they are ``SequenceParallel(sequence_dim=2)``: the weight
 becomes a replicated DTensor and the input is declared sharded on the head dim, so the weight's
-gradient (a sum over all heads) is reduced over the TP ranks, as torchtitan does for Qwen3.
+gradient (a sum over all heads) is reduced over the TP ranks, as torchtitan does for Qwen3. OLMo 2's
+q/k norms over all heads are split with the heads (``Shard(0)`` weights, the squares summed over the
+TP group: :func:`_split_norms`).
 
 FP8 (``train.precision: fp8``): the Linears are already torchao ``Float8Linear`` s here (converted
 before TP, engine/parallel/float8.py), and each converted one gets torchao's
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -57,6 +59,16 @@ def _styles(*linears: nn.Module) -> tuple[type, type, type]:
     if linears and all(is_float8_linear(m) for m in linears):
         return float8_tp_styles()
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def _split_norms(attn: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """OLMo 2's q/k norms over all heads under TP (engine/models/norm.py ``SplitRMSNorm``): each weight
+    becomes a ``Shard(0)`` DTensor (rank r holds the features of its heads, like wq's / wk's rows) and
+    the norm sums its squares over the TP group."""
+    for norm in (attn.q_norm, attn.k_norm):
+        full = norm.weight.shape[0]
+        norm.weight = nn.Parameter(distribute_tensor(norm.weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None))
+        norm.group, norm.full = tp_mesh.get_group(), full
 
 
 def _col(linear: nn.Module, **kw) -> ColwiseParallel:
@@ -117,7 +129,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         # column-parallel layer (measured by benchmarks/planner_fidelity.py: 7 -> 4 per layer).
         plan["attention"] = _styles(attn.wq, attn.wk, attn.wv)[2](input_layouts=(stream, None, None),
                                                                   desired_input_layouts=(Replicate(), None, None))
-        if getattr(block.attention, "q_norm", None) is not None:
+        if getattr(attn, "qk_norm_all", False):  # OLMo 2: over all heads; each rank holds heads / tp of them
+            _split_norms(attn, tp_mesh)
+        elif getattr(block.attention, "q_norm", None) is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sp and getattr(block, "attention_norm", None) is not None:  # OLMo 2 has no pre norms (nor TP: validate.py)
