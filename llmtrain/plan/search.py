@@ -212,10 +212,12 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
     # (ring and all-gather have no such blocks: validate.py)
     ulysses_only = (windowed(recipe.model, t.seq_len) > 0 or recipe.model.attention_softcap is not None
                     or recipe.data.packing)
+    # blocks without input norms (OLMo 2) refuse TP with sequence parallelism (validate.py): TP without it
+    no_sp_refusal = recipe.model.pre_norms or not recipe.model.post_norms
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
-        sp = tp > 1 and (t.seq_len // cp) % tp == 0
+        sp = tp > 1 and (t.seq_len // cp) % tp == 0 and no_sp_refusal
         kept_sp = (keep or {}).get("parallel.sequence_parallel")
         if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
             if kept_sp and tp > 1 and not sp:
