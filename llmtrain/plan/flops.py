@@ -242,6 +242,14 @@ def masked_layers(recipe) -> float:
     return 1.0 if recipe.data.packing else windowed(recipe.model, recipe.train.seq_len)
 
 
+def ulysses_only(recipe) -> bool:
+    """Whether context parallelism must be Ulysses: the attention takes a mask (a sliding window shorter
+    than the sequence, packed rows) or runs the soft-capped kernel, which ring and all-gather CP's blocks
+    do not (plan/validate.py refuses them, each in its own words; plan/search.py picks Ulysses)."""
+    return (windowed(recipe.model, recipe.train.seq_len) > 0 or recipe.model.attention_softcap is not None
+            or recipe.data.packing)
+
+
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.

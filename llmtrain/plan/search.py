@@ -35,7 +35,7 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import windowed
+from llmtrain.plan.flops import ulysses_only
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.search_bounds import (
@@ -208,16 +208,12 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    # a sliding window shorter than the sequence, Gemma 2's soft-capped scores or packed rows: Ulysses CP only
-    # (ring and all-gather have no such blocks: validate.py)
-    ulysses_only = (windowed(recipe.model, t.seq_len) > 0 or recipe.model.attention_softcap is not None
-                    or recipe.data.packing)
-    # blocks without input norms (OLMo 2) refuse TP with sequence parallelism (validate.py): TP without it
-    no_sp_refusal = recipe.model.pre_norms or not recipe.model.post_norms
+    ulysses = ulysses_only(recipe)  # a mask or the soft-capped kernel: CP as Ulysses (flops.ulysses_only)
+    sp_allowed = not recipe.model.post_norms_only  # OLMo 2's block: TP without SP (validate.py)
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
-        sp = tp > 1 and (t.seq_len // cp) % tp == 0 and no_sp_refusal
+        sp = tp > 1 and (t.seq_len // cp) % tp == 0 and sp_allowed
         kept_sp = (keep or {}).get("parallel.sequence_parallel")
         if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
             if kept_sp and tp > 1 and not sp:
@@ -225,7 +221,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
-        if cp > 1 and ulysses_only and recipe.parallel.cp_method != "ulysses" \
+        if cp > 1 and ulysses and recipe.parallel.cp_method != "ulysses" \
                 and allowed(keep, "parallel.cp_method", "ulysses"):
             base["cp_method"] = "ulysses"
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):

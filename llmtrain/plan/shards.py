@@ -161,15 +161,13 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
     h, hd = m.hidden, m.head_dim
     p = f"layers.{layer}."
     out = [
-        ParamShape(p + "attention_norm.weight", (h,), "norm"),
         ParamShape(p + "attention.wq.weight", (m.heads * hd // tp, h), "matmul"),
         ParamShape(p + "attention.wk.weight", (m.kv_heads * hd // tp, h), "matmul"),
         ParamShape(p + "attention.wv.weight", (m.kv_heads * hd // tp, h), "matmul"),
         ParamShape(p + "attention.wo.weight", (h, m.heads * hd // tp), "matmul"),
-        ParamShape(p + "ffn_norm.weight", (h,), "norm"),
     ]
-    if not m.pre_norms:  # OLMo 2: only the post norms
-        out = [s for s in out if not s.name.endswith(("attention_norm.weight", "ffn_norm.weight"))]
+    if m.pre_norms:  # every family but OLMo 2
+        out += [ParamShape(p + "attention_norm.weight", (h,), "norm"), ParamShape(p + "ffn_norm.weight", (h,), "norm")]
     if m.post_norms:  # Gemma: on the attention's and the MLP's outputs
         out += [ParamShape(p + "attention_post_norm.weight", (h,), "norm"),
                 ParamShape(p + "ffn_post_norm.weight", (h,), "norm")]

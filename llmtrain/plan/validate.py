@@ -117,14 +117,15 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
                     "choose an even head_dim (or hidden and heads with an even quotient)"))
     windowed = bool(m.windowed_layers)
-    bad_layers = sorted({i for i in m.full_attention_layers or () if not 0 <= i < m.layers})
-    if bad_layers:
-        err(Problem("model.full_attention_layers", f"layers {bad_layers} do not exist (the model has {m.layers}: "
-                    f"0..{m.layers - 1})", f"use layer indices 0..{m.layers - 1}"))
+    for name in ("full_attention_layers", "nope_layers"):  # layer indices
+        bad_layers = sorted({i for i in getattr(m, name) or () if not 0 <= i < m.layers})
+        if bad_layers:
+            err(Problem(f"model.{name}", f"layers {bad_layers} do not exist (the model has {m.layers}: "
+                        f"0..{m.layers - 1})", f"use layer indices 0..{m.layers - 1}"))
     if m.qk_norm_width == "all" and not m.qk_norm:
         err(Problem("model.qk_norm_width", "qk_norm_width all is set but model.qk_norm is false",
                     "set model.qk_norm: true, or drop model.qk_norm_width"))
-    if not m.pre_norms and m.post_norms and p.tp > 1 and p.sequence_parallel:
+    if m.post_norms_only and p.tp > 1 and p.sequence_parallel:
         err(Problem("parallel.sequence_parallel", "tensor parallelism with sequence parallelism for a block without "
                     "input norms (model.pre_norms false, OLMo 2): a 5-step parity run trains off by 1e-5..2e-4 in the "
                     "loss (the post norms' gradients under SP; not found yet), so it is refused",
@@ -133,10 +134,6 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
         err(Problem("model.qk_norm_width", "q/k norms over all heads with offset norms (model.norm_offset): no "
                     "family has both, and the split norm (engine/models/norm.py SplitRMSNorm) has no offset",
                     "set model.qk_norm_width: head, or model.norm_offset: false"))
-    bad_nope = sorted({i for i in m.nope_layers or () if not 0 <= i < m.layers})
-    if bad_nope:
-        err(Problem("model.nope_layers", f"layers {bad_nope} do not exist (the model has {m.layers}: 0..{m.layers - 1})",
-                    f"use layer indices 0..{m.layers - 1}"))
     if m.sliding_window is None and (m.full_attention_layers is not None or m.local_rope_theta is not None):
         name = "full_attention_layers" if m.full_attention_layers is not None else "local_rope_theta"
         err(Problem(f"model.{name}", f"{name} is set but model.sliding_window is not: no layer is windowed",

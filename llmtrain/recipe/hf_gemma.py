@@ -121,7 +121,8 @@ def _gemma1(conf: dict) -> bool:
     return conf.get("model_type") == "gemma"
 
 
-def _gemma2_theta(conf: dict) -> object:
+def _single_theta(conf: dict) -> object:
+    """Gemma 1's and 2's one RoPE base (``rope_parameters`` or 4.x's ``rope_theta``; default 1e4)."""
     params = conf.get("rope_parameters")
     if isinstance(params, dict) and params.get("rope_theta") is not None:
         return params["rope_theta"]
@@ -194,7 +195,7 @@ def _single_rope_problems(conf: dict, bad) -> None:
     kind = _kind(params) if isinstance(params, dict) else "?"
     if kind != "default":
         bad("rope_parameters.rope_type", kind, f"{conf.get('model_type')} is implemented with default RoPE")
-    theta = _gemma2_theta(conf)
+    theta = _single_theta(conf)
     if type(theta) not in (int, float) or not 0 < theta < float("inf"):
         bad("rope_theta", theta, "it must be a positive number")
 
@@ -211,7 +212,7 @@ def gemma_fields(conf: dict) -> dict[str, Any]:
     """The recipe ``model`` fields a gemma / gemma2 / gemma3_text config sets beyond the common ones
     (checked first: :func:`gemma_problems`)."""
     if _gemma1(conf):  # no windows, post norms, query scalar or soft-caps
-        return {"rope_theta": float(_gemma2_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
+        return {"rope_theta": float(_single_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
                 "sliding_window": None, "full_attention_layers": None, "attention_scale": None,
                 "tie_embeddings": bool(conf.get("tie_word_embeddings", True)), "norm_offset": True, "post_norms": False,
                 "embed_scale": True, "mlp_activation": "gelu_tanh"}
@@ -225,7 +226,7 @@ def gemma_fields(conf: dict) -> dict[str, Any]:
     }
     if _gemma2(conf):  # absent keys take Gemma2Config's defaults (50 / 30), an explicit null none
         caps = {ours: conf.get(key, GEMMA2_SOFTCAP[key]) for key, ours in SOFTCAP_FIELDS.items()}
-        return {**common, "rope_theta": float(_gemma2_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
+        return {**common, "rope_theta": float(_single_theta(conf)), "local_rope_theta": None, "rope_scaling": None,
                 **{k: None if v is None else float(v) for k, v in caps.items()}}
     rope = _per_type(conf)
     full = rope["full_attention"]
