@@ -310,7 +310,7 @@ def test_engine_count_and_init_of_switches(tiny, family):
 
 # -- every layout, from each family's checkpoint ------------------------------------------------------
 
-LAYOUTS = {"tp2": ["parallel.tp=2"], "tp2_nosp": ["parallel.tp=2", "parallel.sequence_parallel=false"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
            "fsdp2": ["parallel.dp_shard=2"], "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
            "ulysses2": ["parallel.cp=2", "parallel.cp_method=ulysses"],
            "pp2_21": ["parallel.pp=2", "parallel.pp_layers_per_stage=[2,1]"]}  # 3 layers: a sliding + full stage
@@ -331,8 +331,8 @@ def layouts_of(family: str) -> list[str]:
         # attention (Gemma 2: its soft-capped kernel there too)
         return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2"]  # (ring and all-gather
         # CP refuse it: test_validate.py)
-    if family == "olmo2":  # its q/k norms span the heads TP splits (engine/models/norm.py SplitRMSNorm); TP
-        return ["tp2_nosp", "pp2", "cp2", "fsdp2", "ulysses2"]  # without SP (validate.py)
+    if family == "olmo2":  # its q/k norms span the heads TP splits (engine/models/norm.py SplitRMSNorm)
+        return ["tp2", "pp2", "cp2", "fsdp2", "ulysses2"]
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])
     fsdp = [] if family in MOE else ["fsdp2"]  # ep2 borrows dp_shard 2: it runs FSDP 2 on the dense weights
     return ["tp2", "pp2", "cp2", *fsdp, *extra]  # llama3 (tied embeddings) too: PP syncs the two copies

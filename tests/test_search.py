@@ -80,17 +80,6 @@ def test_ulysses_only_models_search_context_parallel_layouts_under_ulysses(overr
     assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
 
 
-def test_a_block_without_input_norms_searches_tp_without_sequence_parallelism():
-    """OLMo 2's block (no input norms) refuses TP with SP (validate.py): the search's TP layouts go without it."""
-    olmo = ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
-            "train.global_batch_size=64"]
-    plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=olmo)
-    result = search(plan.recipe, plan.placement, top=100)
-    _check_valid_and_fitting(plan, result)
-    tps = [c.overrides for c in result.top if c.overrides["parallel.tp"] > 1]
-    assert tps and not any(o["parallel.sequence_parallel"] for o in tps)
-
-
 # debug-moe on 4 nodes of 2: expert groups that leave the node (search_bounds.ep_floor's NIC term)
 @pytest.mark.parametrize("recipe, nodes, gpus", [("recipes/llama3-8b.yaml", 2, 8), ("recipes/debug-moe.yaml", 1, 8),
                                                  ("recipes/debug-moe.yaml", 4, 2)])

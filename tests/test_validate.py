@@ -167,10 +167,8 @@ def test_qk_norms_over_all_heads_need_qk_norm_and_no_offset():
     (engine/models/norm.py SplitRMSNorm), and refuse Gemma's offset norms, which no family combines."""
     find(errors(debug({"model": {"qk_norm_width": "all"}})), "model.qk_norm_width", "model.qk_norm is false")
     olmo = {"model": {"qk_norm": True, "qk_norm_width": "all", "pre_norms": False, "post_norms": True}}
-    p = find(errors(debug({**olmo, "parallel": {"tp": 2, "sequence_parallel": True}})), "parallel.sequence_parallel",
-             "without input norms")
-    assert p.hint.startswith("set parallel.sequence_parallel: false")
-    assert plan_of(debug({**olmo, "parallel": {"tp": 2, "sequence_parallel": False}})).valid
+    for sp in (True, False):  # SP refused until the thirty-eighth session found the post norms' missing TP sum
+        assert plan_of(debug({**olmo, "parallel": {"tp": 2, "sequence_parallel": sp}})).valid
     offset = {"model": {**olmo["model"], "norm_offset": True}}
     p = find(errors(debug(offset)), "model.qk_norm_width", "offset norms")
     assert p.hint == "set model.qk_norm_width: head, or model.norm_offset: false"

@@ -209,11 +209,10 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
     ulysses = ulysses_only(recipe)  # a mask or the soft-capped kernel: CP as Ulysses (flops.ulysses_only)
-    sp_allowed = not recipe.model.post_norms_only  # OLMo 2's block: TP without SP (validate.py)
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
-        sp = tp > 1 and (t.seq_len // cp) % tp == 0 and sp_allowed
+        sp = tp > 1 and (t.seq_len // cp) % tp == 0
         kept_sp = (keep or {}).get("parallel.sequence_parallel")
         if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
             if kept_sp and tp > 1 and not sp:

@@ -125,11 +125,6 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
     if m.qk_norm_width == "all" and not m.qk_norm:
         err(Problem("model.qk_norm_width", "qk_norm_width all is set but model.qk_norm is false",
                     "set model.qk_norm: true, or drop model.qk_norm_width"))
-    if m.post_norms_only and p.tp > 1 and p.sequence_parallel:
-        err(Problem("parallel.sequence_parallel", "tensor parallelism with sequence parallelism for a block without "
-                    "input norms (model.pre_norms false, OLMo 2): a 5-step parity run trains off by 1e-5..2e-4 in the "
-                    "loss (the post norms' gradients under SP; not found yet), so it is refused",
-                    "set parallel.sequence_parallel: false (TP without SP runs it exactly), or parallel.tp: 1"))
     if m.qk_norm and m.qk_norm_width == "all" and m.norm_offset:
         err(Problem("model.qk_norm_width", "q/k norms over all heads with offset norms (model.norm_offset): no "
                     "family has both, and the split norm (engine/models/norm.py SplitRMSNorm) has no offset",

@@ -258,12 +258,6 @@ class ModelConfig(Strict):
         """head_dim was given (not derived as hidden / heads); then hidden % heads need not be 0."""
         return "head_dim" in self.model_fields_set
 
-    @property
-    def post_norms_only(self) -> bool:
-        """A block without input norms, only the post norms (OLMo 2): TP with sequence parallelism is refused
-        for it (plan/validate.py, which says why; plan/search.py offers TP without SP)."""
-        return not self.pre_norms and self.post_norms
-
     def uses_rope(self, layer: int) -> bool:
         """Whether block ``layer``'s attention applies RoPE (not a ``nope_layers`` layer)."""
         return layer not in (self.nope_layers or ())

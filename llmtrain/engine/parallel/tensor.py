@@ -134,15 +134,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         elif getattr(block.attention, "q_norm", None) is not None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if sp and getattr(block, "attention_norm", None) is not None:  # OLMo 2 has no pre norms (nor TP: validate.py)
+        if sp and getattr(block, "attention_norm", None) is not None:  # OLMo 2 has no input norms
             plan.update({
                 "attention_norm": SequenceParallel(),
                 "ffn_norm": SequenceParallel(),
             })
-            if getattr(block, "attention_post_norm", None) is not None:  # Gemma's norms on the branch outputs,
-                # which wo / w2 reduce-scatter (SP); local outputs: the residual add takes plain tensors
-                plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
-                plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
+        if sp and getattr(block, "attention_post_norm", None) is not None:
+            # the norms on the branch outputs (Gemma 2/3 with input norms, OLMo 2 without), which wo / w2
+            # reduce-scatter (SP): each rank normalizes its sequence shard, so the weight's gradient is a sum
+            # over the TP group that SequenceParallel's replicated DTensor weight reduces (a plain weight here
+            # would update each TP rank from its own shard's part); local outputs: the residual add takes
+            # plain tensors
+            plan["attention_post_norm"] = SequenceParallel(use_local_output=True)
+            plan["ffn_post_norm"] = SequenceParallel(use_local_output=True)
         if getattr(block, "moe", None) is not None:
             apply_expert_tensor_parallel(block.moe, tp_mesh, sequence_parallel=sp)
         else:
