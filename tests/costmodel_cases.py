@@ -60,6 +60,11 @@ CASES = {
                    "parallel.zero=1"],
     "olmo_tp2": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
                  "parallel.tp=2", "parallel.sequence_parallel=false", "parallel.zero=1"],  # q/k norms split with heads
+    # and under SP: the post norms on wo's / w2's reduce-scattered outputs, their weights' gradients summed over TP
+    "olmo_tp2_sp": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
+                    "parallel.tp=2", "parallel.zero=1"],
+    # RoPE's rotations (plan/rope_activations.py): partial rotary (8 of 16 features), a NoPE layer (SmolLM3)
+    "rope_partial_nope_zero1": ["model.rotary_dim=8", "model.nope_layers=[3]", "parallel.zero=1"],
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
                               "parallel.pp_virtual_stages=2", "train.global_batch_size=8"],
     # LoRA (engine/finetune/lora.py): frozen base (parameters only), adapters with gradients and AdamW
@@ -117,4 +122,7 @@ CASES = {
     "tp2_sp_amp": ["parallel.tp=2", "train.precision=bf16"],
     "moe_zero1_amp": MOE + ["parallel.zero=1", "train.precision=bf16"],
     "lora_ddp_amp": LORA + ["train.precision=bf16"],
+    # block 0 keeps a frozen weight's autocast copy only where its input needs a gradient: with the only adapter on
+    # w2 none of its base projections does (plan/rankmem.py lora_uncast_numel)
+    "lora_ddp_amp_w2": LORA + ["train.precision=bf16", "train.lora.targets=[w2]"],
 }

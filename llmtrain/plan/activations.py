@@ -73,6 +73,7 @@ from functools import lru_cache
 
 from llmtrain.plan.cp_transient import cp_transient_bytes, ring_transient_bytes  # noqa: F401 (re-exported)
 from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_terms, qk_norm_terms
+from llmtrain.plan.rope_activations import layer_rope_terms, stage_rope_terms
 from llmtrain.plan.losschunk import loss_chunk_tokens
 
 
@@ -127,6 +128,9 @@ class ActShape:
     logit_softcap: bool = False  # model.logit_softcap (Gemma 2): the chunked loss keeps the cap's slope per chunk
     pre_norms: bool = True  # model.pre_norms false (OLMo 2): no norms on the attention's and the MLP's inputs
     qk_norm_all: bool = False  # model.qk_norm_width all (OLMo 2): q/k norms over all heads, one rstd per token
+    rope_dim: int = 0  # features RoPE rotates per head (model.rotary_dim); 0: head_dim
+    rope_eager: bool = True  # the engine's complex-multiply RoPE (not train.compile): plan/rope_activations.py
+    rope_sets: int = 1  # cos/sin sets per forward: 2 with Gemma's local_rope_theta
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -138,6 +142,10 @@ class ActShape:
     @property
     def head_dim(self) -> int:
         return self.hd or self.h // self.heads
+
+    @property
+    def rope_pairs(self) -> int:
+        return (self.rope_dim or self.head_dim) // 2
 
     @property
     def n(self) -> int:
@@ -183,6 +191,7 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
     out = _norm(x) if x.pre_norms else {}  # OLMo 2: wq / wk / wv keep the block's input itself
     out["attn_input"] = bs * x.h * e
     out.update(core_attention_terms(x))
+    out.update(layer_rope_terms(x, recompute))
     return out
 
 
@@ -276,6 +285,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
         out["attn_input"] = bs * x.h * e
     if x_grad or attn_t:
         _add(out, core_attention_terms(x))
+        _add(out, layer_rope_terms(x, recompute, x_grad or "wq" in targets, x_grad or "wk" in targets))
     elif "wo" in targets and not dropout:  # only wo's lora_a needs the (gradient-free) attention output
         out["attn_out"] = e * q
     r_grad = x_grad or bool(attn_t) or "wo" in targets
@@ -343,15 +353,15 @@ def first_stage_terms(x: ActShape) -> dict[str, int]:
     return {"token_ids": 8 * x.b * x.s} if x.lora is None else {}
 
 
-def stage_terms(x: ActShape) -> dict[str, int]:
-    """Per micro batch on every stage: RoPE cos/sin (fp32 [s, head_dim/2] each, shared by its layers)
+def stage_terms(x: ActShape, recompute: str = "none") -> dict[str, int]:
+    """Per micro batch on every stage: RoPE cos/sin where they are held (plan/rope_activations.py)
     and, when a sliding window is shorter than the sequence ``S`` (``s x cp``: Ulysses' attention
     holds the whole sequence; ring and all-gather refuse windows), the additive band mask
     ``[S, S]`` in the compute dtype that every layer's attention saves (models/llama.py
     ``attention_bias``: one tensor per forward, not one per layer). Packed rows (``data.packing``)
     hold their block-diagonal sample mask ``[b, 1, S, S]`` instead, one per kind of layer in use:
     the windowed layers' (samples and band) and the full-attention layers'."""
-    out = {"rope": 2 * LSE * x.s * (x.head_dim // 2)}
+    out = stage_rope_terms(x, recompute)
     full = x.s * x.cp
     band = bool(x.window) and full > x.window
     if x.packed:

@@ -25,7 +25,7 @@ from llmtrain.plan.memory import (
     model_state_bytes, optimizer_step_bytes, param_buffer_bytes, torch_ddp_bucket_state, torch_ddp_grads,
     worst_dp_index,
 )
-from llmtrain.plan.shards import inventory, lora_key, rank_stages, stage_layers
+from llmtrain.plan.shards import block_params, inventory, lora_key, rank_stages, stage_layers
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
 from llmtrain.recipe.schema import Recipe
 
@@ -76,6 +76,8 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         post_norms=m.post_norms, offset_norm=m.norm_offset, qk_norm=m.qk_norm,
         logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing, pre_norms=m.pre_norms,
         qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
+        rope_dim=m.rope_dim, rope_eager=not t.compile,
+        rope_sets=2 if m.local_rope_theta is not None and m.windowed_layers and len(m.windowed_layers) < m.layers else 1,
         full_layers=bool(m.windowed_layers) and len(m.windowed_layers) < m.layers)
 
 
@@ -104,8 +106,12 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     # the rank's CP coordinate (the dp_cp mesh is (dp_replicate, dp_shard, cp), cp fastest); None: the most loaded
     cp_index = None if dp_index is None else dp_index % dims.cp
     kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
+    nope_layers = set(m.nope_layers or ())
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
-        parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x), 1)]
+        parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x, recompute), 1)]
+        nope = sum(1 for i in stages[chunk] if i in nope_layers)  # SmolLM3's layers without RoPE
+        if nope:
+            parts.append(({"rope_rotation": -kinds[False].get("rope_rotation", 0)}, nope))
         if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
             parts[0] = (kinds[False], n_layers - n_moe - 1)
             parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))
@@ -125,9 +131,11 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
 
     head = m.vocab_size // dims.tp * m.hidden if inv.last and not (m.tie_embeddings and inv.first) else 0  # output.weight
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
-    head_cast = head if recipe.planner.loss == "engine" else 0
+    uncast = head if recipe.planner.loss == "engine" else 0
+    if t.lora is not None and inv.first and not m.is_moe_layer(0) and 0 in inv.layers:
+        uncast += lora_uncast_numel(m, dims.tp, dims.ep, lora_key(t.lora))  # block 0's inputs need no gradient
     weights = master_weight_buffers(inv.matmul_numel - head, t.precision) if master else param_buffer_bytes(
-        inv.dense_numel + inv.expert_numel, inv.matmul_numel - head_cast, mode, t.precision, inv.largest_block, inv.root,
+        inv.dense_numel + inv.expert_numel, inv.matmul_numel - uncast, mode, t.precision, inv.largest_block, inv.root,
         recompute, fp8=fp8_unsharded_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else (0, 0))
     other = {
         "weight_buffers": weights,
@@ -169,6 +177,29 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
                                                       - reserve))
     return RankMemory(pp_rank, index, state.params, state.grads, state.optimizer, acts, sum(other.values()), phase,
                       other, detail, state.trainable, saved, grads_held=held)
+
+
+def lora_uncast_numel(m, tp: int, ep: int, lora) -> int:
+    """Block 0's matmul weights whose autocast copy is not saved under LoRA: a linear keeps its (cast) weight
+    only for its input's gradient, and block 0's input (the frozen embedding's output) needs none; what
+    follows needs one once an adapter upstream trains (the attention's output after an adapter on wq / wk /
+    wv, the MLP's input after one on wo too, w2's input after one on w1 / w3). The adapters' ``lora_a``
+    take the same inputs; their ``lora_b`` always have one that needs a gradient (A x). Measured:
+    tests/test_costmodel.py ``lora_ddp_amp`` (block 0's wq, wk and wv planned as kept before)."""
+    targets = set(lora[1])
+    free = {"wq", "wk", "wv"}
+    if not targets & free:
+        free.add("wo")
+        if "wo" not in targets:
+            free |= {"w1", "w3"}
+            if not targets & {"w1", "w3"}:
+                free.add("w2")
+    n = 0
+    for q in block_params(m, 0, tp, ep, lora):
+        parts = q.name.split(".")  # layers.0.<module>.<proj>.weight | layers.0.<module>.<proj>.lora_a.weight
+        if q.kind == "matmul" and parts[3] in free and "lora_b" not in parts:
+            n += q.numel
+    return n
 
 
 def master_weight_buffers(block_matmul_numel: int, precision: str) -> int:
