@@ -40,6 +40,9 @@ model). Rules kept here:
   the engine's own SDPA, cuDNN's on Hopper at the rate this project's GPU check measured;
 - ``planner.fp8_casts: fused`` for the Transformer Engine rows (NeMo, Megatron-Bridge): TE fuses its fp8
   casts into cast-transpose kernels and the norms before the GEMMs, where the engine runs torchao's;
+- ``planner.gqa: repeat`` for torchtitan's rows (2024-12 and Trainy's 2025 ones): its ``Attention`` repeats
+  GQA's K/V to the query heads (``repeat_kv``) before SDPA, which keeps the repeated copies; the other stacks
+  hand K/V to their kernels as they are (Transformer Engine, FlashAttention), as the engine does;
 - ``planner.loss: unchunked`` for torchtitan 2024 (``F.cross_entropy`` over the whole fp32 logits; ``compiled`` for
   the 2025 Trainy rows, whose torchtitan compiles that loss under ``training.compile``; the
   engine chunks): memory only, what ``--memory`` compares with torchtitan's readings.
@@ -331,9 +334,13 @@ def rows() -> list[dict]:
     from published_nemo import nemo_more_rows, nemo_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_zerobubble import zero_bubble_rows  # noqa: PLC0415 (it imports recipe() from here)
 
-    return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
-            + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows() + zero_bubble_rows())
+    out = (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
+           + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
+           + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows() + zero_bubble_rows())
+    for row in out:  # torchtitan's attention repeats GQA's K/V to the query heads (repeat_kv) before SDPA
+        if "torchtitan" in row["url"] and row["recipe"]["model"].get("preset", "").startswith("llama"):
+            row["recipe"]["planner"] = dict(row["recipe"].get("planner", {}), gqa="repeat")
+    return out
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

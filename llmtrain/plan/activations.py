@@ -28,8 +28,11 @@ output, ``engine/models/llama.py``), ``n`` =
   never the s x s scores (``planner.attention_kernel: materialized``, a stack's attention before
   FlashAttention: Megatron-LM's core attention keeps per score its softmax output, its dropout mask
   and the dropped output, Korthikanti's ``5as^2b`` bytes, instead of the log-sum-exp;
-  ``ActShape.materialized``). The engine repeats K/V heads to the query heads *before* SDPA, so K
-  and V cost as much as Q (GQA saves nothing here): ``4 bsh e / t + 4 bas / t``. Context
+  ``ActShape.materialized``). The flash kernel takes GQA's K/V with their kv_heads where it can
+  (plan/gqa.py: no mask, no soft-capping, a 16-bit GPU or the CPU), which it then keeps:
+  ``2 bsh e / t + 2 bs kv d e / t + 4 bas / t``; elsewhere K/V are repeated to the query heads
+  first and cost as much as Q (``4 bsh e / t + 4 bas / t``, every layer before the thirty-eighth
+  session). Context
   parallelism (:func:`core_attention_terms`): ring and all-gather save K/V with their kv_heads
   (the all-gather: of the whole sequence) and repeat each kernel block's K/V after the exchange;
   ``planner.cp_kv`` changes only the priced exchange (plan/comm.py), never this memory;
@@ -123,6 +126,7 @@ class ActShape:
     rope_dim: int = 0  # features RoPE rotates per head (model.rotary_dim); 0: head_dim
     rope_eager: bool = True  # the engine's complex-multiply RoPE (not train.compile): plan/rope_activations.py
     rope_sets: int = 1  # cos/sin sets per forward: 2 with Gemma's local_rope_theta
+    gqa_native: bool = False  # SDPA takes K/V with their kv_heads and saves them so (plan/gqa.py)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -189,8 +193,9 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
 
 def core_attention_terms(x: ActShape) -> dict[str, int]:
     """What the core attention keeps: SDPA, or the engine's context-parallel attention
-    (``engine/parallel/context.py``). K and V are repeated to the query heads before SDPA and
-    Ulysses; ring and all-gather take them with their kv_heads and repeat after the exchange."""
+    (``engine/parallel/context.py``). SDPA's flash kernel takes K and V with their kv_heads where it can
+    (``x.gqa_native``, plan/gqa.py); elsewhere, and for Ulysses, they are repeated to the query heads
+    first; ring and all-gather take them with their kv_heads and repeat after the exchange."""
     bs, t, e = x.b * x.s, x.tp, x.e
     q = bs * x.heads * x.head_dim // t  # one of q, k, v or the output, local
     kv = bs * x.kv_heads * x.head_dim // t  # one of k, v with the local kv_heads
@@ -198,8 +203,8 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     if x.cp <= 1 and x.materialized:  # Megatron-LM's CoreAttention: q, k, v, the context, and per score the
         # fused softmax's output (e), attention dropout's mask (1 byte) and output (e), Megatron's default 0.1
         return {"qkv_attn_out": 4 * e * q, "attn_scores": (2 * e + 1) * x.b * (x.heads // t) * x.s * x.s}
-    if x.cp <= 1:
-        return {"qkv_attn_out": 4 * e * q, "attn_lse": lse}  # q, k, v, SDPA output (+ its fp32 log-sum-exp)
+    if x.cp <= 1:  # q, k, v (with their kv_heads where the kernel takes them: plan/gqa.py), SDPA output, fp32 lse
+        return {"qkv_attn_out": 2 * e * q + 2 * e * (kv if x.gqa_native else q), "attn_lse": lse}
     if x.cp_method == "ring":  # RingAttention saves q, k and v (kv_heads), its output (the model's, wo's input a
         return {"qkv_attn_out": 2 * e * q + 2 * e * kv, "attn_lse": lse}  # view) and lse
     if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy

@@ -104,6 +104,7 @@ class BlockShape:
     rope: str = "engine"  # planner.rope: complex (a complex multiply Inductor does not fuse)
     norms: int = 2  # RMSNorms per block: 4 with model.post_norms (Gemma), priced like the others
     offset_norm: bool = False  # model.norm_offset (Gemma): eager OffsetRMSNorm ops unless compiled (norm_bytes)
+    gqa_native: bool = False  # K/V handed to the kernel with their own heads: nothing repeated (plan/gqa.py)
 
 
 def norm_bytes(e: int, unfused: bool, offset: bool = False) -> tuple[int, int]:
@@ -162,7 +163,7 @@ def _elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
         fwd, bwd = base_f + 2 * e * qk + 3 * e * act, base_b + 2 * e * qk + 5 * e * act
     else:
         rope = (2 * e + 16) * qk
-        repeat = 2 * e * (x.heads + x.kv_heads) * x.hd * tok / t if x.heads > x.kv_heads else 0.0
+        repeat = 2 * e * (x.heads + x.kv_heads) * x.hd * tok / t if x.heads > x.kv_heads and not x.gqa_native else 0.0
         sums = (2 + (0 if moe else 1)) * 3 * e * x.h * tok
         fwd = base_f + rope + 5 * e * act + repeat
         bwd = base_b + rope + 11 * e * act + repeat + sums
@@ -207,7 +208,7 @@ def _compiled_elementwise(x: BlockShape, moe: bool) -> tuple[float, float]:
     rep = 1 if x.sp else t
     hdim = x.h * tok / t * rep
     q_el, kv_el = x.heads * x.hd * tok / t, x.kv_heads * x.hd * tok / t
-    gqa = x.heads > x.kv_heads
+    gqa = x.heads > x.kv_heads and not x.gqa_native  # repeated K/V (plan/gqa.py)
     act = ((x.top_k + x.shared) * x.expert_ffn if moe else x.ffn) * tok / t
     n_attn, n_mlp = 3, (1 if moe else 2)
     if t == 1:
@@ -325,6 +326,7 @@ def head_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[f
 
 def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     """The :class:`BlockShape` of a validated recipe's micro batch on one rank."""
+    from llmtrain.plan.gqa import native_gqa, repeating_layers  # noqa: PLC0415
     from llmtrain.plan.memory import compute_bytes  # noqa: PLC0415  (memory imports the schema)
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
@@ -350,7 +352,9 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
                       lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
-                      rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset)
+                      rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset,
+                      # the whole block priced as its layers without a window band (plan/gqa.py)
+                      gqa_native=native_gqa(recipe, gpu.name, dims.cp) and not repeating_layers(recipe))
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

@@ -14,11 +14,12 @@ re-exports these names).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmtrain.plan import activations as act
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.dims import ParallelDims
+from llmtrain.plan.gqa import native_gqa, repeating_layers
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
     compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_params, master_weight_state,
@@ -77,6 +78,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing, pre_norms=m.pre_norms,
         qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
         rope_dim=m.rope_dim, rope_eager=not t.compile,
+        gqa_native=native_gqa(recipe, gpu.name, dims.cp),
         rope_sets=2 if m.local_rope_theta is not None and m.windowed_layers and len(m.windowed_layers) < m.layers else 1,
         full_layers=bool(m.windowed_layers) and len(m.windowed_layers) < m.layers)
 
@@ -107,11 +109,19 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     cp_index = None if dp_index is None else dp_index % dims.cp
     kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
     nope_layers = set(m.nope_layers or ())
+    repeating = repeating_layers(recipe) if x.gqa_native else frozenset()
+    if repeating:
+        x_rep = replace(x, gqa_native=False)
+        repeated = {moe: act.layer_terms(x_rep, moe, recompute, cp_index=cp_index) for moe in (False, True)}
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
         parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x, recompute), 1)]
         nope = sum(1 for i in stages[chunk] if i in nope_layers)  # SmolLM3's layers without RoPE
         if nope:
             parts.append(({"rope_rotation": -kinds[False].get("rope_rotation", 0)}, nope))
+        banded = sum(1 for i in stages[chunk] if i in repeating) if x.gqa_native else 0
+        if banded:  # windowed layers under a band mask: K/V repeated to the query heads (plan/gqa.py)
+            parts.append(({"qkv_attn_out": repeated[False].get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0)},
+                          banded))
         if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
             parts[0] = (kinds[False], n_layers - n_moe - 1)
             parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))

@@ -72,10 +72,17 @@ class PlannerConfig(Strict):
         "engine", description="Planner only (time model v2); the bundled engine runs eager kernels. How to price a "
                               "block's element-wise work besides its norms: engine (the engine's eager ops: RoPE as an fp32 "
                               "complex multiply, SwiGLU with its SiLU recomputed in backward, GQA's K/V repeated to the "
-                              "query heads, autograd's sums of the separate q/k/v and w1/w3 input gradients), fused (the "
+                              "query heads where planner.gqa says so, autograd's sums of the separate q/k/v and w1/w3 input gradients), fused (the "
                               "fused kernels of Megatron-LM / Megatron-Core with Transformer Engine and of llm-foundry's "
                               "MPT: one QKV and one fc1 GEMM, so no such sums, a fused RoPE and a fused activation, "
                               "attention that takes the K/V heads as they are). plan/ops.py.")
+    gqa: Literal["engine", "repeat"] = Field(
+        "engine", description="Planner only; the bundled engine hands grouped-query K/V to the flash kernel with their own "
+                              "heads where the kernel takes them. How the stack's attention takes GQA's K/V: engine (causal "
+                              "attention without a mask on CPU, or on a GPU in 16-bit with head_dim <= 256, FlashAttention's "
+                              "rule: K/V kept at kv_heads for backward, nothing repeated; masks, soft-capping, Ulysses and "
+                              "other GPU cases repeat), repeat (K/V repeated to the query heads before the kernel, which "
+                              "keeps the repeated copies: torchtitan, transformers before enable_gqa). plan/gqa.py.")
     rope: Literal["engine", "complex"] = Field(
         "engine", description="Planner only (time model v2, with train.compile); the bundled engine compiles RoPE's real "
                               "formula. How Inductor prices the blocks' RoPE: engine (fused with the casts around it and "

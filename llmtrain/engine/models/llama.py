@@ -76,9 +76,42 @@ from llmtrain.engine.models.softcap import softcap_attention, softcap_logits
 from llmtrain.recipe.schema import ModelConfig
 
 
+def gqa_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether SDPA's flash kernel takes K/V with fewer heads than q (``enable_gqa``) on these inputs.
+
+    On CPU torch's flash kernel does (torch >= 2.5; checked on 2.13: it saves K/V at their own
+    ``kv_heads``, outputs equal to repeating). On CUDA only the flash backend honours ``enable_gqa``:
+    any other backend (fp32, head_dim > 256, pre-Ampere, flash disabled) would fall back to the math
+    kernel, which materializes the scores, so the caller repeats K/V instead wherever torch's own
+    flash-eligibility predicate says no."""
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention  # noqa: PLC0415 (CUDA only)
+
+    try:
+        return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, True, True), False))
+    except (RuntimeError, TypeError):  # a torch whose SDPAParams has no enable_gqa field: repeat
+        return False
+
+
 def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Default core attention: causal SDPA on [b, heads, s, head_dim] (flash/memory-efficient kernels)."""
+    """Default core attention: causal SDPA on [b, heads, s, head_dim] (flash/memory-efficient kernels).
+
+    K and V may carry fewer heads (GQA; ``takes_kv_heads``): where the flash kernel takes them as
+    they are (:func:`gqa_native`) it saves K/V at ``kv_heads`` for backward and no repeated copy is
+    written or summed back, otherwise they are repeated to the query heads here (query head ``j``
+    uses KV head ``j // n_rep``, as ``enable_gqa`` does)."""
+    if k.shape[1] != q.shape[1]:
+        if gqa_native(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+causal_sdpa.takes_kv_heads = True
 
 
 def packed_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -181,7 +214,9 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
-        if n_rep > 1 and not (mask is None and getattr(self.attn_fn, "takes_kv_heads", False)):
+        # K/V with their own heads where the core attention takes them (causal SDPA's GQA kernel, ring and
+        # all-gather CP); repeated for masks, the soft-capped kernel and Ulysses
+        if n_rep > 1 and not (mask is None and self.softcap is None and getattr(self.attn_fn, "takes_kv_heads", False)):
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
