@@ -83,3 +83,70 @@ def softcap_attention_step(ctx) -> dict:
     if not worst <= tol:
         raise CheckFailed(f"soft-capped attention is off: relative L2 {errors} (tolerance {tol})")
     return result
+
+
+# Llama 3 8B's attention on one rank (32 query heads, 8 K/V heads of 128) over 4,096 tokens
+GQA_SHAPE = (1, 32, 8, 4096, 128)
+TINY_GQA_SHAPE = (1, 8, 2, 64, 16)
+
+
+@step("gqa_attention", est_s=6, group="options")
+def gqa_attention_step(ctx) -> dict:
+    """The engine's causal attention with GQA's K/V as they are (engine/models/llama.py ``causal_sdpa``:
+    ``enable_gqa`` where ``gqa_native`` says the flash kernel takes it; written in a session without a
+    GPU): whether it takes that path on this device and dtype, its output and gradients against SDPA on
+    K/V repeated to the query heads (relative L2 <= 1e-2 in bf16: the same flash kernel reading shared
+    K/V heads, differing only in summation order; a wrong head mapping is O(1)), the time of both
+    (median of 5) and the memory each allocates beyond its inputs (CUDA)."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.engine.models.llama import causal_sdpa, gqa_native
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    b, h, kv, s, d = TINY_GQA_SHAPE if ctx.tiny else GQA_SHAPE
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, s, d, generator=g).to(ctx.device, dtype).requires_grad_()
+    k, v = (torch.randn(b, kv, s, d, generator=g).to(ctx.device, dtype).requires_grad_() for _ in range(2))
+    dout = torch.randn(b, h, s, d, generator=g).to(ctx.device, dtype)
+    native = gqa_native(q, k, v)
+
+    def repeated(q, k, v):
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(h // kv, 1), v.repeat_interleave(h // kv, 1),
+                                              is_causal=True)
+
+    outs = {}
+    for name, fn in (("engine", causal_sdpa), ("repeated", repeated)):
+        o = fn(q, k, v)
+        outs[name] = (o.detach(), *torch.autograd.grad(o, (q, k, v), dout))
+    rel = lambda a, w: float((a.float() - w.float()).norm() / w.float().norm())
+    errors = {n: rel(a, w) for n, a, w in zip(("out", "dq", "dk", "dv"), outs["engine"], outs["repeated"])}
+    del outs
+
+    def timed(fn):
+        def run():
+            o = fn(q, k, v)
+            torch.autograd.grad(o, (q, k, v), dout)
+        return run
+
+    extra_gib = {}
+    if ctx.cuda:
+        for name, fn in (("engine", causal_sdpa), ("repeated", repeated)):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            timed(fn)()
+            torch.cuda.synchronize()
+            extra_gib[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    reps = 5 if ctx.cuda else 2
+    seconds = {"engine": _timed(timed(causal_sdpa), reps, ctx.cuda), "repeated": _timed(timed(repeated), reps, ctx.cuda)}
+    tol = 1e-2 if ctx.cuda else 1e-5
+    result = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shape": {"b": b, "heads": h, "kv_heads": kv, "s": s, "head_dim": d},
+              "gqa_native": native, "rel_l2": errors, "tolerance": tol, "seconds": seconds,
+              "engine_over_repeated": seconds["engine"] / seconds["repeated"], "extra_gib": extra_gib or None}
+    if not max(errors.values()) <= tol:
+        raise CheckFailed(f"GQA attention differs from the repeated K/V: relative L2 {errors} (tolerance {tol})")
+    if ctx.cuda and dtype == torch.bfloat16 and not native:
+        raise CheckFailed("the flash kernel refused enable_gqa for bf16 causal attention (head_dim 128): the engine "
+                          "repeats K/V here, which plan/gqa.py does not price")
+    return result
