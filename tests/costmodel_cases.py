@@ -63,6 +63,9 @@ CASES = {
     # and under SP: the post norms on wo's / w2's reduce-scattered outputs, their weights' gradients summed over TP
     "olmo_tp2_sp": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
                     "parallel.tp=2", "parallel.zero=1"],
+    # Granite's muP scalars (embedding, branch and logit multipliers, attention scale): scalar products save nothing
+    "granite_tp2": ["model.embed_multiplier=12.0", "model.residual_multiplier=0.22", "model.logit_divisor=8.0",
+                    "model.attention_scale=0.015625", "parallel.tp=2"],
     # RoPE's rotations (plan/rope_activations.py): partial rotary (8 of 16 features), a NoPE layer (SmolLM3)
     "rope_partial_nope_zero1": ["model.rotary_dim=8", "model.nope_layers=[3]", "parallel.zero=1"],
     "pp2_interleaved_zero3": ["parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved-1f1b",
