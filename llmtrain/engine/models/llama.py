@@ -88,6 +88,8 @@ def gqa_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         return True
     if q.device.type != "cuda":
         return False
+    if torch.compiler.is_compiling():  # no graph break per block: FlashAttention's own limits (16-bit, head_dim
+        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256  # <= 256; the catalog's GPUs are sm80+)
     from torch.backends.cuda import SDPAParams, can_use_flash_attention  # noqa: PLC0415 (CUDA only)
 
     try:
