@@ -68,6 +68,7 @@ CASES = {
                                       "train.activation_checkpointing=full", "train.global_batch_size=32"],
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp 2 (all-gather) x dp 2": ["parallel.cp=2", "parallel.cp_method=allgather"],
+    "cp 2 (ulysses) x dp 2": ["parallel.cp=2", "parallel.cp_method=ulysses"],  # GQA K/V exchanged with their heads
     # the selective policy keeps every CP kernel block's output: rank 0 runs fewer (plan/activations.py)
     "cp 2 (ring) x dp 2, selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.activation_checkpointing=selective"],
     "cp 2 (all-gather) x dp 2, selective_mm": ["parallel.cp=2", "parallel.cp_method=allgather",

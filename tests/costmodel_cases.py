@@ -40,6 +40,8 @@ CASES = {
     "moe_e2_ep2_zero2": MOE + ["model.moe.num_experts=2", "parallel.ep=2", "parallel.zero=2"],
     "cp2_ring": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp2_allgather": ["parallel.cp=2", "parallel.cp_method=allgather"],  # kernel blocks: no [s, S] mask held
+    # Ulysses exchanges GQA's K/V with their kv_heads (4 over cp 2) and causal SDPA keeps them so (plan/gqa.py)
+    "cp2_ulysses": ["parallel.cp=2", "parallel.cp_method=ulysses"],
     # a sliding window shorter than the sequence: one additive [S, S] band per micro batch, shared by the layers
     # (models/llama.py attention_bias); under Ulysses over the whole sequence
     "window_zero1": ["model.sliding_window=16", "train.seq_len=256", "parallel.zero=1"],

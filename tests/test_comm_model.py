@@ -78,14 +78,16 @@ def test_expert_gradients_and_zero1_owners_stay_in_expert_dp(tp, edp):
     assert [(c.op, c.group) for c in expert] == ([] if edp == 1 else [("all-reduce", 2), ("broadcast", 2)])
 
 
-@pytest.mark.parametrize("method, tp", [("ring", 8), ("allgather", 8), ("ulysses", 4)])  # ulysses: kv_heads % (tp cp)
+@pytest.mark.parametrize("method, tp", [("ring", 8), ("allgather", 8), ("ulysses", 4), ("ulysses", 8)])
 def test_cp_kv_bytes_scale_with_kv_heads_unless_priced_repeated(method, tp):
     """Ring and all-gather CP move K/V (and dK/dV) with the rank's kv_heads (the engine repeats them
     after the exchange, engine/parallel/context.py): Llama 3 405B under TP 8 has 128 / 8 = 16 query
     heads and 8 / 8 = 1 KV head per rank, so ``planner.cp_kv repeated`` (torchtitan's
     context_parallel, K/V repeated before SDPA) prices 16x the CP bytes, said on the assumptions
-    line. Memory stays the engine's either way. Ulysses re-shards the model's repeated K/V: no
-    change, no assumption."""
+    line. Memory stays the engine's either way. Ulysses exchanges q and the output with the rank's
+    query heads and K/V with its kv_heads when those split over cp (TP 4: 2 per rank over cp 2,
+    since the thirty-eighth session), else repeated (TP 8: 1 per rank): (2 x 32 + 2 x 2) / (4 x 32)
+    of the repeated bytes at TP 4, no change and no assumption at TP 8."""
     base = ["parallel.cp=2", f"parallel.cp_method={method}", f"parallel.tp={tp}", "train.seq_len=16384"]
     plans = [_plan("recipes/llama3-405b.yaml", base + extra, nodes=256, gpus=8)
              for extra in ([], ["planner.cp_kv=repeated"])]
@@ -98,8 +100,9 @@ def test_cp_kv_bytes_scale_with_kv_heads_unless_priced_repeated(method, tp):
         return sum(c.message_bytes * c.count for c in cost.comms if c.dim == "cp")
 
     assert cp_bytes(engine) > 0
-    ratio = 1 if method == "ulysses" else m.heads // m.kv_heads
+    split = method != "ulysses" or tp == 4
+    ratio = (m.heads // m.kv_heads if method != "ulysses" else 128 / 68) if split else 1
     assert cp_bytes(repeated) == pytest.approx(ratio * cp_bytes(engine), rel=1e-12)
-    assert ("planner.cp_kv repeated" in repeated.assumptions) == (method != "ulysses")
+    assert ("planner.cp_kv repeated" in repeated.assumptions) == split
     assert "planner.cp_kv repeated" not in engine.assumptions
     assert repeated.worst.peak == engine.worst.peak

@@ -46,7 +46,8 @@ def test_soft_capped_attention_is_priced_as_the_engines_unfused_kernel():
     """Gemma 2 9B (model.attention_softcap 50) at 8,192 tokens on H100, TP 8: the engine's own kernel
     (engine/models/softcap.py) is two GEMMs forward and five backward over every score block plus its
     element-wise passes through HBM (plan/attentiontime.py SOFTCAP_BYTES), far slower than a flash
-    kernel; the same activations (it keeps what a flash kernel keeps) and model FLOPs. A stack whose
+    kernel; the same activations (it keeps what a flash kernel keeps on K/V repeated to the query
+    heads, which is how the capped kernel takes them: plan/gqa.py) and model FLOPs. A stack whose
     flash kernel caps (planner.attention_kernel fa2, as FlashAttention 2 has softcap) prices as
     without the cap. v2 only: v1 has one efficiency constant for every op."""
     from llmtrain.plan.attentiontime import SOFTCAP_BYTES, attention_seconds
@@ -55,9 +56,10 @@ def test_soft_capped_attention_is_priced_as_the_engines_unfused_kernel():
     base = ["model.preset=gemma2-9b", "train.seq_len=8192", "train.global_batch_size=8", "parallel.tp=8",
             "parallel.zero=1", "cluster.gpu=h100-sxm", "cluster.time_model=v2"]
     costs = {}
-    for cap, kernel in (("50", "engine"), ("null", "engine"), ("50", "fa2"), ("null", "fa2")):
-        plan = _plan("recipes/llama3-8b.yaml", base + [f"model.attention_softcap={cap}",
-                                                       f"planner.attention_kernel={kernel}"])
+    for cap, kernel in (("50", "engine"), ("null", "engine"), ("50", "fa2"), ("null", "fa2"), ("null", "repeat")):
+        gqa = ["planner.gqa=repeat"] if kernel == "repeat" else []
+        plan = _plan("recipes/llama3-8b.yaml", base + gqa + [f"model.attention_softcap={cap}",
+                                                             f"planner.attention_kernel={'engine' if gqa else kernel}"])
         assert plan.validation.errors == []
         v = plan.validation
         costs[cap, kernel] = estimate(plan.recipe, v.dims, v.batch, plan.placement, hints=False)
@@ -65,7 +67,7 @@ def test_soft_capped_attention_is_priced_as_the_engines_unfused_kernel():
     compute = capped.time.breakdown["compute"], flash.time.breakdown["compute"]
     assert compute[0] > 2 * compute[1]  # 0.600 vs 0.156 s: about 11 ms of attention per layer and micro batch
     assert capped.time.tflops_per_gpu * capped.time.step_s == pytest.approx(flash.time.tflops_per_gpu * flash.time.step_s)
-    assert capped.worst.saved_detail == flash.worst.saved_detail
+    assert capped.worst.saved_detail == costs["null", "repeat"].worst.saved_detail
     assert costs["50", "fa2"].time.step_s == costs["null", "fa2"].time.step_s
     f, b = attention_seconds(1, 8192, 8192, 2, 256, 0.5, GPUS["h100-sxm"], kernel="softcap", e=2)
     assert SOFTCAP_BYTES[0](2) == 70 and SOFTCAP_BYTES[1](2) == 140 and b > 2 * f

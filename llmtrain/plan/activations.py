@@ -207,8 +207,9 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
         return {"qkv_attn_out": 2 * e * q + 2 * e * (kv if x.gqa_native else q), "attn_lse": lse}
     if x.cp_method == "ring":  # RingAttention saves q, k and v (kv_heads), its output (the model's, wo's input a
         return {"qkv_attn_out": 2 * e * q + 2 * e * kv, "attn_lse": lse}  # view) and lse
-    if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy
-        return {"qkv_attn_out": 5 * e * q, "attn_lse": lse}
+    if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy;
+        # K/V exchanged and kept with their kv_heads where they split over cp and the kernel takes them (plan/gqa.py)
+        return {"qkv_attn_out": 3 * e * q + 2 * e * (kv if x.gqa_native else q), "attn_lse": lse}
     # allgather: q, the output and K/V (kv_heads) of the whole sequence (one PrefixCausalAttention call
     # for both zigzag chunks: K/V saved once, the copies reordered into global order; the gathered
     # rank-order buffers are freed), kernel blocks (each repeats its keys for GQA), no mask tensor

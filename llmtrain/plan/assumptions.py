@@ -5,6 +5,7 @@ overlap with TP and SP, the CP K/V with ring or all-gather CP, ...)."""
 
 from __future__ import annotations
 
+from llmtrain.plan.gqa import ulysses_kv_split
 from llmtrain.plan.asynctp import tp_overlap_kind
 from llmtrain.plan.memory import master_params, torch_ddp_grads
 from llmtrain.recipe.schema import Recipe
@@ -49,6 +50,9 @@ def planner_assumptions(recipe: Recipe) -> list[str]:
         out.append(f"planner.loss {pl.loss}")
     if pl.pp_p2p != "engine" and recipe.parallel.pp > 1:
         out.append(f"planner.pp_p2p {pl.pp_p2p}")
-    if pl.cp_kv != "engine" and recipe.parallel.cp > 1 and recipe.parallel.cp_method in ("ring", "allgather"):
+    p = recipe.parallel
+    if pl.cp_kv != "engine" and p.cp > 1 and (p.cp_method in ("ring", "allgather") or ulysses_kv_split(recipe, p.tp, p.cp)):
         out.append(f"planner.cp_kv {pl.cp_kv}")
+    if pl.gqa != "engine" and recipe.model.kv_heads < recipe.model.heads:
+        out.append(f"planner.gqa {pl.gqa}")
     return out

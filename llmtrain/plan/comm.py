@@ -74,8 +74,9 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
   dK/dV) with the rank's ``kv_heads / tp`` heads: the engine repeats them to the query heads only
   after the exchange (``engine/parallel/context.py``), as Megatron-Core and Llama 3 do;
   ``planner.cp_kv repeated`` prices them repeated to the query heads (``heads / tp``), as torch's
-  context_parallel under torchtitan, which repeats K/V before SDPA. Ulysses re-shards the model's
-  K/V repeated to the query heads.
+  context_parallel under torchtitan, which repeats K/V before SDPA. Ulysses re-shards K/V with
+  their ``kv_heads / tp`` heads when those split over cp (thirty-eighth session; measured equal by
+  benchmarks/planner_fidelity.py, -25 % of its bytes at 8 / 4 heads), else repeated to the query heads.
 - EP, per MoE layer and micro batch: dispatch and combine all-to-alls of ``top_k x tokens x h``
   forward, and the same backward.
 """
@@ -326,9 +327,16 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
             out.append(make("cp", "p2p", 2, kv, m * c.layers * ring_units(d.cp, fwd, grad), g, "cp-ring",
                             "K/V blocks around the ring (backward: K, V and their gradients, then dK/dV home)"))
         elif c.cp_method == "ulysses":
-            one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or k, v, out) each rank re-shards
-            out.append(make("cp", "all-to-all", d.cp, one, m * c.layers * 4 * (fwd + 1), g, "microbatch",
-                            "q, k, v, output re-sharded from sequence to heads"))
+            one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or out) each rank re-shards
+            if (kv_heads // d.tp) % d.cp == 0:  # K/V exchanged with their kv_heads (plan/gqa.py ulysses_kv_split)
+                kv_one = c.e * c.tokens * (kv_heads // d.tp) * c.head_dim
+                out.append(make("cp", "all-to-all", d.cp, one, m * c.layers * 2 * (fwd + 1), g, "microbatch",
+                                "q, output re-sharded from sequence to heads"))
+                out.append(make("cp", "all-to-all", d.cp, kv_one, m * c.layers * 2 * (fwd + 1), g, "microbatch",
+                                "k, v re-sharded with their kv_heads"))
+            else:
+                out.append(make("cp", "all-to-all", d.cp, one, m * c.layers * 4 * (fwd + 1), g, "microbatch",
+                                "q, k, v (repeated to the query heads), output re-sharded from sequence to heads"))
         else:
             out.append(make("cp", "all-gather", d.cp, kv * d.cp, m * c.layers * fwd, g, "microbatch", "K/V gathered"))
             out.append(make("cp", "reduce-scatter", d.cp, kv * d.cp, m * c.layers, g, "microbatch", "dK/dV"))

@@ -354,7 +354,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
                       rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset,
                       # the whole block priced as its layers without a window band (plan/gqa.py)
-                      gqa_native=native_gqa(recipe, gpu.name, dims.cp) and not repeating_layers(recipe))
+                      gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp) and not repeating_layers(recipe))
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

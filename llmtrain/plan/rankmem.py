@@ -78,7 +78,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing, pre_norms=m.pre_norms,
         qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
         rope_dim=m.rope_dim, rope_eager=not t.compile,
-        gqa_native=native_gqa(recipe, gpu.name, dims.cp),
+        gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp),
         rope_sets=2 if m.local_rope_theta is not None and m.windowed_layers and len(m.windowed_layers) < m.layers else 1,
         full_layers=bool(m.windowed_layers) and len(m.windowed_layers) < m.layers)
 
@@ -119,9 +119,9 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
         if nope:
             parts.append(({"rope_rotation": -kinds[False].get("rope_rotation", 0)}, nope))
         banded = sum(1 for i in stages[chunk] if i in repeating) if x.gqa_native else 0
-        if banded:  # windowed layers under a band mask: K/V repeated to the query heads (plan/gqa.py)
-            parts.append(({"qkv_attn_out": repeated[False].get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0)},
-                          banded))
+        extra = repeated[False].get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0) if banded else 0
+        if extra:  # windowed layers under a band mask: K/V repeated to the query heads (plan/gqa.py)
+            parts.append(({"qkv_attn_out": extra}, banded))
         if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
             parts[0] = (kinds[False], n_layers - n_moe - 1)
             parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))

@@ -118,8 +118,9 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
             why = f"2 x cp for load-balanced {p.cp_method} attention" if zigzag else "cp"
             err(Problem("train.seq_len", f"seq_len ({t.seq_len}) not divisible by {why} = {need}",
                         f"use a seq_len that is a multiple of {need}"))
-        # Ulysses re-shards q, k, v from sequence to heads: the model hands it K/V already repeated to the
-        # query heads (models/llama.py), so only the query heads must split over tp x cp (kv_heads: TP's rule)
+        # Ulysses re-shards q, k, v from sequence to heads: K/V heads that do not split over cp are repeated to
+        # the query heads first (engine/parallel/context.py), so only the query heads must split over tp x cp
+        # (kv_heads: TP's rule)
         if p.cp_method == "ulysses" and m.heads % (p.tp * p.cp):
             err(Problem("parallel.cp", f"ulysses needs heads ({m.heads}) divisible by tp x cp = {p.tp * p.cp}",
                         "use cp_method ring or allgather, or tp and cp whose product divides heads"))

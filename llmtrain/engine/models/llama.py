@@ -216,9 +216,11 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
-        # K/V with their own heads where the core attention takes them (causal SDPA's GQA kernel, ring and
-        # all-gather CP); repeated for masks, the soft-capped kernel and Ulysses
-        if n_rep > 1 and not (mask is None and self.softcap is None and getattr(self.attn_fn, "takes_kv_heads", False)):
+        # K/V with their own heads where the core attention takes them: causal SDPA's GQA kernel and ring /
+        # all-gather CP without a mask or the soft-cap, Ulysses (takes_mask) with either; repeated otherwise
+        takes_kv = getattr(self.attn_fn, "takes_kv_heads", False) and (
+            mask is None and self.softcap is None or getattr(self.attn_fn, "takes_mask", False))
+        if n_rep > 1 and not takes_kv:
             k = k.repeat_interleave(n_rep, dim=2)
             v = v.repeat_interleave(n_rep, dim=2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

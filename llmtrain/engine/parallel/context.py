@@ -8,8 +8,9 @@ all-gather take K/V with their local ``kv_heads`` (``[b, kv_heads, s_local, d]``
 exchange, just before the kernels: ``heads / kv_heads`` times fewer bytes on the wire (16x for
 Llama 3 405B under TP 8), as Megatron-Core and Llama 3 (arXiv:2407.21783, sec. 3.3.2: "K and V
 tensors are much smaller than Q due to GQA"). The repeat's backward sums the copies' gradients
-locally, so dK/dV travel with ``kv_heads`` too. Ulysses takes K/V repeated by the model (its
-all-to-all re-shards heads: they must divide by cp). Every collective that carries gradients is either an autograd
+locally, so dK/dV travel with ``kv_heads`` too. Ulysses takes them with their ``kv_heads`` as well
+and exchanges them so when they divide by cp (its all-to-all re-shards heads), else repeated first
+(:func:`ulysses_attention`). Every collective that carries gradients is either an autograd
 op from ``torch.distributed._functional_collectives`` or a custom autograd Function below; never
 ``torch.distributed.nn.functional`` (wrong gradients on gloo for non-contiguous grads, trap 2).
 
@@ -48,6 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from llmtrain.engine.models.llama import causal_sdpa
 from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
@@ -165,12 +167,26 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Te
     window's band (``[S, S]``, ``models.llama.window_mask``) and / or packed rows' sample mask
     (``[b, 1, S, S]``, ``models.llama.packed_mask``, from the whole row's sample ids): each rank
     holds whole sequences, in order, of its heads, so the mask is the one without CP. ``softcap``: Gemma 2's capped scores, by the
-    model's own kernel (``models/softcap.py``) on the whole sequences of this rank's heads."""
+    model's own kernel (``models/softcap.py``) on the whole sequences of this rank's heads.
+
+    GQA's K/V arrive with their local ``kv_heads`` (``takes_kv_heads``). When those split over ``cp``
+    they are exchanged as they are: rank ``j`` receives query heads ``j h / cp ...`` and K/V heads
+    ``j kv / cp ...``, exactly the K/V heads its query heads use (query head ``i`` reads K/V head
+    ``i // (h / kv)``), so the all-to-alls move ``heads / kv_heads`` times fewer K/V bytes and causal
+    SDPA takes them unrepeated where the kernel can (``models/llama.py`` ``causal_sdpa``); a mask or
+    the soft-capped kernel gets them repeated after the exchange. K/V heads that do not split over
+    ``cp`` are repeated to the query heads first, as before the thirty-eighth session."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_heads != heads and kv_heads % cp:
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     qh, kh, vh = (_seq_to_heads(t, group, cp) for t in (q, k, v))
+    if softcap is None and mask is None:
+        return _heads_to_seq(causal_sdpa(qh, kh, vh), group, cp)
+    if kh.shape[1] != qh.shape[1]:
+        rep = qh.shape[1] // kh.shape[1]
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
     if softcap is not None:
         out = softcap_attention(qh, kh, vh, mask, softcap)
-    elif mask is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
     return _heads_to_seq(out, group, cp)
@@ -196,12 +212,12 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
-    Ulysses takes them repeated to the query heads, the model's mask (``takes_mask``: a sliding
-    window, packed rows) and Gemma 2's soft-cap (``takes_softcap``)."""
+    Ulysses takes them too, with the model's mask (``takes_mask``: a sliding window, packed rows) and
+    Gemma 2's soft-cap (``takes_softcap``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
-        ulysses.takes_mask = ulysses.takes_softcap = True
+        ulysses.takes_mask = ulysses.takes_softcap = ulysses.takes_kv_heads = True
         return ulysses
     if method == "ring":
         def fn(q, k, v):
