@@ -126,7 +126,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
            selective_recompute: str | None = None, tp_backward_overlap: bool = False,
            dp_optimizer: str | None = None, block_kernels: str | None = None, rope: str | None = None,
            grad_memory: str | None = None, param_memory: str | None = None, torch_ddp_buckets: bool = False,
-           cp_merge: str | None = None) -> dict:
+           cp_merge: str | None = None, gqa: str | None = None) -> dict:
     cluster = dict(nodes=gpus // 8, gpus_per_node=8, gpu=gpu) | ({"gpu_power_w": power} if power else {})
     out = dict(model=model, parallel=dict(parallel), train=dict(train), cluster=cluster)
     overlapped = dp_overlap and parallel.get("zero", 3) in (0, 1)
@@ -135,7 +135,7 @@ def recipe(model: dict, parallel: dict, train: dict, gpus: int, gpu: str, power:
                 full_recompute=full_recompute, pp_p2p=pp_p2p, selective_recompute=selective_recompute,
                 tp_backward_overlap=tp_backward_overlap, dp_optimizer=dp_optimizer, block_kernels=block_kernels, rope=rope,
                 grad_memory=grad_memory, param_memory=param_memory, torch_ddp_buckets=torch_ddp_buckets,
-                cp_merge=cp_merge)
+                cp_merge=cp_merge, gqa=gqa)
     planner |= {key: value for key, value in said.items() if value}  # what the stack did (the row's note says why)
     if planner:
         out["planner"] = planner
@@ -171,78 +171,6 @@ def llama3_rows() -> list[dict]:
                   "one layer per chunk), no activation checkpointing at 8K (section 3.3.2)" if cp == 1 and gpus == 8192
                   else "all-gather CP; selective recomputation (the paper says none only for 8K)" if cp > 1
                   else "as above")))
-    return out
-
-
-def torchtitan_rows() -> list[dict]:
-    a100 = "pytorch/torchtitan docs/performance.md (2024), Llama 3 on 64 A100"
-    out = [
-        dict(source="torchtitan docs/performance.md", url=a100, name="Llama 3 8B, 64 A100, FSDP, local batch 1",
-             metric="tokens/s/GPU", published=2973,
-             recipe=recipe(dict(preset="llama3-8b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
-                                                                       activation_checkpointing=TITAN_AC), 64, "a100-80g",
-                           loss="unchunked", norm="unfused"),
-             note="torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss), eager composite RMSNorm "
-                  "(norm_type rmsnorm, compile false: planner.norm unfused); published MFU 58.2%"),
-        dict(source="torchtitan docs/performance.md", url=a100, name="Llama 3 70B, 64 A100, FSDP, local batch 1",
-             metric="tokens/s/GPU", published=331,
-             recipe=recipe(dict(preset="llama3-70b"), dict(zero=3), dict(seq_len=8192, micro_batch_size=1, global_batch_size=64,
-                                                                        activation_checkpointing="full"), 64, "a100-80g",
-                           loss="unchunked", norm="unfused"),
-             note="full AC, unchunked loss (planner.loss), eager RMSNorm (planner.norm unfused); published MFU 51.7%"),
-    ]
-    fsdp8b = dict(seq_len=8192, micro_batch_size=2, activation_checkpointing=TITAN_AC)
-    for table, gpus, tps, fp8, gib in (("Table 1", 8, 5762, False, 82.4), ("Table 1", 8, 8532, True, 76.8),
-                                       ("Table 3", 128, 5605, False, 67.0)):
-        out.append(dict(
-            source=f"torchtitan H100 2024-12 {table}", url=TITAN_2412,
-            name=f"Llama 3.1 8B, {gpus} H100 500 W, FSDP, local batch 2" + (", compile + Float8" if fp8 else ", eager"),
-            metric="tokens/s/GPU", published=tps, published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3),
-                          fsdp8b | dict(global_batch_size=2 * gpus) | (dict(precision="fp8", compile=True) if fp8 else {}),
-                          gpus, "h100-96g", power=500, loss="unchunked", norm=None if fp8 else "unfused",
-                          rope=TITAN_ROPE if fp8 else None),
-            note=TITAN_NOTE + "; torchtitan's selective op AC (selective_mm), unchunked loss (planner.loss)"
-            + ("" if fp8 else "; eager composite RMSNorm (norm_type rmsnorm: planner.norm unfused)")
-            + ("; " + TITAN_COMPILE if fp8
-               else "; they quote 33-39 % MFU" if gpus == 8 else "")))
-    out.append(dict(
-        source="torchtitan H100 2024-12 Table 4", url=TITAN_2412, name="Llama 3.1 70B, 256 H100 500 W, FSDP 32 TP 8, Float8",
-        metric="tokens/s/GPU", published=829, published_memory_gib=71.9,
-        recipe=recipe(dict(preset="llama3.1-70b"), dict(tp=8, zero=3),
-                      dict(seq_len=8192, micro_batch_size=16, global_batch_size=512, activation_checkpointing="full",
-                           precision="fp8", compile=True), 256, "h100-96g", power=500, loss="unchunked",
-                      rope=TITAN_ROPE),
-        note="compile + Float8, full AC; vanilla TP (with async TP: row 57); " + TITAN_COMPILE))
-    # Local batch 32 per DP rank in as many micro batches as the PP degree: 8 of 4 for both schedules (torchtitan
-    # 9dec370, parallelisms/pipelining_utils.py build_pipeline_schedule, when --experimental.pipeline_parallel_
-    # microbatches is unset; its help text's "number of pipeline stages" is not what the code does: docs/planner.md 9.1).
-    for sched, v, tps, gib in (("1f1b", 1, 100, 82.5), ("interleaved-1f1b", 2, 128, 72.7)):
-        out.append(dict(
-            source="torchtitan H100 2024-12 Table 5", url=TITAN_2412,
-            name=f"Llama 3.1 405B, 512 H100 500 W, FSDP 8 TP 8 PP 8, {sched}", metric="tokens/s/GPU", published=tps,
-            published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-405b"), dict(tp=8, pp=8, zero=2, pp_schedule=sched, pp_virtual_stages=v,
-                                                             async_tp=True),
-                          dict(seq_len=8192, micro_batch_size=4, global_batch_size=256,
-                               activation_checkpointing="full", precision="fp8", compile=True), 512, "h100-96g",
-                          power=500, loss="unchunked", rope=TITAN_ROPE, cp_kv="repeated", cp_merge="torch"),
-            note=("compile + Float8 + async TP (parallel.async_tp); FSDP under PP run as zero 2 (the engine's rule); "
-                  "local batch 32 in 8 micro batches of 4 (torchtitan 9dec370's default: as many as the PP degree)"
-                  + ("; v = 2 (torchtitan's default without split points: 2 stages per rank)" if v > 1 else "")
-                  + "; for any CP layout the search tries, torch's context_parallel as Table 2 (planner.cp_kv repeated, "
-                    "planner.cp_merge torch)")))
-    for name, preset, gpus, mb, ac, tps in (("70B", "llama3.1-70b", 256, 16, "full", 597.3),
-                                            ("8B", "llama3.1-8b", 64, 12, TITAN_AC, 4378)):
-        out.append(dict(
-            source="torchtitan async TP 2025-06", url=TITAN_ASYNC,
-            name=f"Llama 3.1 {name}, {gpus} H100 500 W, FSDP {gpus // 8} TP 8, bf16, vanilla TP", metric="tokens/s/GPU",
-            published=tps,
-            recipe=recipe(dict(preset=preset), dict(tp=8, zero=3),
-                          dict(seq_len=8192, micro_batch_size=mb, global_batch_size=mb * gpus // 8, activation_checkpointing=ac,
-                               compile=True), gpus, "h100-96g", power=500, loss="unchunked", rope=TITAN_ROPE),
-            note=f"{TITAN_COMPILE}, {'per op SAC (selective_mm)' if ac == TITAN_AC else ac + ' AC'}, local batch "
-                 f"{mb}; seq 8,192 (the file does not say: torchtitan's default); h100-96g at 500 W, unchunked loss"))
     return out
 
 
@@ -309,38 +237,17 @@ def deepseek_rows() -> list[dict]:
         note="180K H800 GPU hours per trillion tokens; trained in FP8 with DualPipe overlapping EP, which the model does not capture")]
 
 
-def trainy_rows() -> list[dict]:
-    """Trainy's torchtitan runs on H200 (last, so that adding them kept the earlier rows' file numbers)."""
-    out = []
-    for nodes, tps, gib in ((4, 10938, 47.96), (8, 10753, 46.97)):
-        out.append(dict(
-            source="Trainy H200 2025-06", url=TRAINY,
-            name=f"Llama 3.1 8B, {8 * nodes} H200, FSDP, local batch 2, compile + Float8", metric="tokens/s/GPU",
-            published=tps, published_memory_gib=gib,
-            recipe=recipe(dict(preset="llama3.1-8b"), dict(zero=3, fp8_all_gather=True),
-                          dict(seq_len=8192, micro_batch_size=2, global_batch_size=16 * nodes, activation_checkpointing=TITAN_AC,
-                               precision="fp8", compile=True), 8 * nodes, "h200", loss="compiled", rope=TITAN_ROPE),
-            note=("torchtitan e7c0cae on WhiteFiber H200s: compile + Float8 with fp8 all-gather, the 8B config's selective "
-                  "op AC (selective_mm), seq 8,192; " + TITAN_COMPILE + "; its loss compiled too "
-                  "(torchtitan since 2025-04, components/loss.py: planner.loss compiled)"
-                  if nodes == 4 else "as above")))
-    return out
-
-
 def rows() -> list[dict]:
-    from published_titan import titan_async_tp_rows, titan_compile_rows, titan_cp_rows  # noqa: PLC0415 (it imports recipe() from here)
+    from published_titan import (  # noqa: PLC0415 (it imports recipe() from here)
+        titan_async_tp_rows, titan_compile_rows, titan_cp_rows, torchtitan_rows, trainy_rows)
     from published_foundry import foundry_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_megatron import megatron_2022_rows, megatron_h100_rows, megatron_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_nemo import nemo_more_rows, nemo_rows  # noqa: PLC0415 (it imports recipe() from here)
     from published_zerobubble import zero_bubble_rows  # noqa: PLC0415 (it imports recipe() from here)
 
-    out = (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
-           + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
-           + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows() + zero_bubble_rows())
-    for row in out:  # torchtitan's attention repeats GQA's K/V to the query heads (repeat_kv) before SDPA
-        if "torchtitan" in row["url"] and row["recipe"]["model"].get("preset", "").startswith("llama"):
-            row["recipe"]["planner"] = dict(row["recipe"].get("planner", {}), gqa="repeat")
-    return out
+    return (megatron_rows() + llama3_rows() + torchtitan_rows() + foundry_rows() + nemo_rows() + bridge_rows()
+            + deepseek_rows() + trainy_rows() + titan_cp_rows() + titan_async_tp_rows() + titan_compile_rows()
+            + megatron_2022_rows() + nemo_more_rows() + megatron_h100_rows() + zero_bubble_rows())
 
 
 RECIPES = Path(__file__).resolve().parent / "published"

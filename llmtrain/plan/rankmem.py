@@ -64,6 +64,8 @@ class RankMemory:
 def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
     m, t = recipe.model, recipe.train
     e = compute_bytes(t.precision)
+    windowed = m.windowed_layers
+    mixed = bool(windowed) and len(windowed) < m.layers  # windowed and full-attention layers
     return act.ActShape(
         b=t.micro_batch_size, s=t.seq_len // dims.cp, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads,
         ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp, sp=recipe.parallel.sequence_parallel and dims.tp > 1,
@@ -73,14 +75,13 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         hd=m.head_dim, lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
         chunked_loss=recipe.planner.loss == "engine", compiled_loss=recipe.planner.loss in ("compiled", "fused"),
         megatron_loss=recipe.planner.loss in ("megatron", "megatron_fused"),
-        materialized=recipe.planner.attention_kernel == "materialized", window=m.sliding_window if m.windowed_layers else 0,
+        materialized=recipe.planner.attention_kernel == "materialized", window=m.sliding_window if windowed else 0,
         post_norms=m.post_norms, offset_norm=m.norm_offset, qk_norm=m.qk_norm,
         logit_softcap=m.logit_softcap is not None, packed=recipe.data.packing, pre_norms=m.pre_norms,
         qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
         rope_dim=m.rope_dim, rope_eager=not t.compile,
         gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp),
-        rope_sets=2 if m.local_rope_theta is not None and m.windowed_layers and len(m.windowed_layers) < m.layers else 1,
-        full_layers=bool(m.windowed_layers) and len(m.windowed_layers) < m.layers)
+        rope_sets=2 if m.local_rope_theta is not None and mixed else 1, full_layers=mixed)
 
 
 def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: int, dp_index: int | None = None,
@@ -108,20 +109,22 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     # the rank's CP coordinate (the dp_cp mesh is (dp_replicate, dp_shard, cp), cp fastest); None: the most loaded
     cp_index = None if dp_index is None else dp_index % dims.cp
     kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
-    nope_layers = set(m.nope_layers or ())
-    repeating = repeating_layers(recipe) if x.gqa_native else frozenset()
-    if repeating:
-        x_rep = replace(x, gqa_native=False)
-        repeated = {moe: act.layer_terms(x_rep, moe, recompute, cp_index=cp_index) for moe in (False, True)}
+    # layers that differ from their kind's terms: SmolLM3's NoPE layers rotate nothing; a mixed model's
+    # window-banded layers repeat GQA's K/V (plan/gqa.py)
+    per_layer = []
+    if m.nope_layers:
+        per_layer.append((frozenset(m.nope_layers), {"rope_rotation": -kinds[False].get("rope_rotation", 0)}))
+    banded = repeating_layers(recipe) if x.gqa_native else frozenset()
+    if banded:
+        rep = act.layer_terms(replace(x, gqa_native=False), False, recompute, cp_index=cp_index)
+        per_layer.append((banded, {"qkv_attn_out": rep.get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0)}))
+    per_layer = [(layers, delta) for layers, delta in per_layer if any(delta.values())]
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
         parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x, recompute), 1)]
-        nope = sum(1 for i in stages[chunk] if i in nope_layers)  # SmolLM3's layers without RoPE
-        if nope:
-            parts.append(({"rope_rotation": -kinds[False].get("rope_rotation", 0)}, nope))
-        banded = sum(1 for i in stages[chunk] if i in repeating) if x.gqa_native else 0
-        extra = repeated[False].get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0) if banded else 0
-        if extra:  # windowed layers under a band mask: K/V repeated to the query heads (plan/gqa.py)
-            parts.append(({"qkv_attn_out": extra}, banded))
+        for layers, delta in per_layer:
+            n = sum(1 for i in stages[chunk] if i in layers)
+            if n:
+                parts.append((delta, n))
         if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
             parts[0] = (kinds[False], n_layers - n_moe - 1)
             parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))
