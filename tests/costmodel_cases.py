@@ -46,6 +46,10 @@ CASES = {
     # (models/llama.py attention_bias); under Ulysses over the whole sequence
     "window_zero1": ["model.sliding_window=16", "train.seq_len=256", "parallel.zero=1"],
     "window_cp2_ulysses": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ulysses"],
+    # under all-gather: the rank's [s, S] rows of the band (models/masks.py), one masked call over the gathered K/V
+    # repeated to the query heads (engine/parallel/context.py)
+    "window_cp2_allgather": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2",
+                             "parallel.cp_method=allgather"],
     # Gemma 3's switches (engine/models/norm.py OffsetRMSNorm keeps input + rstd on every device; two post norms
     # per block; GeGLU keeps what SwiGLU keeps) with sliding and full layers
     "qk_norm_zero1": ["model.qk_norm=true", "parallel.zero=1"],  # Qwen3's per-head norms (composite on CPU)
@@ -57,6 +61,11 @@ CASES = {
     # whose outputs selective saves as SDPA's: before, its products were cached, 1.66x the plan)
     "softcap_tp2_selective": GEMMA + ["model.attention_softcap=50", "model.logit_softcap=30", "parallel.tp=2",
                                       "train.activation_checkpointing=selective"],
+    # all-gather CP: Gemma 3's windowed layers masked, its full layer the zigzag kernel blocks; Gemma 2's soft-cap in
+    # every layer (a causal mask of the rank's rows beside the band), with selective's saved kernel outputs
+    "gemma_cp2_allgather": GEMMA + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero=1"],
+    "softcap_cp2_allgather_selective": GEMMA + ["model.attention_softcap=50", "model.logit_softcap=30", "parallel.cp=2",
+                                                "parallel.cp_method=allgather", "train.activation_checkpointing=selective"],
     # OLMo 2's block: post norms only (wq/wk/wv and w1/w3 keep the residual stream itself), q/k norms over all heads
     "olmo_zero1": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
                    "parallel.zero=1"],

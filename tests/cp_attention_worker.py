@@ -10,7 +10,12 @@ half-precision path: bf16 blocks, fp32 lse and merge; allgather also adds its tw
 of the shared prefix in bf16) next to plain bf16 SDPA's error, all against fp64. GQA (``gqa_*``,
 ring and allgather at CP 4 and CP 2): the same q against K/V of half the heads, which these methods
 take un-repeated and exchange so (engine/parallel/context.py); the reference is SDPA on the K/V
-repeated to the query heads, whose K/V gradients are summed over each KV head's copies.
+repeated to the query heads, whose K/V gradients are summed over each KV head's copies. Masked
+(``masked_*``, all-gather and Ulysses at CP 4 and CP 2, on the first 512 tokens, GQA): packed
+rows' document mask, a sliding window of 150, Gemma 2's soft-cap alone and with both, each rank's
+mask built by the model's own ``models/masks.forward_masks`` (all-gather: its zigzag rows); the
+reference is the model's attention without CP over the whole row (masked SDPA or the soft-capped
+kernel).
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/cp_attention_worker.py OUT.json SEQ
 
@@ -26,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from llmtrain.engine.models.masks import forward_masks, zigzag_rows
+from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context import cp_positions, make_cp_attention
 
 METHODS = ("ring", "ulysses", "allgather")
@@ -51,6 +58,48 @@ def _errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads, dtype=N
     out.backward(cast(dout.index_select(2, pos)))
     errors = [(out.double() - ref_out.index_select(2, pos)).abs().max().item()]
     errors += [(t.grad.double() - g.index_select(2, pos)).abs().max().item() for t, g in zip(local, ref_grads)]
+    return max(errors)
+
+
+MASKED_SEQ = 512
+MASKS = {"doc": (True, None, None), "window": (False, 150, None), "softcap": (False, None, 50.0),
+         "softcap_doc_window": (True, 150, 50.0)}  # (packed rows, window, soft-cap)
+
+
+def _segments(seq: int) -> torch.Tensor:
+    """Sample ids of one packed row: samples of uneven lengths, the last one padding (-1)."""
+    bounds = [0, 50, 219, 220, 350, 495, seq]
+    ids = torch.empty(1, seq, dtype=torch.long)
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        ids[:, lo:hi] = i if hi < seq else -1
+    return ids
+
+
+def _masked_errors(method, group, cp, cp_rank, inputs, kind) -> float:
+    """One masked case (module docstring): worst |difference| of this rank's output and q/k/v gradients."""
+    packed, window, cap = MASKS[kind]
+    seq = MASKED_SEQ
+    q, k, v, dout = (t[:, :, :seq] for t in inputs)
+    segments = _segments(seq) if packed else None
+    full_mask, full_band = forward_masks(torch.arange(seq), segments, window, seq, 1, None, False, q.dtype)
+    whole = full_mask if window is None else full_band  # what the model's layers get without CP
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    n_rep = q.shape[1] // k.shape[1]
+    kr, vr = (t.repeat_interleave(n_rep, dim=1) for t in ref_in[1:])
+    if cap is not None:
+        ref_out = softcap_attention(ref_in[0], kr, vr, whole, cap)
+    else:
+        ref_out = F.scaled_dot_product_attention(ref_in[0], kr, vr, attn_mask=whole)
+    ref_out.backward(dout)
+    pos = cp_positions(seq, cp, cp_rank, method)
+    rows = zigzag_rows(seq, cp, cp_rank) if method == "allgather" else None
+    mask, banded = forward_masks(pos, segments, window, seq, cp, rows, cap is not None, q.dtype)
+    local = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
+    fn = make_cp_attention(method, group, cp, cp_rank, seq)
+    out = fn(*local, banded if window is not None else mask, softcap=cap)
+    out.backward(dout.index_select(2, pos))
+    errors = [(out - ref_out.detach().index_select(2, pos)).abs().max().item()]
+    errors += [(t.grad - g.grad.index_select(2, pos)).abs().max().item() for t, g in zip(local, ref_in)]
     return max(errors)
 
 
@@ -80,6 +129,10 @@ def report(seq: int) -> dict[str, float]:
     for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
         for method in ("ring", "allgather"):
             found[f"gqa_cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, gqa, *gqa_ref))
+    for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
+        for method in ("allgather", "ulysses"):
+            for kind in MASKS:
+                found[f"masked_{kind}_cp{cp}_{method}"] = _worst(_masked_errors(method, group, cp, cp_rank, gqa, kind))
     group, cp_rank = groups[world]
     for method in ("ring", "allgather"):
         found[f"bf16_{method}"] = _worst(_errors(method, group, world, cp_rank, seq, inputs, ref_out, ref_grads,

@@ -313,6 +313,7 @@ def test_engine_count_and_init_of_switches(tiny, family):
 LAYOUTS = {"tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
            "fsdp2": ["parallel.dp_shard=2"], "ep2": ["parallel.dp_shard=2", "parallel.ep=2"],
            "ulysses2": ["parallel.cp=2", "parallel.cp_method=ulysses"],
+           "allgather2": ["parallel.cp=2", "parallel.cp_method=allgather"],
            "pp2_21": ["parallel.pp=2", "parallel.pp_layers_per_stage=[2,1]"]}  # 3 layers: a sliding + full stage
 RECIPE = """name: families
 model: {preset: debug-dense}
@@ -327,10 +328,10 @@ cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}
 def layouts_of(family: str) -> list[str]:
     if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
         return ["tp2", "cp2"]
-    if family in ("mistral_swa", "gemma3", "gemma2"):  # the window (8 of 32 tokens) as a band mask, and in Ulysses'
-        # attention (Gemma 2: its soft-capped kernel there too)
-        return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2"]  # (ring and all-gather
-        # CP refuse it: test_validate.py)
+    if family in ("mistral_swa", "gemma3", "gemma2"):  # the window (8 of 32 tokens) as a band mask, in Ulysses'
+        # attention and in all-gather's rows of it (Gemma 2: its soft-capped kernel there too)
+        return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2", "allgather2"]  # (ring
+        # CP refuses it: test_validate.py)
     if family == "olmo2":  # its q/k norms span the heads TP splits (engine/models/norm.py SplitRMSNorm)
         return ["tp2", "pp2", "cp2", "fsdp2", "ulysses2"]
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])

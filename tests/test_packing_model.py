@@ -169,6 +169,7 @@ def test_window_mask_is_saved_once_per_forward_and_planned_so():
     x = ActShape(b=2, s=SEQ, h=32, heads=4, kv_heads=2, ffn=64, vocab=97, e=4, window=4)
     assert stage_terms(x)["window_mask"] == 4 * SEQ * SEQ
     assert stage_terms(replace(x, cp=2, cp_method="ulysses"))["window_mask"] == 4 * (2 * SEQ) ** 2
+    assert stage_terms(replace(x, cp=2, cp_method="allgather"))["window_mask"] == 4 * SEQ * 2 * SEQ  # its rows
     assert "window_mask" not in stage_terms(replace(x, window=SEQ))
 
 
@@ -200,6 +201,33 @@ def test_packed_masks_are_saved_once_per_kind_and_planned_so(window, full_layers
     assert stage_terms(x)["packed_mask"] == masks * 4 * 2 * SEQ * SEQ == 4 * sum(2 * SEQ * SEQ for _ in seen)
     assert "window_mask" not in stage_terms(x)
     assert stage_terms(replace(x, cp=2, cp_method="ulysses"))["packed_mask"] == masks * 4 * 2 * (2 * SEQ) ** 2
+    assert stage_terms(replace(x, cp=2, cp_method="allgather"))["packed_mask"] == masks * 4 * 2 * SEQ * 2 * SEQ
+
+
+@pytest.mark.parametrize("packed, window, causal_rows", [(True, None, False), (False, 5, False), (True, 5, True),
+                                                         (False, None, True), (False, 5, True)])
+def test_all_gather_masks_are_the_rows_of_the_whole_rows_masks(packed, window, causal_rows):
+    """Under all-gather CP a rank's masks (models/masks.py ``forward_masks`` with its zigzag rows) are
+    exactly its rows of the masks the model builds without CP: the sample mask, the band, and (the
+    soft-capped kernel) the causal mask; at cp 2 and 4, every rank."""
+    from llmtrain.engine.models.masks import forward_masks, zigzag_rows
+
+    seq = 32
+    segments = torch.tensor([[0] * 7 + [1] * 12 + [2] * 9 + [-1] * 4]) if packed else None
+    positions = torch.arange(seq)
+    whole = forward_masks(positions, segments, window, seq, 1, None, False, torch.float32)
+    causal = torch.zeros(seq, seq).masked_fill_(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
+    want_full = whole[0] if whole[0] is not None else (causal if causal_rows else None)
+    want_band = whole[1] if window is not None else want_full
+    for cp in (2, 4):
+        for rank in range(cp):
+            rows = zigzag_rows(seq, cp, rank)
+            full, band = forward_masks(rows, segments, window, seq, cp, rows, causal_rows, torch.float32)
+            for got, want in ((full, want_full), (band, want_band)):
+                if want is None:
+                    assert got is None
+                else:
+                    assert torch.equal(got, want.index_select(-2, rows)), (cp, rank)
 
 
 def test_longest_sample_of_packed_rows():

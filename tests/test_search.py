@@ -34,7 +34,8 @@ def _check_valid_and_fitting(plan, result):
         assert v.valid, [e.line() for e in v.errors]
         cost = estimate(variant, v.dims, v.batch, plan.placement, hints=False)  # every pipeline rank, exact
         assert cost.fits and cost.time.step_s == pytest.approx(choice.cost.time.step_s)
-        assert v.batch.tokens_per_step == plan.validation.batch.tokens_per_step  # same global batch
+        t = plan.recipe.train  # the same global batch (the recipe's own layout need not be valid)
+        assert v.batch.tokens_per_step == t.global_batch_size * t.seq_len
     steps = [c.cost.time.step_s for c in result.top]
     assert steps == sorted(steps)
 
@@ -53,31 +54,43 @@ def test_llama3_405b_on_16384_gpus_is_fast_valid_and_fits():
     assert cost.fits and cost.worst.pp_rank != 0
 
 
-def test_a_windowed_model_searches_context_parallel_layouts_under_ulysses():
+def _masked_cp_method(o: dict, heads: int) -> str:
+    """The search's rule for a masked model's CP layouts (plan/search.py): Ulysses where the heads split
+    over tp x cp, else all-gather."""
+    return "ulysses" if heads % (o["parallel.tp"] * o["parallel.cp"]) == 0 else "allgather"
+
+
+def test_a_windowed_model_searches_context_parallel_layouts_without_the_ring():
     """Mistral-7B v0.1 (window 4,096) at 32,768 tokens: ring CP has no windowed blocks (validate.py
-    refuses it), so the search gives its CP layouts cp_method ulysses; they are valid, fit, and win
-    (the band mask of a whole row is 2 GiB per micro batch without CP)."""
+    refuses it), so the search gives its CP layouts cp_method ulysses where the heads split over
+    tp x cp, else allgather (its rows of the band); they are valid, fit, and win (the band mask of a
+    whole row is 2 GiB per micro batch without CP)."""
     plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=["model.preset=mistral-7b-v0.1", "train.seq_len=32768",
                                                                   "train.global_batch_size=64"])
     result = search(plan.recipe, plan.placement, top=5)
     _check_valid_and_fitting(plan, result)
     cps = [c.overrides for c in result.top if c.overrides["parallel.cp"] > 1]
-    assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
+    assert cps and all(o["parallel.cp_method"] == _masked_cp_method(o, 32) for o in cps)
 
 
-@pytest.mark.parametrize("overrides", [
-    ["model.preset=gemma2-9b", "train.seq_len=4096"],  # within its window: the cap alone decides
-    ["data.source=text", "data.path=t.txt", "data.packing=true", "train.seq_len=32768"],  # packed rows
+@pytest.mark.parametrize("overrides, top", [
+    (["model.preset=gemma2-9b", "train.seq_len=4096"], 100),  # within its window: the cap alone decides
+    (["data.source=text", "data.path=t.txt", "data.packing=true", "train.seq_len=32768"], 100),  # packed rows
+    # 128K-token packed rows on 128 GPUs: tp 2 x cp 32 and tp 4 x cp 16 exceed Llama 3 8B's 32 heads
+    (["data.source=text", "data.path=t.txt", "data.packing=true", "train.seq_len=131072", "cluster.nodes=16"], 30),
 ])
-def test_ulysses_only_models_search_context_parallel_layouts_under_ulysses(overrides):
-    """Gemma 2 9B's soft-capped attention and packed rows, which ring and all-gather CP refuse:
-    every CP layout the search returns says cp_method ulysses and is valid (without the rule the
-    first such layout fails validation)."""
+def test_masked_models_search_context_parallel_layouts_without_the_ring(overrides, top):
+    """Gemma 2 9B's soft-capped attention and packed rows, which ring CP refuses: every CP layout the
+    search returns says cp_method ulysses where the heads split over tp x cp, else allgather, and is
+    valid (without the rule the first such layout fails validation). At 128K tokens on 128 GPUs
+    all-gather layouts are among them (measured: tp 2 x cp 32 fifth, 2 % behind the first)."""
     plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=overrides + ["train.global_batch_size=64"])
-    result = search(plan.recipe, plan.placement, top=100)
+    result = search(plan.recipe, plan.placement, top=top)
     _check_valid_and_fitting(plan, result)
     cps = [c.overrides for c in result.top if c.overrides["parallel.cp"] > 1]
-    assert cps and all(o["parallel.cp_method"] == "ulysses" for o in cps)
+    assert cps and all(o["parallel.cp_method"] == _masked_cp_method(o, plan.recipe.model.heads) for o in cps)
+    if "train.seq_len=131072" in overrides:
+        assert any(o["parallel.cp_method"] == "allgather" for o in cps)
 
 
 # debug-moe on 4 nodes of 2: expert groups that leave the node (search_bounds.ep_floor's NIC term)

@@ -47,6 +47,8 @@ CASES = {
     "unpacked_cp2_ring": UNPACKED + ["parallel.cp=2", "parallel.cp_method=ring", "parallel.zero=3"],
     # packed rows under Ulysses: each rank's shard of tokens, positions and labels, the whole row's sample ids
     "packed_cp2_ulysses": PACKED + ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero=3"],
+    # under all-gather: each rank's zigzag rows of the whole row's sample mask, against the gathered K/V
+    "packed_cp2_allgather": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero=1"],
 }
 
 

@@ -147,19 +147,20 @@ def test_odd_head_dim():
 
 
 def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
-    """A sliding window shorter than the sequence is a band mask (without CP, and in Ulysses' own
-    attention, which holds whole sequences); ring and all-gather CP have no windowed blocks and are
-    refused naming cp_method, with a window the sequence never exceeds (full causal) accepted."""
+    """A sliding window shorter than the sequence is a band mask (without CP, in Ulysses' own
+    attention, which holds whole sequences, and in all-gather's, its rows of it); ring CP has no
+    windowed blocks and is refused naming cp_method, with a window the sequence never exceeds (full
+    causal) accepted."""
     assert not [e for e in errors(debug({"model": {"sliding_window": 64}})) if "sliding" in e.message]
-    ulysses = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
-    assert not [e for e in errors(debug(ulysses), gpus=2) if e.path == "parallel.cp_method"]
-    for method in ("ring", "allgather"):
-        ring = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": method}}
-        p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "sliding window (64) is shorter than seq_len (128)",
-                 method)
-        assert p.hint == "set parallel.cp_method: ulysses, or parallel.cp: 1"
-        wide = {"model": {"sliding_window": 128}, "parallel": {"cp": 2, "cp_method": method}}
-        assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
+    for method in ("ulysses", "allgather"):
+        fine = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": method}}
+        assert not [e for e in errors(debug(fine), gpus=2) if e.path == "parallel.cp_method"]
+    ring = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": "ring"}}
+    p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "sliding window (64) is shorter than seq_len (128)",
+             "ring")
+    assert p.hint == "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"
+    wide = {"model": {"sliding_window": 128}, "parallel": {"cp": 2, "cp_method": "ring"}}
+    assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
 
 def test_qk_norms_over_all_heads_need_qk_norm_and_no_offset():
@@ -181,16 +182,16 @@ def test_nope_layers_must_exist():
 
 
 def test_soft_capped_attention_runs_except_under_ring_cp():
-    """model.attention_softcap (Gemma 2) is the engine's own kernel: alone and in Ulysses' attention,
-    refused naming cp_method under ring and all-gather CP, whose blocks are SDPA's."""
+    """model.attention_softcap (Gemma 2) is the engine's own kernel: alone and in Ulysses' and
+    all-gather's attention, refused naming cp_method under ring CP, whose blocks are SDPA's."""
     assert not [e for e in errors(debug({"model": {"attention_softcap": 50.0}})) if "soft-capped" in e.message]
-    ulysses = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
-    assert not [e for e in errors(debug(ulysses), gpus=2) if e.path == "parallel.cp_method"]
-    for method in ("ring", "allgather"):
-        ring = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": method}}
-        p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "soft-capped attention (model.attention_softcap 50)",
-                 method)
-        assert p.hint == "set parallel.cp_method: ulysses, or parallel.cp: 1"
+    for method in ("ulysses", "allgather"):
+        fine = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": method}}
+        assert not [e for e in errors(debug(fine), gpus=2) if e.path == "parallel.cp_method"]
+    ring = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": "ring"}}
+    p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "soft-capped attention (model.attention_softcap 50)",
+             "ring")
+    assert p.hint == "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"
 
 
 def test_longrope_factor_counts_and_any_length():

@@ -29,19 +29,19 @@ def test_chat_needs_a_tokenizer_with_a_chat_template():
     assert plan_of(debug({"data": {"source": "instruction", "path": "i.jsonl", "tokenizer": "byte"}})).valid
 
 
-def test_packing_needs_samples_and_ulysses_context_parallelism():
-    """Packed rows need samples; under CP only Ulysses' attention (whole rows) takes their mask."""
+def test_packing_needs_samples_and_masked_context_parallelism():
+    """Packed rows need samples; under CP Ulysses' attention (whole rows) and all-gather's (its rows of
+    the whole row's mask) take their mask, the ring's blocks do not."""
     p = find(errors(debug({"data": {"packing": True}})), "data.packing", "source synthetic already yields full")
     assert "data.packing: false" in p.hint
     find(errors(debug({"data": {"source": "memmap", "path": "m", "packing": True}})), "data.packing", "source memmap")
-    for method in ("ring", "allgather"):
-        data = debug({"data": {"source": "text", "path": "t.txt", "packing": True},
-                      "parallel": {"cp": 2, "cp_method": method}})
-        p = find(errors(data), "parallel.cp_method", f"packing with {method} context parallelism", "no per-sample mask")
-        assert "cp_method: ulysses" in p.hint and "data.packing: false" in p.hint
+    data = debug({"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": "ring"}})
+    p = find(errors(data), "parallel.cp_method", "packing with ring context parallelism", "no per-sample mask")
+    assert "cp_method: allgather or ulysses" in p.hint and "data.packing: false" in p.hint
     assert plan_of(debug({"data": {"source": "text", "path": "t.txt", "packing": True}})).valid
-    ulysses = {"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": "ulysses"}}
-    assert not [e for e in errors(debug(ulysses)) if e.path in ("data.packing", "parallel.cp_method")]
+    for method in ("ulysses", "allgather"):
+        fine = {"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": method}}
+        assert not [e for e in errors(debug(fine)) if e.path in ("data.packing", "parallel.cp_method")]
 
 
 def test_lora_on_moe_is_an_error_and_dense_lora_is_valid():

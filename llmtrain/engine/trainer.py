@@ -162,7 +162,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
         test_hooks.log_samples(step, sampler)
         batches = microbatches(dataset, sampler)
         loss_fn.set_targets(step_target_count(dataset, sampler), dp_size, grad_accum if schedule else 1)
-        if dims.cp > 1:  # packed rows (Ulysses only, validate.py) keep their whole row's sample ids for the mask
+        if dims.cp > 1:  # packed rows (Ulysses, all-gather: validate.py) keep their whole row's sample ids for the mask
             batches = [(*(shard_sequence(t, positions) for t in b[:3]), *b[3:]) for b in batches]
         if grad_sync is not None:  # zero 0/1: reduce buckets during the last backward
             grad_sync.expect_backwards(len(batches), schedule)  # PP: the schedule's per-stage 1/n

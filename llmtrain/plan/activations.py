@@ -127,6 +127,10 @@ class ActShape:
     rope_eager: bool = True  # the engine's complex-multiply RoPE (not train.compile): plan/rope_activations.py
     rope_sets: int = 1  # cos/sin sets per forward: 2 with Gemma's local_rope_theta
     gqa_native: bool = False  # SDPA takes K/V with their kv_heads and saves them so (plan/gqa.py)
+    # the attention takes an explicit mask or runs the soft-capped kernel (packed rows, Gemma 2's soft-cap; a
+    # window's band per layer: rankmem): all-gather CP then runs one masked call over the gathered K/V
+    masked: bool = False
+    softcap: bool = False  # model.attention_softcap: under all-gather CP a causal mask of the rank's rows (stage_terms)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -180,8 +184,9 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
             del out["attn_out"]
             i = x.cp - 1 if cp_index is None else cp_index
             out["ring_saved_blocks"] = (x.cp + 1 + i) * (e * q + lse) // 2
-        elif x.cp > 1 and x.cp_method == "allgather":  # each zigzag chunk (half the queries): two kernel blocks
-            # (before it, diagonal); rank 0's first chunk has no prefix: 3 of the 4 halves
+        elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the queries):
+            # two kernel blocks
+            # before it and the diagonal; rank 0's first chunk has no prefix: 3 of the 4 halves
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2
         return out
     out = _norm(x) if x.pre_norms else {}  # OLMo 2: wq / wk / wv keep the block's input itself
@@ -210,6 +215,9 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     if x.cp_method == "ulysses":  # SDPA on (heads / cp, full sequence): same sizes; wo's input is a fresh copy;
         # K/V exchanged and kept with their kv_heads where they split over cp and the kernel takes them (plan/gqa.py)
         return {"qkv_attn_out": 3 * e * q + 2 * e * (kv if x.gqa_native else q), "attn_lse": lse}
+    if x.masked:  # allgather with a mask or the soft-cap: one masked call over the gathered K/V repeated to the
+        # query heads (engine/parallel/context.py), which it keeps: q, the output, K/V of the whole sequence
+        return {"qkv_attn_out": 2 * e * q + 2 * e * q * x.cp, "attn_lse": lse}
     # allgather: q, the output and K/V (kv_heads) of the whole sequence (one PrefixCausalAttention call
     # for both zigzag chunks: K/V saved once, the copies reordered into global order; the gathered
     # rank-order buffers are freed), kernel blocks (each repeats its keys for GQA), no mask tensor
@@ -354,17 +362,23 @@ def first_stage_terms(x: ActShape) -> dict[str, int]:
 def stage_terms(x: ActShape, recompute: str = "none") -> dict[str, int]:
     """Per micro batch on every stage: RoPE cos/sin where they are held (plan/rope_activations.py)
     and, when a sliding window is shorter than the sequence ``S`` (``s x cp``: Ulysses' attention
-    holds the whole sequence; ring and all-gather refuse windows), the additive band mask
+    holds the whole sequence; the ring refuses windows), the additive band mask
     ``[S, S]`` in the compute dtype that every layer's attention saves (models/llama.py
     ``attention_bias``: one tensor per forward, not one per layer). Packed rows (``data.packing``)
     hold their block-diagonal sample mask ``[b, 1, S, S]`` instead, one per kind of layer in use:
-    the windowed layers' (samples and band) and the full-attention layers'."""
+    the windowed layers' (samples and band) and the full-attention layers'. All-gather CP holds the
+    rank's rows of each, ``[s, S]`` (models/masks.py), and with Gemma 2's soft-cap a causal mask of
+    those rows for the layers without a band (its kernel's implicit one is square)."""
     out = stage_rope_terms(x, recompute)
     full = x.s * x.cp
+    rows = x.s if x.cp > 1 and x.cp_method == "allgather" else full
     band = bool(x.window) and full > x.window
+    unbanded = not band or x.full_layers  # some layers attend to the whole prefix
     if x.packed:
-        kinds = int(band) + int(not band or x.full_layers)
-        out["packed_mask"] = kinds * x.e * x.b * full * full
-    elif band:
-        out["window_mask"] = x.e * full * full
+        out["packed_mask"] = (int(band) + int(unbanded)) * x.e * x.b * rows * full
+        return out
+    if band:
+        out["window_mask"] = x.e * rows * full
+    if x.softcap and rows < full and unbanded:
+        out["causal_mask"] = x.e * rows * full
     return out

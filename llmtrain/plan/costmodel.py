@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    attention_counted, attention_executed, masked_layers,
+    allgather_masked, attention_counted, attention_executed, masked_layers,
     block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
@@ -204,7 +204,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last, first)
     # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
     # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
-    uncounted = (1.0 - attention_counted(dims.cp, p.cp_method)) * score_flops_per_token(m.heads * m.head_dim, seq)
+    counted = attention_counted(dims.cp, p.cp_method, allgather_masked(recipe))  # all-gather's masked calls: whole
+    uncounted = (1.0 - counted) * score_flops_per_token(m.heads * m.head_dim, seq)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recomputed, lk, dims.tp, whole):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + again_attention))
     for sid, share in again_share.items():

@@ -206,7 +206,7 @@ def score_flops_per_token(width: int, seq_len: int) -> float:
     return 4.0 * width * seq_len
 
 
-def attention_counted(cp: int, method: str) -> float:
+def attention_counted(cp: int, method: str, masked: float = 0.0) -> float:
     """Share of the full attention-score FLOPs in the hardware FLOP count (the convention of
     ``FlopCounterMode``: a causal kernel call counts its whole square) that the engine's
     context-parallel attention runs, per sequence: its kernel blocks, not the full ``S x S``.
@@ -217,13 +217,15 @@ def attention_counted(cp: int, method: str) -> float:
     diagonal and its prefix, ``(j + 1) c^2``: ``(2 cp + 1) / (4 cp)``. Ulysses and no CP: whole
     causal calls, 1. Measured at cp 2 (benchmarks/planner_fidelity.py, the blocks on the math path):
     the remaining gap is that path's backward recomputing each block's scores, which the
-    counter's SDPA formula (the CUDA kernels') does not count."""
+    counter's SDPA formula (the CUDA kernels') does not count. ``masked``: the share of layers whose
+    all-gather attention is one masked call of the rank's rows against the whole row
+    (:func:`allgather_masked`): counted whole, 1, as without CP."""
     if cp == 1 or method == "ulysses":
         return 1.0
     if method == "ring":
         return (cp + 1) / (2 * cp)
     if method == "allgather":
-        return (2 * cp + 1) / (4 * cp)
+        return masked + (1.0 - masked) * (2 * cp + 1) / (4 * cp)
     raise ValueError(f"attention_counted: unknown cp_method {method!r}")
 
 
@@ -242,10 +244,20 @@ def masked_layers(recipe) -> float:
     return 1.0 if recipe.data.packing else windowed(recipe.model, recipe.train.seq_len)
 
 
-def ulysses_only(recipe) -> bool:
-    """Whether context parallelism must be Ulysses: the attention takes a mask (a sliding window shorter
-    than the sequence, packed rows) or runs the soft-capped kernel, which ring and all-gather CP's blocks
-    do not (plan/validate.py refuses them, each in its own words; plan/search.py picks Ulysses)."""
+def allgather_masked(recipe) -> float:
+    """The share of layers whose all-gather CP attention is one masked call over the gathered K/V
+    (engine/parallel/context.py): every layer for packed rows and for the soft-capped kernel (its
+    causal mask as the rank's rows), else the windowed ones; the others run the zigzag kernel blocks."""
+    if recipe.data.packing or recipe.model.attention_softcap is not None:
+        return 1.0
+    return windowed(recipe.model, recipe.train.seq_len)
+
+
+def no_ring(recipe) -> bool:
+    """Whether context parallelism cannot be the ring: the attention takes a mask (a sliding window shorter
+    than the sequence, packed rows) or runs the soft-capped kernel, which the ring's blocks do not
+    (plan/validate.py refuses it, each in its own words); Ulysses and all-gather take them (plan/search.py
+    picks one of those)."""
     return (windowed(recipe.model, recipe.train.seq_len) > 0 or recipe.model.attention_softcap is not None
             or recipe.data.packing)
 

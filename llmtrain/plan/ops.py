@@ -51,6 +51,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     attention_fractions, attention_seconds)
 from llmtrain.plan.cpmerge import cp_attention_bytes
 from llmtrain.plan.elementwise import _compiled_elementwise, _elementwise, _with_dispatch, norm_bytes  # noqa: F401
+from llmtrain.plan.flops import allgather_masked
 from llmtrain.plan.gqa import native_gqa, repeating_layers
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
@@ -213,7 +214,10 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
 
     m, p, t = recipe.model, recipe.parallel, recipe.train
     fp8 = gpu.peak_flops_fp8 if t.precision == "fp8" and gpu.peak_flops_fp8 > 0 else 0.0
-    blocks = dims.cp > 1 and p.cp_method != "ulysses"  # ring / all-gather CP: kernel calls over seq / cp keys
+    # ring / all-gather CP: kernel calls over seq / cp keys; all-gather with a mask or the soft-cap in every
+    # layer one masked call of the rank's rows against the whole row, priced as the masked attention without CP
+    # (flops.allgather_masked; a model mixing such layers with unmasked ones is priced as its kernel blocks)
+    blocks = dims.cp > 1 and p.cp_method != "ulysses" and not (p.cp_method == "allgather" and allgather_masked(recipe) == 1.0)
     attention = recipe.planner.attention_kernel
     if attention == "engine" and blocks:  # the engine's CP blocks call FA2's op themselves (context_blocks.py)
         attention = "fa2"

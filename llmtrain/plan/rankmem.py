@@ -81,6 +81,7 @@ def act_shape(recipe: Recipe, dims: ParallelDims, gpu: GPUSpec) -> act.ActShape:
         qk_norm_all=m.qk_norm and m.qk_norm_width == "all",
         rope_dim=m.rope_dim, rope_eager=not t.compile,
         gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp),
+        masked=recipe.data.packing or m.attention_softcap is not None, softcap=m.attention_softcap is not None,
         rope_sets=2 if m.local_rope_theta is not None and mixed else 1, full_layers=mixed)
 
 
@@ -110,14 +111,15 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     cp_index = None if dp_index is None else dp_index % dims.cp
     kinds = {moe: act.layer_terms(x, moe, recompute, cp_index=cp_index) for moe in (False, True)}
     # layers that differ from their kind's terms: SmolLM3's NoPE layers rotate nothing; a mixed model's
-    # window-banded layers repeat GQA's K/V (plan/gqa.py)
+    # window-banded layers repeat GQA's K/V (plan/gqa.py), and under all-gather CP run one masked call
     per_layer = []
     if m.nope_layers:
         per_layer.append((frozenset(m.nope_layers), {"rope_rotation": -kinds[False].get("rope_rotation", 0)}))
-    banded = repeating_layers(recipe) if x.gqa_native else frozenset()
+    cp_unmasked = dims.cp > 1 and p.cp_method == "allgather" and not x.masked
+    banded = repeating_layers(recipe) if x.gqa_native or cp_unmasked else frozenset()
     if banded:
-        rep = act.layer_terms(replace(x, gqa_native=False), False, recompute, cp_index=cp_index)
-        per_layer.append((banded, {"qkv_attn_out": rep.get("qkv_attn_out", 0) - kinds[False].get("qkv_attn_out", 0)}))
+        rep = act.layer_terms(replace(x, gqa_native=False, masked=True), False, recompute, cp_index=cp_index)
+        per_layer.append((banded, {k: rep.get(k, 0) - kinds[False].get(k, 0) for k in rep.keys() | kinds[False].keys()}))
     per_layer = [(layers, delta) for layers, delta in per_layer if any(delta.values())]
     for chunk, count, n_layers, n_moe in zip(held, counts, inv.chunk_layers, inv.chunk_moe):
         parts = [(kinds[False], n_layers - n_moe), (kinds[True], n_moe), (act.stage_terms(x, recompute), 1)]
@@ -158,8 +160,9 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     }
     if inv.last:
         other["logits"] = counts[held.index(last)] * act.logits_bytes(x) + act.loss_backward_bytes(x)
-    if dims.cp > 1:
-        other["cp_attention"] = act.cp_transient_bytes(x)
+    if dims.cp > 1:  # under all-gather the larger of the zigzag blocks' and (window-banded layers) a masked call's
+        other["cp_attention"] = max(act.cp_transient_bytes(x), act.cp_transient_bytes(replace(x, masked=True))
+                                    if cp_unmasked and banded else 0)
     if inv.moe_layers:
         other["moe_buffers"] = 8 * m.moe.num_experts * inv.moe_layers
         if dims.ep > 1:

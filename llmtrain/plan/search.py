@@ -35,7 +35,7 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import ulysses_only
+from llmtrain.plan.flops import no_ring
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.search_bounds import (
@@ -208,7 +208,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    ulysses = ulysses_only(recipe)  # a mask or the soft-capped kernel: CP as Ulysses (flops.ulysses_only)
+    masked = no_ring(recipe)  # a mask or the soft-capped kernel: CP as Ulysses or all-gather (flops.no_ring)
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
@@ -220,9 +220,12 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
-        if cp > 1 and ulysses and recipe.parallel.cp_method != "ulysses" \
-                and allowed(keep, "parallel.cp_method", "ulysses"):
-            base["cp_method"] = "ulysses"
+        if cp > 1 and masked and recipe.parallel.cp_method == "ring":  # Ulysses where the heads split over
+            # tp x cp (as before all-gather took masks), else all-gather
+            for method in ("ulysses", "allgather"):
+                if allowed(keep, "parallel.cp_method", method) and (method == "allgather" or m.heads % (tp * cp) == 0):
+                    base["cp_method"] = method
+                    break
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
             if bound + floors.recompute(tp, cp) >= kth():

@@ -254,11 +254,12 @@ def _check_data(recipe: Recipe, err) -> None:
                     "train.seq_len rows", "set data.packing: false, or use source chat, instruction or text"))
     # Context parallelism splits each row's sequence over cp ranks. Ulysses' attention holds whole rows
     # (of its heads), so the block-diagonal (per-sample) mask of a packed row applies there unchanged;
-    # the ring / all-gather blocks have no masks.
-    if d.packing and cp > 1 and recipe.parallel.cp_method != "ulysses":
-        err(Problem("parallel.cp_method", f"packing with {recipe.parallel.cp_method} context parallelism: its "
-                    "attention blocks have no per-sample mask; Ulysses holds whole rows and takes it",
-                    "set parallel.cp_method: ulysses, or data.packing: false, or parallel.cp: 1"))
+    # all-gather holds the whole row's K/V and takes its rows of the mask (engine/models/masks.py); the
+    # ring's blocks have no masks.
+    if d.packing and cp > 1 and recipe.parallel.cp_method == "ring":
+        err(Problem("parallel.cp_method", "packing with ring context parallelism: its attention blocks have no "
+                    "per-sample mask; all-gather and Ulysses take it",
+                    "set parallel.cp_method: allgather or ulysses, or data.packing: false, or parallel.cp: 1"))
 
 
 def _check_lora(recipe: Recipe, err) -> None:

@@ -42,14 +42,14 @@ def check_model(recipe: Recipe, err, warn) -> None:
     if m.mlp_activation != "silu" and m.is_moe:
         err(Problem("model.mlp_activation", f"mlp_activation {m.mlp_activation} with MoE: the experts are SwiGLU "
                     "(engine/models/grouped_experts.py)", "use mlp_activation: silu, or a dense model"))
-    if windowed and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method != "ulysses":
+    if windowed and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method == "ring":
         err(Problem("parallel.cp_method", f"the sliding window ({m.sliding_window}) is shorter than seq_len "
-                    f"({t.seq_len}), and {p.cp_method} context parallelism has no windowed attention blocks "
-                    "(engine/parallel/context.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))
-    if m.attention_softcap is not None and p.cp > 1 and p.cp_method != "ulysses":
+                    f"({t.seq_len}), and ring context parallelism has no windowed attention blocks "
+                    "(engine/parallel/context.py)", "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"))
+    if m.attention_softcap is not None and p.cp > 1 and p.cp_method == "ring":
         err(Problem("parallel.cp_method", f"soft-capped attention (model.attention_softcap {m.attention_softcap:g}) has "
-                    f"no {p.cp_method} context-parallel blocks; Ulysses runs the capped kernel on whole sequences "
-                    "(engine/models/softcap.py)", "set parallel.cp_method: ulysses, or parallel.cp: 1"))
+                    "no ring context-parallel blocks; all-gather and Ulysses run the capped kernel after their "
+                    "exchange (engine/models/softcap.py)", "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"))
     if m.rotary_dim is not None and (m.rotary_dim > m.head_dim or m.rotary_dim % 2):
         err(Problem("model.rotary_dim", f"rotary_dim ({m.rotary_dim}) must be even and at most head_dim ({m.head_dim})",
                     f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))

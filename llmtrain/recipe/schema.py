@@ -59,7 +59,7 @@ class ParallelConfig(Strict):
         None, description="Explicit uneven split: transformer layers of each stage (pp x pp_virtual_stages entries, summing to model.layers)."
     )
     cp_method: Literal["ring", "ulysses", "allgather"] = Field(
-        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V gathered, zigzag balanced)."
+        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V gathered, zigzag balanced; takes masks: packed rows, sliding windows, soft-capping, as ulysses does, the ring not)."
     )
     dp_bucket_mb: float = Field(
         25.0, gt=0, le=65536,
@@ -250,7 +250,7 @@ class DataConfig(Strict):
                     "(text also .txt) or a directory of them.")
     packing: bool = Field(
         False, description="chat/instruction/text: pack several samples into each train.seq_len row (attention and RoPE "
-                           "positions restart per sample; with parallel.cp > 1 under cp_method ulysses); false pads "
+                           "positions restart per sample; with parallel.cp > 1 under cp_method allgather or ulysses); false pads "
                            "every sample to its own row.")
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="chat/instruction/text samples longer than train.seq_len + 1 tokens: truncate them or "

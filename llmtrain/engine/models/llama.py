@@ -22,8 +22,8 @@ every family by construction:
   sees keys ``i - window < j <= i``, transformers' rule (``masking_utils.sliding_window_overlay``).
   Where the sequence is longer than the window, :meth:`Transformer.forward` builds one additive
   band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
-  parallelism it spans the whole sequence, which Ulysses' attention holds (ring and all-gather
-  refuse a window the sequence exceeds).
+  parallelism it spans the whole sequence, which Ulysses' attention holds, under all-gather CP this
+  rank's rows of it (:mod:`.masks`; ring CP refuses a window the sequence exceeds).
 * ``nope_layers`` (SmolLM3): layers whose attention applies no RoPE to q and k.
 * ``pre_norms`` false (OLMo 2): no norm on the branch inputs (``attention_norm`` / ``ffn_norm`` do not
   exist), only the post norms on their outputs; ``qk_norm_width: all``: q's norm over all its heads
@@ -33,8 +33,8 @@ every family by construction:
   logits divided by a constant (applied to the final norm's output, the head's input, so the
   chunked loss sees it); with ``attention_scale`` as the softmax scale.
 * ``attention_softcap`` / ``logit_softcap`` (Gemma 2): attention scores and final logits bounded by
-  ``cap * tanh(x / cap)``; the scores need our own kernel (:mod:`.softcap`), which Ulysses context
-  parallelism runs inside its exchange (ring and all-gather refuse it).
+  ``cap * tanh(x / cap)``; the scores need our own kernel (:mod:`.softcap`), which Ulysses and
+  all-gather context parallelism run after their exchange (ring refuses it).
 
 Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
 checkpoints, init), so they are fixed and layout-independent:
@@ -69,6 +69,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmtrain.engine.models.masks import (attention_bias, forward_masks, longest_sample, masked_sdpa,  # noqa: F401
+                                          packed_mask, window_mask, zigzag_rows)  # (re-exported: tests)
 from llmtrain.engine.models.moe import MoE, FeedForward
 from llmtrain.engine.models.norm import RMSNorm, SplitRMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
@@ -116,63 +118,6 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 causal_sdpa.takes_kv_heads = True
 
 
-def packed_mask(segments: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask [b, 1, s, s] (True = may attend) of packed rows.
-
-    ``segments`` [b, s] numbers the samples of each row (padding has its own id, -1): a token
-    attends to earlier tokens of its own sample only, so no sample sees another. Every row of
-    the mask keeps its diagonal, so no softmax is over an empty set (no NaN, padding included).
-    """
-    s = segments.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril()
-    return (segments.unsqueeze(-1) == segments.unsqueeze(-2)).logical_and(causal).unsqueeze(1)
-
-
-def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """Sliding-window causal mask (True = may attend) of global ``positions`` [s] or [b, s]:
-    ``[s, s]`` or ``[b, 1, s, s]``; the query at position ``p`` sees keys at ``p - window < q <= p``,
-    itself included (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - window``). In
-    packed rows positions restart per sample, and :func:`packed_mask` keeps samples apart; within
-    a sample the position difference is the index difference, as transformers counts it."""
-    d = positions.unsqueeze(-1) - positions.unsqueeze(-2)
-    mask = (d >= 0).logical_and(d < window)
-    return mask if mask.dim() == 2 else mask.unsqueeze(1)
-
-
-def longest_sample(segments: torch.Tensor) -> torch.Tensor:
-    """Tokens of the longest sample in packed rows ``segments`` [b, s] (runs of one sample id;
-    padding, id -1, counts as none), a 0-d tensor: no host sync. Under context parallelism a rank
-    holds a shard of each row's positions but the whole row's sample ids (Ulysses)."""
-    idx = torch.arange(segments.shape[-1], device=segments.device)
-    new = torch.ones_like(segments, dtype=torch.bool)
-    new[..., 1:] = segments[..., 1:] != segments[..., :-1]
-    start = torch.cummax(torch.where(new, idx, 0), dim=-1).values
-    return ((idx - start + 1) * (segments >= 0)).max()
-
-
-def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as SDPA's additive float mask (0 where visible, -inf elsewhere) in the
-    queries' dtype, built once per forward and shared by every layer. Why not the boolean mask:
-    SDPA converts a boolean mask to this form inside every call, and the fused kernels save
-    their mask for backward, so each layer would keep its own ``s x s`` copy in the compute
-    dtype until its backward (32 layers at s = 4096 in bf16: 1 GiB per microbatch); given the
-    float mask, every layer saves the same tensor."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask.logical_not(), float("-inf"))
-
-
-def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Core attention of packed rows or a sliding window: SDPA with an explicit mask
-    (:func:`packed_mask`, :func:`window_mask`, as :func:`attention_bias`).
-
-    Why SDPA with a dense mask and not FlexAttention: it is one code path that runs, and is
-    verified, on CPU/gloo and on CUDA alike (CUDA dispatches a masked SDPA to the
-    memory-efficient kernel; flash attention takes no mask). The mask costs ``b * s * s`` bytes
-    per forward (8 MiB at s = 4096, micro 1 per microbatch, shared by all layers and heads).
-    FlexAttention's block-sparse kernel, which skips the masked blocks, needs
-    ``torch.compile``, and compiled flex attention on CPU is not what our CPU tests run, so it
-    is left to the engine-speed work (docs/finetune.md).
-    """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -216,8 +161,8 @@ class Attention(nn.Module):
             q = q * self.q_scale
         v = self.wv(x).view(b, s, -1, self.head_dim)
         n_rep = q.shape[2] // k.shape[2]
-        # K/V with their own heads where the core attention takes them: causal SDPA's GQA kernel and ring /
-        # all-gather CP without a mask or the soft-cap, Ulysses (takes_mask) with either; repeated otherwise
+        # K/V with their own heads where the core attention takes them: causal SDPA's GQA kernel and ring CP
+        # without a mask or the soft-cap, Ulysses and all-gather CP (takes_mask) with either; repeated otherwise
         takes_kv = getattr(self.attn_fn, "takes_kv_heads", False) and (
             mask is None and self.softcap is None or getattr(self.attn_fn, "takes_mask", False))
         if n_rep > 1 and not takes_kv:
@@ -230,21 +175,21 @@ class Attention(nn.Module):
             out = self.attn_fn(q, k, v)
         elif self.attn_fn is causal_sdpa:
             out = masked_sdpa(q, k, v, mask)
-        elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses: a window's band over the whole sequence
+        elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses (the whole row), all-gather CP (its rows)
             out = self.attn_fn(q, k, v, mask)
-        else:  # ring / all-gather CP; plan refuses packing with cp > 1, and a window these methods cannot run
-            raise ValueError("an attention mask (data.packing, a sliding window) cannot run with ring or all-gather "
+        else:  # ring CP; plan refuses packing and a window with it
+            raise ValueError("an attention mask (data.packing, a sliding window) cannot run with ring "
                              "context-parallel attention")
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _softcapped(self, q, k, v, mask):
-        """Soft-capped attention (``model.attention_softcap``): our kernel, alone or inside Ulysses'
-        exchange (``takes_softcap``); ring / all-gather CP have no capped blocks (refused by plan)."""
+        """Soft-capped attention (``model.attention_softcap``): our kernel, alone or inside Ulysses' or
+        all-gather CP's exchange (``takes_softcap``); ring CP has no capped blocks (refused by plan)."""
         if self.attn_fn is causal_sdpa:
             return softcap_attention(q, k, v, mask, self.softcap)
         if getattr(self.attn_fn, "takes_softcap", False):
             return self.attn_fn(q, k, v, mask, softcap=self.softcap)
-        raise ValueError("attention soft-capping (model.attention_softcap) cannot run with ring or all-gather "
+        raise ValueError("attention soft-capping (model.attention_softcap) cannot run with ring "
                          "context-parallel attention")
 
 
@@ -311,6 +256,9 @@ class Transformer(nn.Module):
         # the whole row) and longrope's regime (by the row's length, rope.py) need.
         self.window: int | None = cfg.sliding_window
         self.seq_shards = 1
+        # All-gather CP sets ``cp_rows`` to (cp, cp rank): masks (packed rows, a window, the soft-capped
+        # kernel's causal one) then span this rank's zigzag rows only (models/masks.py)
+        self.cp_rows: tuple[int, int] | None = None
         # Return the final norm's output instead of logits (the loss applies ``output`` itself,
         # chunked: engine/parallel/loss.py). The default of forward's ``return_hidden``; the trainer
         # sets it on a pipeline's last stage, whose forward the schedule calls without our kwargs.
@@ -375,15 +323,14 @@ class Transformer(nn.Module):
         local_rope = rope  # the windowed layers' (model.local_rope_theta: own base, no scaling)
         if self.cfg.local_rope_theta is not None and windowed:
             local_rope = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.local_rope_theta, None)
-        base = None if segments is None else packed_mask(segments)  # boolean, True = may attend
-        band = None
-        if self.window is not None and full > self.window and windowed:
-            band = window_mask(positions if self.seq_shards == 1 else torch.arange(full, device=h.device),
-                               self.window)
-            band = band if base is None else base.logical_and(band)
+        window = self.window if self.window is not None and full > self.window and windowed else None
+        rows = None  # all-gather CP: masks of this rank's zigzag rows against the whole row (models/masks.py)
+        if self.cp_rows is not None and (segments is not None or window is not None
+                                       or self.cfg.attention_softcap is not None):
+            rows = zigzag_rows(full, *self.cp_rows, device=h.device)
         # one additive mask per kind per forward, shared by the layers of that kind (attention_bias)
-        mask = None if base is None else attention_bias(base, h.dtype)
-        windowed_mask = mask if band is None else attention_bias(band, h.dtype)
+        mask, windowed_mask = forward_masks(positions, segments, window, full, self.seq_shards, rows,
+                                            self.cfg.attention_softcap is not None, h.dtype)
         for layer in self.layers.values():
             cos, sin = local_rope if layer.windowed else rope
             m = windowed_mask if layer.windowed else mask

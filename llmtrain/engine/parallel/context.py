@@ -28,7 +28,9 @@ computes exactly the full-sequence attention.
   of the rank's two query chunks attends to the prefix of the sequence up to itself, causally
   aligned bottom-right: two kernel blocks per chunk merged by their log-sum-exp, no mask tensor
   (``context_blocks.PrefixCausalAttention``, one call for both chunks). Balanced like the ring
-  (:func:`allgather_attention`); K/V memory is the full sequence (kv_heads).
+  (:func:`allgather_attention`); K/V memory is the full sequence (kv_heads). With a mask (packed
+  rows' samples, a sliding window) or Gemma 2's soft-cap, the rank's rows of the model's mask
+  (``models/masks.py``) go to one masked kernel call over the gathered K/V: why Llama 3 chose it.
 - ``ulysses`` (Jacobs et al. 2023, arXiv:2309.14509): an all-to-all turns sequence shards of all
   heads into the full sequence of ``heads / cp`` heads, plain causal attention runs locally, and
   a second all-to-all turns it back. Needs heads (and kv_heads) divisible by tp x cp.
@@ -50,6 +52,7 @@ import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
 from llmtrain.engine.models.llama import causal_sdpa
+from llmtrain.engine.models.masks import zigzag_rows
 from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
@@ -61,10 +64,7 @@ def cp_positions(seq_len: int, cp: int, cp_rank: int, method: str) -> torch.Tens
     if cp == 1:
         return torch.arange(seq_len)
     if method in ("ring", "allgather"):  # zigzag (module docstring)
-        chunk = seq_len // (2 * cp)
-        first, second = cp_rank, 2 * cp - 1 - cp_rank
-        return torch.cat([torch.arange(first * chunk, (first + 1) * chunk),
-                          torch.arange(second * chunk, (second + 1) * chunk)])
+        return zigzag_rows(seq_len, cp, cp_rank)
     chunk = seq_len // cp
     return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
 
@@ -89,7 +89,8 @@ def zigzag_order(cp: int) -> list[int]:
     return [2 * g if g < cp else 2 * (2 * cp - 1 - g) + 1 for g in range(2 * cp)]
 
 
-def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int):
+def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int,
+                        mask: torch.Tensor | None = None, softcap: float | None = None):
     """Queries of the local zigzag shard (global chunks ``r`` and ``2 cp - 1 - r``) against the
     all-gathered K/V of the whole sequence ``S``, reordered into global order.
 
@@ -112,13 +113,25 @@ def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int
     moment of the copy in forward, and one full-sequence dK (then dV) in backward (the gradient
     put back into rank order for the reduce-scatter); the call's peak stays in the attention's
     backward, where the largest block's repeated K/V and their gradients are live
-    (``plan/activations.cp_transient_bytes``)."""
-    offsets = allgather_offsets(q.shape[2], cp, cp_rank)
+    (``plan/activations.cp_transient_bytes``).
+
+    ``mask`` (packed rows, a sliding window: the model's additive mask of this rank's rows against
+    the whole row, ``models/masks.py``) and ``softcap`` (Gemma 2, with its causal mask as rows): one
+    call of masked SDPA, or of the soft-capped kernel, over the gathered K/V repeated to the query
+    heads, as the model's own masked attention without CP: every score block runs (no causal skip),
+    and the repeated full-sequence K/V are what the kernel keeps."""
     order = zigzag_order(cp)
     # GQA: gathered with their kv_heads; PrefixCausalAttention repeats each kernel block's keys
     k_full = _gather_seq(k, group, cp, order)
     v_full = _gather_seq(v, group, cp, order)
-    return PrefixCausalAttention.apply(q, k_full, v_full, offsets)
+    if mask is None and softcap is None:
+        return PrefixCausalAttention.apply(q, k_full, v_full, allgather_offsets(q.shape[2], cp, cp_rank))
+    if k_full.shape[1] != q.shape[1]:  # the masked kernels take equal head counts (models/llama.py)
+        rep = q.shape[1] // k_full.shape[1]
+        k_full, v_full = k_full.repeat_interleave(rep, dim=1), v_full.repeat_interleave(rep, dim=1)
+    if softcap is not None:
+        return softcap_attention(q, k_full, v_full, mask, softcap)
+    return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
 
 
 def _gather_seq(x: torch.Tensor, group, cp: int, order: list[int] | None = None) -> torch.Tensor:
@@ -212,32 +225,36 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
-    Ulysses takes them too, with the model's mask (``takes_mask``: a sliding window, packed rows) and
-    Gemma 2's soft-cap (``takes_softcap``)."""
+    Ulysses takes them too; Ulysses and all-gather take the model's mask (``takes_mask``: a sliding
+    window, packed rows) and Gemma 2's soft-cap (``takes_softcap``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
         ulysses.takes_mask = ulysses.takes_softcap = ulysses.takes_kv_heads = True
         return ulysses
     if method == "ring":
-        def fn(q, k, v):
+        def ring(q, k, v):
             return ring_attention(q, k, v, group, cp)
-    else:
-        def fn(q, k, v):
-            return allgather_attention(q, k, v, group, cp, cp_rank)
-    fn.takes_kv_heads = True
-    return fn
+        ring.takes_kv_heads = True
+        return ring
+
+    def allgather(q, k, v, mask=None, softcap=None):
+        return allgather_attention(q, k, v, group, cp, cp_rank, mask, softcap)
+    allgather.takes_mask = allgather.takes_softcap = allgather.takes_kv_heads = True
+    return allgather
 
 
 def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
     """Swap every block's core attention for the CP one (before AC/compile/FSDP wrap blocks)."""
     cp, cp_rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
     windowed = any(block.windowed for block in model.layers.values())
-    if windowed and model.window is not None and model.window < seq_len and method != "ulysses":  # validated first
+    if windowed and model.window is not None and model.window < seq_len and method == "ring":  # validated first
         raise ValueError(f"a sliding window ({model.window}) shorter than seq_len ({seq_len}) needs cp_method "
-                         f"ulysses, not {method}: ring and all-gather have no windowed blocks")
-    if model.cfg.attention_softcap is not None and method != "ulysses":  # validated first
-        raise ValueError(f"soft-capped attention (model.attention_softcap) needs cp_method ulysses, not {method}")
+                         "allgather or ulysses, not ring: the ring has no windowed blocks")
+    if model.cfg.attention_softcap is not None and method == "ring":  # validated first
+        raise ValueError("soft-capped attention (model.attention_softcap) needs cp_method allgather or ulysses, not ring")
     model.seq_shards = cp  # a row is cp shards: the window's band (Ulysses) and longrope's regime use its length
+    if method == "allgather":  # masks of this rank's zigzag rows (models/masks.py)
+        model.cp_rows = (cp, cp_rank)
     for block in model.layers.values():
         block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len)
