@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "smollm3", "olmo2")
+            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "granitemoe", "smollm3", "olmo2")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -103,6 +103,11 @@ def tiny_config(family: str, *, tie: bool | None = None):
         kw.update(tie_word_embeddings=True)
         conf = tf.GraniteConfig(**kw, embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
                                 logits_scaling=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    elif family == "granitemoe":  # Granite's scalars on a Mixtral-routed MoE: 4 experts of 24, top 2, tied; its
+        kw.update(tie_word_embeddings=True, intermediate_size=24)  # experts' gate/up fused per expert on disk
+        conf = tf.GraniteMoeConfig(**kw, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+                                   embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                                   logits_scaling=2.5, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     elif family == "smollm3":  # 4 layers, the second and fourth NoPE (no_rope_layers: 1 = RoPE, 0 = none), tied
         kw.update(num_hidden_layers=4, tie_word_embeddings=True)
         conf = tf.SmolLM3Config(**kw, no_rope_layers=[1, 0, 1, 0],

@@ -41,7 +41,7 @@ from tests.distrun import run_cases
 from tests.hf_tiny import FAMILIES, save_tiny
 
 LOGIT_RTOL, LOSS_TOL = 1e-5, 2e-5
-MOE = ("mixtral", "qwen3_moe")
+MOE = ("mixtral", "qwen3_moe", "granitemoe")
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +122,9 @@ def test_mapping_has_teeth(tiny):
                            # Granite: each of its scalars
                            ("granite", {"embed_multiplier": None}), ("granite", {"residual_multiplier": None}),
                            ("granite", {"attention_scale": None}), ("granite", {"logit_divisor": None}),
+                           # GraniteMoE: its scalars on the experts' branch, and Mixtral's renormalized top-k
+                           ("granitemoe", {"residual_multiplier": None}),
+                           ("granitemoe", {"moe": {"norm_topk_prob": False}}),
                            ("smollm3", {"nope_layers": None}), ("smollm3", {"nope_layers": [3]}),
                            ("olmo2", {"pre_norms": True}), ("olmo2", {"post_norms": False}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),

@@ -64,6 +64,8 @@ LOAD_CASES = {"llama3_fsdp": ("llama3", ["parallel.dp_shard=2"]), "qwen3_tp": ("
               "qwen3_moe_ep": ("qwen3_moe", ["parallel.ep=2"]), "llama_pp": ("llama", ["parallel.pp=2", "parallel.zero=1"]),
               "mixtral_tp": ("mixtral", ["parallel.tp=2"]), "phi3_tp": ("phi3", ["parallel.tp=2"]),
               "gemma3_tp": ("gemma3", ["parallel.tp=2"]),
+              # GraniteMoE's experts fused per expert (input_linear [E, 2F, H]): expert-TP reads each half's rows
+              "granitemoe_tp": ("granitemoe", ["parallel.tp=2"]),
               "gemma3_mm_tp": ("gemma3_mm", ["parallel.tp=2"])}  # Gemma3ForConditionalGeneration: its language model
 TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]
 
@@ -72,7 +74,7 @@ TRAIN = ["parallel.ep=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.
 def world(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hfio")
     hf = {f: save_tiny(f, tmp / f, shards=3) for f in ("llama", "llama3", "qwen3", "qwen3_moe", "mixtral", "phi3",
-                                                       "gemma3")}
+                                                       "gemma3", "granitemoe")}
     hf["gemma3_mm"] = save_tiny_gemma3_multimodal(tmp / "gemma3_mm", shards=3)
     tok = write_tokenizer(tmp / "tok")
     cases = [{"kind": "load", "name": name, "recipe": str(write_recipe(hf[fam], tmp / f"{fam}.yaml")), "set": sets,
@@ -88,6 +90,10 @@ def world(tmp_path_factory) -> dict:
     gemma3 = write_recipe(hf["gemma3"], tmp / "gemma3_train.yaml")  # seq 16 > window 8: sliding + full layers
     cases.append({"kind": "train", "name": "gemma3_train", "recipe": str(gemma3), "steps": 2,
                   "set": [f"checkpoint.dir={tmp / 'ckpts_gemma3'}", f"checkpoint.init_from_hf={hf['gemma3']}",
+                          "parallel.tp=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]})
+    granite = write_recipe(hf["granitemoe"], tmp / "granitemoe_train.yaml")
+    cases.append({"kind": "train", "name": "granitemoe_train", "recipe": str(granite), "steps": 2,
+                  "set": [f"checkpoint.dir={tmp / 'ckpts_granitemoe'}", f"checkpoint.init_from_hf={hf['granitemoe']}",
                           "parallel.tp=2", "train.steps=2", "checkpoint.interval=2", "checkpoint.async=false"]})
     results = run_worker({"cases": cases, "out": str(tmp / "res.pt")}, tmp / "spec.json", nproc=2)
     one = [*common, "parallel.ep=1", "cluster.gpus_per_node=1", "train.steps=3", "train.optimizer.lr=1e-30",
@@ -207,6 +213,22 @@ def test_gemma3_export_from_tp2_loads_in_transformers(world):
     trained, start = shard_tensors(out), shard_tensors(world["hf"]["gemma3"])
     for name in ("model.layers.0.post_feedforward_layernorm.weight", "model.embed_tokens.weight"):
         assert not torch.equal(trained[name], start[name]), name
+
+
+def test_fused_granitemoe_export_from_tp2_loads_in_transformers(world):
+    """GraniteMoE's experts (gate and up rows of every expert in one input_linear [E, 2F, H]) trained from
+    the tiny HF weights at TP 2 (each rank holds half of each expert's gate and up rows) and exported:
+    the two halves joined along dim 1, GraniteMoeForCausalLM's logits equal ours (LOGIT_TOL)."""
+    ckpts = world["tmp"] / "ckpts_granitemoe"
+    out = export(ckpts, "step-2", world["tmp"] / "granitemoe_export", "--max-shard-size", "12KB", "--workers", "2")
+    index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.block_sparse_moe.input_linear.weight" in index
+    err = logits_error(ckpts / "step-2", out, "granitemoe")
+    print(f"granitemoe export -> transformers: logits max abs error {err:.3g}")
+    assert err <= LOGIT_TOL, err
+    trained, start = shard_tensors(out), shard_tensors(world["hf"]["granitemoe"])
+    name = "model.layers.0.block_sparse_moe.input_linear.weight"
+    assert trained[name].shape == start[name].shape and not torch.equal(trained[name], start[name])
 
 
 def test_export_bf16_is_the_fp32_export_rounded(world, exports):

@@ -37,6 +37,8 @@ NOT_SUPPORTED = {
     "deepseek_v2": "multi-head latent attention (MLA) is not implemented",
     "qwen2_moe": "its shared expert with a sigmoid gate has no counterpart (model.moe.shared_experts are ungated)",
     "gemma3": "its config.json has no text_config object to read the language model from",
+    "granitemoeshared": "its shared expert has no counterpart in a Hugging Face family here (granitemoe has none)",
+    "granitemoehybrid": "its Mamba 2 layers are not implemented",
 }
 ROPE_TYPES = ("default", "llama3", "longrope", "linear")  # each family takes default and its own (Family.rope_scaling)
 OPTIONAL = ("model.rope_scaling", "model.sliding_window", "model.rotary_dim", "model.local_rope_theta",
@@ -110,6 +112,9 @@ def hf_config(cfg: ModelConfig) -> dict:
     if f.name == "mixtral":
         out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
                    router_aux_loss_coef=float(m.aux_loss_coef), router_jitter_noise=0.0, output_router_logits=False)
+    elif f.name == "granitemoe":  # Mixtral's routing; the experts' width is its intermediate_size
+        out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   router_aux_loss_coef=float(m.aux_loss_coef), output_router_logits=False)
     elif f.name == "qwen3_moe":
         step = m.sparse_step
         out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_ffn,
@@ -231,7 +236,8 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
                 "it must be 0 (NoPE) or 1 (RoPE) for each of num_hidden_layers, or an interval >= 1")
         if conf.get("use_sliding_window"):
             bad("use_sliding_window", True, "SmolLM3's sliding window (on its NoPE layers) is not implemented")
-    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", "olmo2") and conf.get("attention_bias", False) is not False:
+    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3", "olmo2") \
+            and conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
     if mt in ("llama", "granite", "smollm3") and conf.get("mlp_bias", False) is not False:
         bad("mlp_bias", conf.get("mlp_bias"), "our MLPs have no biases")
@@ -296,7 +302,7 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         scale = lambda key: None if float(conf.get(key, 1.0)) == 1.0 else float(conf[key])  # noqa: E731
         out.update(embed_multiplier=scale("embedding_multiplier"), residual_multiplier=scale("residual_multiplier"),
                    logit_divisor=scale("logits_scaling"), attention_scale=float(conf.get("attention_multiplier", 1.0)))
-    if mt == "mixtral":
+    if mt in ("mixtral", "granitemoe"):  # both renormalize the top-k weights (softmax over the top-k logits)
         out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
                       "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
                       "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",

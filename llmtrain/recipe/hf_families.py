@@ -38,6 +38,7 @@ class Family:
     scalars: bool = False             # muP multipliers: embeddings, residual branches, softmax scale, logits (Granite)
     nope: bool = False                # layers without RoPE (no_rope_layers: SmolLM3)
     olmo: bool = False                # only post norms, q/k norms over all heads (OLMo 2)
+    fused_experts: bool = False       # experts on disk as 3D tensors, gate/up fused per expert (GraniteMoE)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -53,6 +54,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            partial_rotary=True),  # Phi-3, Phi-3.5, Phi-4, Phi-4-mini
     Family("gemma", "GemmaForCausalLM", rope_scaling="none", gemma=True),  # Gemma 1 / 1.1 2B, 7B; CodeGemma
     Family("granite", "GraniteForCausalLM", rope_scaling="none", scalars=True),  # IBM Granite 3.x dense
+    Family("granitemoe", "GraniteMoeForCausalLM", moe=True, rope_scaling="none", scalars=True,
+           moe_prefix="block_sparse_moe", fixed_norm_topk=True, fused_experts=True),  # IBM Granite 3.x MoE
     Family("smollm3", "SmolLM3ForCausalLM", rope_scaling="none", nope=True),  # SmolLM3: NoPE every 4th layer
     Family("olmo2", "Olmo2ForCausalLM", qk_norm=True, rope_scaling="none", olmo=True),  # OLMo 2: post norms only
     Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
@@ -83,10 +86,10 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
 
     if cfg.is_moe and not f.moe:
         bad("model.family", f"{f.name} has no experts but model.moe.num_experts is {cfg.moe.num_experts}",
-            "use model.family mixtral or qwen3_moe, or a dense model (model.moe.num_experts: 1)")
+            "use model.family mixtral, qwen3_moe or granitemoe, or a dense model (model.moe.num_experts: 1)")
     if f.moe and not cfg.is_moe:
         bad("model.family", f"{f.name} is a mixture-of-experts family but the model is dense",
-            "use model.family llama/mistral/qwen2/qwen3/phi3, or set model.moe.num_experts")
+            "use model.family llama/mistral/qwen2/qwen3/phi3/granite, or set model.moe.num_experts")
     if cfg.qkv_bias != f.qkv_bias:
         bad("model.qkv_bias", f"qkv_bias is {cfg.qkv_bias}; {f.name} {'always has' if f.qkv_bias else 'has no'} "
             "q/k/v biases", "use model.family qwen2 for q/k/v biases" if cfg.qkv_bias else
@@ -133,7 +136,7 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
         for name in ("embed_multiplier", "residual_multiplier", "logit_divisor"):
             if getattr(cfg, name) is not None:
                 bad(f"model.{name}", f"{name} is set; {f.name} has no such multiplier (Granite has)",
-                    f"drop model.{name}, or use model.family granite")
+                    f"drop model.{name}, or use model.family granite or granitemoe")
     if not f.local_rope and cfg.local_rope_theta is not None:
         bad("model.local_rope_theta", f"local_rope_theta is set; {f.name} has one RoPE base (Gemma 3 has two)",
             "drop model.local_rope_theta, or use model.family gemma3_text")
@@ -161,7 +164,7 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
             bad("model.moe.balance", f"balance {m.balance!r} (learned expert_bias); Hugging Face routers have no "
                 "bias", "use model.moe.balance: aux_loss")
         if f.fixed_norm_topk and not m.norm_topk_prob:
-            bad("model.moe.norm_topk_prob", "norm_topk_prob is false; Mixtral always renormalizes the top-k "
+            bad("model.moe.norm_topk_prob", f"norm_topk_prob is false; {f.name} always renormalizes the top-k "
                 "weights", "use model.moe.norm_topk_prob: true or model.family qwen3_moe")
         dense = [i for i in range(cfg.layers) if not cfg.is_moe_layer(i)]
         if dense and not f.dense_layers:

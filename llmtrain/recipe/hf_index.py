@@ -220,7 +220,9 @@ def model_problems(tensors: dict[str, TensorHeader], tmap: dict, our_shapes: dic
             problems.append(Problem(flag, f"our tensor {ours} has no Hugging Face counterpart in the tensor map",
                                     "this model family cannot be loaded from Hugging Face weights"))
             continue
-        want = (src.rows[2], *shape[1:]) if src.rows is not None else tuple(shape[1:]) if src.stacked else tuple(shape)
+        want = tuple(shape[1:]) if src.stacked else tuple(shape)
+        if src.rows is not None:  # a block of a fused tensor: the whole tensor's rows along its dim (families.hf_shape)
+            want = want[:src.rows_dim] + (src.rows[2],) + want[src.rows_dim + 1:]
         for name in src.hf:
             if name in used:  # a fused tensor (Phi-3 qkv_proj): one check for its blocks
                 continue

@@ -1,7 +1,8 @@
 """Hugging Face model families: our state dict <-> theirs, per family (config.json: :mod:`.config_json`).
 
 Families: ``llama`` (Llama 2/3/3.1/3.2), ``mistral``, ``qwen2`` (Qwen2/2.5), ``qwen3``, ``mixtral``,
-``qwen3_moe``, ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini). One engine model with switches
+``qwen3_moe``, ``phi3`` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini), ``granitemoe`` and the others of
+:data:`FAMILIES`. One engine model with switches
 (:mod:`llmtrain.engine.models.llama`) stands for all of them; this module says, per family, which
 switches it has and which HF tensor is which of ours.
 No ``transformers`` import: the files are plain safetensors + JSON.
@@ -39,6 +40,11 @@ Decisions:
   ``attention_post_norm`` -> ``post_attention_layernorm`` (the attention output's norm, not the
   MLP's input norm as in Llama), ``ffn_post_norm`` -> ``post_feedforward_layernorm``. Its norm
   weights are stored as they are (our ``OffsetRMSNorm`` is the same ``1 + w`` form).
+* **GraniteMoE** (``granitemoe``, ``Family.fused_experts``): every layer's experts are two 3D tensors on
+  disk, ``block_sparse_moe.input_linear.weight`` ``[E, 2 F, H]`` (per expert the gate rows, then the up
+  rows: transformers' ``chunk(2)``) and ``output_linear.weight`` ``[E, H, F]`` (our ``w2`` as it is); our
+  ``w1`` / ``w3`` are the two row halves along dim 1 (``Source.rows_dim``), the router is
+  ``block_sparse_moe.router.layer.weight``. Its routing is Mixtral's (softmax over the top-k logits).
 * **OLMo 2** (``olmo2``, ``model.pre_norms`` false): no input norms; ``attention_post_norm`` ->
   ``post_attention_layernorm``, ``ffn_post_norm`` -> ``post_feedforward_layernorm``; its q/k norms span
   all heads (``[heads x head_dim]``), permuted per head like wq's rows.
@@ -109,6 +115,8 @@ class Source:
       ``model.rotary_dim``): only they are permuted, the others pass; None: all ``head_dim``.
     * ``rows``: ``(start, stop, total)``: our tensor is rows ``start:stop`` of the one HF tensor
       (of ``total`` rows), a block of a fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``).
+    * ``rows_dim``: the dim those rows run along: 0, or 1 for every expert's block of a stacked
+      fused tensor (GraniteMoE's ``input_linear`` ``[E, 2 F, H]``: gate rows, then up rows).
 
     Readers that want only a slice of our tensor: dim 0 of ours maps to experts (stacked) or to
     rows of the HF tensor (offset by ``rows[0]``; a row slice needs whole heads when
@@ -120,6 +128,7 @@ class Source:
     head_dim: int | None = None
     rows: tuple[int, int, int] | None = None
     rotary: int | None = None  # partial rotary: only the first ``rotary`` rows of each head are permuted
+    rows_dim: int = 0  # the dim ``rows`` cut: 1 for GraniteMoE's experts (gate / up halves per expert)
 
 
 def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
@@ -154,7 +163,13 @@ def tensor_map(cfg: ModelConfig) -> dict[str, Source]:
             rotated = ours in ROTATED
             out[p + ours] = Source((hp + theirs,), head_dim=cfg.head_dim if rotated else None, rows=blocks.get(ours),
                                    rotary=cfg.rope_dim if rotated and cfg.rope_dim != cfg.head_dim else None)
-        if cfg.is_moe_layer(i):
+        if cfg.is_moe_layer(i) and f.fused_experts:  # GraniteMoE: every expert's w1 / w3 in one 3D tensor
+            moe, e2 = f"{hp}{f.moe_prefix}.", 2 * cfg.expert_ffn
+            out[p + "moe.router.weight"] = Source((moe + "router.layer.weight",))
+            out[p + "moe.experts.w1"] = Source((moe + "input_linear.weight",), rows=(0, e2 // 2, e2), rows_dim=1)
+            out[p + "moe.experts.w3"] = Source((moe + "input_linear.weight",), rows=(e2 // 2, e2, e2), rows_dim=1)
+            out[p + "moe.experts.w2"] = Source((moe + "output_linear.weight",))
+        elif cfg.is_moe_layer(i):
             moe = f"{hp}{f.moe_prefix}."
             out[p + "moe.router.weight"] = Source((moe + "gate.weight",))
             for ours, theirs in zip(("w1", "w3", "w2"), f.expert_names):
@@ -175,7 +190,9 @@ def fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
 def hf_shape(src: Source, ours: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of each HF tensor of ``src``, given our tensor's shape."""
     if src.rows is not None:
-        return (src.rows[2], *ours[1:])
+        shape = list(ours)
+        shape[src.rows_dim] = src.rows[2]
+        return tuple(shape)
     return tuple(ours[1:]) if src.stacked else tuple(ours)
 
 
@@ -185,12 +202,12 @@ def to_ours(src: Source, tensors: list[torch.Tensor]) -> torch.Tensor:
 
     if src.rows is not None:
         start, stop, total = src.rows
-        t = tensors[0]
-        if t.dim() == 0 or t.shape[0] != total:
+        t, d = tensors[0], src.rows_dim
+        if t.dim() <= d or t.shape[d] != total:
             raise LLMTrainError(f"{src.hf[0]}: shape {list(t.shape)} does not have the {total} rows of the fused "
                                 "projection", "the weights do not match the model's heads, kv_heads, head_dim and "
-                                "ffn_hidden", path="model")
-        tensors = [t.narrow(0, start, stop - start)]
+                                "ffn_hidden (expert_ffn_hidden)", path="model")
+        tensors = [t.narrow(d, start, stop - start)]
     if src.head_dim is not None:
         for name, t in zip(src.hf, tensors):
             if t.dim() == 0 or t.shape[0] % src.head_dim:
@@ -257,13 +274,13 @@ def hf_tensors(pairs) -> dict[str, torch.Tensor]:
         if src.rows is None:
             out.update(zip(src.hf, to_hf(src, ours)))
         else:
-            blocks.setdefault(src.hf[0], []).append((src.rows, to_hf(src, ours)[0]))
+            blocks.setdefault(src.hf[0], []).append((src.rows, to_hf(src, ours)[0], src.rows_dim))
     for name, parts in blocks.items():
         parts.sort(key=lambda p: p[0][0])
-        edges = [0] + [r[1] for r, _ in parts]
-        if [r[0] for r, _ in parts] != edges[:-1] or edges[-1] != parts[0][0][2]:  # never from tensor_map
-            raise LLMTrainError(f"{name}: blocks {[r for r, _ in parts]} do not tile the fused tensor")
-        out[name] = torch.cat([t for _, t in parts])
+        edges = [0] + [r[1] for r, _, _ in parts]
+        if [r[0] for r, _, _ in parts] != edges[:-1] or edges[-1] != parts[0][0][2]:  # never from tensor_map
+            raise LLMTrainError(f"{name}: blocks {[r for r, _, _ in parts]} do not tile the fused tensor")
+        out[name] = torch.cat([t for _, t, _ in parts], dim=parts[0][2])
     return out
 
 

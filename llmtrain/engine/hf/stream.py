@@ -17,8 +17,9 @@ Mapping a box of our tensor onto HF tensors:
 * ``head_dim`` (q/k rows, biases, q/k-norm weights in HF's half-split RoPE order): a row range
   of ours needs whole heads of theirs, so the covering heads' rows are read, permuted by the
   family's :func:`~llmtrain.engine.hf.families.to_ours` and cut to the range;
-* ``rows`` (a block of a fused projection, Phi-3's ``qkv_proj``/``gate_up_proj``): the row
-  range is shifted by the block's start, so a TP or FSDP rank reads only its rows of the block.
+* ``rows`` (a block of a fused projection, Phi-3's ``qkv_proj``/``gate_up_proj``; GraniteMoE's
+  experts along dim 1, ``rows_dim``): the row range is shifted by the block's start, so a TP or
+  FSDP rank reads only its rows of the block.
 
 Why not ``torch.distributed.checkpoint``'s ``HuggingFaceStorageReader`` (torch 2.13,
 ``torch/distributed/checkpoint/hf_storage.py``)? It does the same slice reads (``get_slice``
@@ -150,8 +151,8 @@ def read_box(reader: SliceReader, src: Source, spans: list[tuple[int, int, torch
         box[0] = slice(h0 * h, h1 * h)
         cut = (a - h0 * h, b - h0 * h)
     if src.rows is not None:  # a block of a fused tensor (it starts at a whole head): shift the rows
-        start = src.rows[0]
-        box[0] = slice(box[0].start + start, box[0].stop + start)
+        start, d = src.rows[0], src.rows_dim
+        box[d] = slice(box[d].start + start, box[d].stop + start)
     parts = [reader.read(n, tuple(box)) for n in names]
     value = to_ours(Source(tuple(names), src.stacked, src.head_dim, rotary=src.rotary), parts)
     if cut is not None:
