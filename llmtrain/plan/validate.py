@@ -238,7 +238,7 @@ def _check_compression(recipe: Recipe, dpcp: int, err, warn) -> None:
 
 def _check_data(recipe: Recipe, err) -> None:
     """Data-source rules: a path where one is read, a chat template where one is needed, packing
-    only where rows are built from samples (and under context parallelism, with Ulysses only)."""
+    only where rows are built from samples (and under context parallelism, with Ulysses or all-gather)."""
     d, cp = recipe.data, recipe.parallel.cp
     if d.source == "memmap" and not d.path:
         err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
