@@ -146,19 +146,24 @@ def test_odd_head_dim():
     find(errors(debug({"model": {"head_dim": 15}})), "model.head_dim", "head_dim (15) is odd")
 
 
+def _runs_except_under_ring(model: dict, message: str) -> None:
+    """``model`` at cp 2: valid under Ulysses and all-gather CP, refused under the ring with ``message``
+    naming parallel.cp_method and both other methods in the hint."""
+    for method in ("ulysses", "allgather"):
+        fine = {"model": model, "parallel": {"cp": 2, "cp_method": method}}
+        assert not [e for e in errors(debug(fine), gpus=2) if e.path == "parallel.cp_method"], method
+    ring = {"model": model, "parallel": {"cp": 2, "cp_method": "ring"}}
+    p = find(errors(debug(ring), gpus=2), "parallel.cp_method", message, "ring")
+    assert p.hint == "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"
+
+
 def test_sliding_window_shorter_than_seq_len_runs_except_under_ring_cp():
     """A sliding window shorter than the sequence is a band mask (without CP, in Ulysses' own
     attention, which holds whole sequences, and in all-gather's, its rows of it); ring CP has no
     windowed blocks and is refused naming cp_method, with a window the sequence never exceeds (full
     causal) accepted."""
     assert not [e for e in errors(debug({"model": {"sliding_window": 64}})) if "sliding" in e.message]
-    for method in ("ulysses", "allgather"):
-        fine = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": method}}
-        assert not [e for e in errors(debug(fine), gpus=2) if e.path == "parallel.cp_method"]
-    ring = {"model": {"sliding_window": 64}, "parallel": {"cp": 2, "cp_method": "ring"}}
-    p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "sliding window (64) is shorter than seq_len (128)",
-             "ring")
-    assert p.hint == "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"
+    _runs_except_under_ring({"sliding_window": 64}, "sliding window (64) is shorter than seq_len (128)")
     wide = {"model": {"sliding_window": 128}, "parallel": {"cp": 2, "cp_method": "ring"}}
     assert not [e for e in errors(debug(wide), gpus=2) if e.path == "parallel.cp_method"]
 
@@ -185,13 +190,7 @@ def test_soft_capped_attention_runs_except_under_ring_cp():
     """model.attention_softcap (Gemma 2) is the engine's own kernel: alone and in Ulysses' and
     all-gather's attention, refused naming cp_method under ring CP, whose blocks are SDPA's."""
     assert not [e for e in errors(debug({"model": {"attention_softcap": 50.0}})) if "soft-capped" in e.message]
-    for method in ("ulysses", "allgather"):
-        fine = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": method}}
-        assert not [e for e in errors(debug(fine), gpus=2) if e.path == "parallel.cp_method"]
-    ring = {"model": {"attention_softcap": 50.0}, "parallel": {"cp": 2, "cp_method": "ring"}}
-    p = find(errors(debug(ring), gpus=2), "parallel.cp_method", "soft-capped attention (model.attention_softcap 50)",
-             "ring")
-    assert p.hint == "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"
+    _runs_except_under_ring({"attention_softcap": 50.0}, "soft-capped attention (model.attention_softcap 50)")
 
 
 def test_longrope_factor_counts_and_any_length():
