@@ -184,9 +184,8 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
             del out["attn_out"]
             i = x.cp - 1 if cp_index is None else cp_index
             out["ring_saved_blocks"] = (x.cp + 1 + i) * (e * q + lse) // 2
-        elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the queries):
-            # two kernel blocks
-            # before it and the diagonal; rank 0's first chunk has no prefix: 3 of the 4 halves
+        elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the
+            # queries): two kernel blocks, before it and the diagonal; rank 0's first chunk has no prefix: 3 of 4
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2
         return out
     out = _norm(x) if x.pre_norms else {}  # OLMo 2: wq / wk / wv keep the block's input itself

@@ -217,7 +217,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     # ring / all-gather CP: kernel calls over seq / cp keys; all-gather with a mask or the soft-cap in every
     # layer one masked call of the rank's rows against the whole row, priced as the masked attention without CP
     # (flops.allgather_masked; a model mixing such layers with unmasked ones is priced as its kernel blocks)
-    blocks = dims.cp > 1 and p.cp_method != "ulysses" and not (p.cp_method == "allgather" and allgather_masked(recipe) == 1.0)
+    masked_calls = p.cp_method == "allgather" and allgather_masked(recipe) == 1.0
+    blocks = dims.cp > 1 and p.cp_method != "ulysses" and not masked_calls
     attention = recipe.planner.attention_kernel
     if attention == "engine" and blocks:  # the engine's CP blocks call FA2's op themselves (context_blocks.py)
         attention = "fa2"

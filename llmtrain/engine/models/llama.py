@@ -118,8 +118,6 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 causal_sdpa.takes_kv_heads = True
 
 
-
-
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; heads per rank follow the projection widths."""
 

@@ -51,7 +51,7 @@ def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor:
 def longest_sample(segments: torch.Tensor) -> torch.Tensor:
     """Tokens of the longest sample in packed rows ``segments`` [b, s] (runs of one sample id;
     padding, id -1, counts as none), a 0-d tensor: no host sync. Under context parallelism a rank
-    holds a shard of each row's positions but the whole row's sample ids (Ulysses)."""
+    holds a shard of each row's positions but the whole row's sample ids (Ulysses, all-gather)."""
     idx = torch.arange(segments.shape[-1], device=segments.device)
     new = torch.ones_like(segments, dtype=torch.bool)
     new[..., 1:] = segments[..., 1:] != segments[..., :-1]
