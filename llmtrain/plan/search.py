@@ -208,28 +208,13 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             return float("inf")
         return found[top - 1].cost.time.step_s if len(found) >= top else float("inf")
 
-    masked = no_ring(recipe)  # a mask or the soft-capped kernel: CP as Ulysses or all-gather (flops.no_ring)
-    for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
-        if bound >= kth():
-            break
-        sp = tp > 1 and (t.seq_len // cp) % tp == 0
-        kept_sp = (keep or {}).get("parallel.sequence_parallel")
-        if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
-            if kept_sp and tp > 1 and not sp:
-                continue
-            sp = kept_sp
-        base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
-                    sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
-        if cp > 1 and masked and recipe.parallel.cp_method == "ring":  # Ulysses where the heads split over
-            # tp x cp (as before all-gather took masks), else all-gather
-            for method in ("ulysses", "allgather"):
-                if allowed(keep, "parallel.cp_method", method) and (method == "allgather" or m.heads % (tp * cp) == 0):
-                    base["cp_method"] = method
-                    break
+    def explore_split(base: dict, bound: float, dp: int) -> None:
+        """Every ZeRO stage, HSDP replica count and micro batch of one split (``base``: its parallel settings)."""
+        tp, cp, pp, ep, schedule, v = (base[k] for k in ("tp", "cp", "pp", "ep", "pp_schedule", "pp_virtual_stages"))
         if kth() < float("inf") and needs_full_recompute(recipe, placement, base, gbs, dp, capacity):
             # the recomputed forward is part of every layout of this split
             if bound + floors.recompute(tp, cp) >= kth():
-                continue
+                return
         result.splits_evaluated += 1
         for zero in (0, 1, 2, 3):
             if (zero and dp * cp == 1) or (zero == 3 and pp > 1) or not allowed(keep, "parallel.zero", zero):
@@ -246,6 +231,26 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                 _explore_micro_batches(recipe, placement, par, gbs, dp, pp, found, result, 0 if exhaustive else top, dp_overlap,
                                        lambda mb: floor * (1 + bubble_fraction(schedule, pp, v, gbs // dp // mb)) >= kth(),
                                        keep)
+
+    masked = no_ring(recipe)  # a mask or the soft-capped kernel: CP as Ulysses or all-gather (flops.no_ring)
+    for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
+        if bound >= kth():
+            break
+        sp = tp > 1 and (t.seq_len // cp) % tp == 0
+        kept_sp = (keep or {}).get("parallel.sequence_parallel")
+        if kept_sp is not None:  # a stack without SP (False), or SP required (True: where it divides)
+            if kept_sp and tp > 1 and not sp:
+                continue
+            sp = kept_sp
+        base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
+                    sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
+        methods: list[str | None] = [None]  # the recipe's cp_method
+        if cp > 1 and masked and recipe.parallel.cp_method == "ring":  # both methods that take masks, each ranked:
+            # Ulysses where the heads split over tp x cp, all-gather always
+            methods = [mth for mth in ("ulysses", "allgather") if allowed(keep, "parallel.cp_method", mth)
+                       and (mth == "allgather" or m.heads % (tp * cp) == 0)]
+        for method in methods:
+            explore_split(base if method is None else dict(base, cp_method=method), bound, dp)
     _finalize(recipe, placement, found, result, top, dp_overlap)
     result.seconds = time.perf_counter() - t0
     result.cpu_seconds = time.process_time() - c0
