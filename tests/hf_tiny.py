@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 FAMILIES = ("llama", "llama3", "mistral", "mistral_swa", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3",
-            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "granitemoe", "smollm3", "olmo2")
+            "phi3_longrope", "gemma3", "gemma2", "gemma", "granite", "granitemoe", "smollm3", "olmo2", "olmoe")
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -114,6 +114,10 @@ def tiny_config(family: str, *, tie: bool | None = None):
                                 rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     elif family == "olmo2":  # post norms only, q/k norms over all heads (32 and 16 features), untied
         conf = tf.Olmo2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    elif family == "olmoe":  # OLMoE: Llama's norms, q/k norms over all heads (32 and 16 features), 4 experts of 24,
+        kw.update(intermediate_size=24)  # top 2 without renormalization, untied
+        conf = tf.OlmoeConfig(**kw, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, router_aux_loss_coef=0.01,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     else:
         raise ValueError(f"unknown tiny family {family!r}; use one of {FAMILIES}")
     if tie is not None:

@@ -41,7 +41,7 @@ from tests.distrun import run_cases
 from tests.hf_tiny import FAMILIES, save_tiny
 
 LOGIT_RTOL, LOSS_TOL = 1e-5, 2e-5
-MOE = ("mixtral", "qwen3_moe", "granitemoe")
+MOE = ("mixtral", "qwen3_moe", "granitemoe", "olmoe")
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,8 @@ def test_mapping_has_teeth(tiny):
                            # GraniteMoE: its scalars on the experts' branch, and Mixtral's renormalized top-k
                            ("granitemoe", {"residual_multiplier": None}),
                            ("granitemoe", {"moe": {"norm_topk_prob": False}}),
+                           # OLMoE: its q/k norms, its top-k weights not renormalized
+                           ("olmoe", {"qk_norm": False, "qk_norm_width": "head"}), ("olmoe", {"moe": {"norm_topk_prob": True}}),
                            ("smollm3", {"nope_layers": None}), ("smollm3", {"nope_layers": [3]}),
                            ("olmo2", {"pre_norms": True}), ("olmo2", {"post_norms": False}),
                            ("phi3_longrope", {"rope_scaling": {"attention_factor": 1.0}}),

@@ -128,7 +128,7 @@ mutation = st.one_of(
     st.tuples(st.just("del"), st.sampled_from(KEYS)),
     st.tuples(st.just("model_type"), st.sampled_from(
         ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2", "gemma3",
-         "gemma3_text", "granite", "granitemoe", "smollm3", "olmo2",
+         "gemma3_text", "granite", "granitemoe", "smollm3", "olmo2", "olmoe",
          "deepseek_v3",
          "phi",
          "", "LLAMA", None, 3, ["llama"], {"x": 1}])),

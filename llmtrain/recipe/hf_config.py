@@ -95,8 +95,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                                                         for i in range(cfg.layers)])
     if f.gemma:
         out.update(gemma_config(cfg))
-    if f.olmo:  # OLMo 2: no biases; its norms are the recipe's switches (post norms, q/k norms over all heads)
-        out.update(attention_bias=False)
+    if f.qk_all:  # OLMo 2, OLMoE: no biases; the norms are the recipe's switches (OLMo 2's post norms, q/k norms
+        out.update(attention_bias=False)  # over all heads)
     if f.nope:  # SmolLM3: 1 = RoPE, 0 = NoPE per layer (transformers' naming); no sliding window
         nope = set(cfg.nope_layers or ())
         out.update(no_rope_layers=[0 if i in nope else 1 for i in range(cfg.layers)], use_sliding_window=False,
@@ -112,6 +112,10 @@ def hf_config(cfg: ModelConfig) -> dict:
     if f.name == "mixtral":
         out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
                    router_aux_loss_coef=float(m.aux_loss_coef), router_jitter_noise=0.0, output_router_logits=False)
+    elif f.name == "olmoe":  # softmax top-k, renormalized or not; the experts' width is its intermediate_size
+        out.update(intermediate_size=cfg.expert_ffn, num_experts=m.num_experts, num_experts_per_tok=m.top_k,
+                   norm_topk_prob=bool(m.norm_topk_prob), router_aux_loss_coef=float(m.aux_loss_coef),
+                   output_router_logits=False, clip_qkv=None)
     elif f.name == "granitemoe":  # Mixtral's routing; the experts' width is its intermediate_size
         out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
                    router_aux_loss_coef=float(m.aux_loss_coef), output_router_logits=False)
@@ -236,7 +240,7 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
                 "it must be 0 (NoPE) or 1 (RoPE) for each of num_hidden_layers, or an interval >= 1")
         if conf.get("use_sliding_window"):
             bad("use_sliding_window", True, "SmolLM3's sliding window (on its NoPE layers) is not implemented")
-    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3", "olmo2") \
+    if mt in ("llama", "qwen3", "qwen3_moe", "granite", "granitemoe", "smollm3", "olmo2", "olmoe") \
             and conf.get("attention_bias", False) is not False:
         bad("attention_bias", conf.get("attention_bias"), "it includes an o_proj bias, which our attention has not")
     if mt in ("llama", "granite", "smollm3") and conf.get("mlp_bias", False) is not False:
@@ -249,6 +253,8 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         bad("partial_rotary_factor", partial, f"{mt} rotates whole heads (partial rotary is phi3's)")
     elif partial != 1.0 and (partial > 1.0 or _rotary_dim(conf, partial) is None):
         bad("partial_rotary_factor", partial, "it must leave an even number >= 2 of rotated features per head")
+    if mt == "olmoe" and conf.get("clip_qkv") is not None:
+        bad("clip_qkv", conf.get("clip_qkv"), "clamping q, k and v is not implemented (OLMoE's releases have none)")
     if mt == "mixtral" and conf.get("router_jitter_noise", 0.0) not in (0, 0.0, None):
         bad("router_jitter_noise", conf.get("router_jitter_noise"), "router jitter is not implemented")
     if FAMILIES[mt].sliding == "qwen" and conf.get("use_sliding_window") and conf.get("layer_types") is not None \
@@ -296,6 +302,8 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         out.update(gemma_fields(conf))
     if FAMILIES[mt].olmo:  # OLMo 2's block: post norms only, q/k norms over all heads
         out.update(pre_norms=False, post_norms=True, qk_norm_width="all")
+    elif FAMILIES[mt].qk_all:  # OLMoE: Llama's norms, q/k norms over all heads
+        out["qk_norm_width"] = "all"
     if FAMILIES[mt].nope:  # SmolLM3: checked first (unsupported_problems)
         out["nope_layers"] = _nope_layers(conf) or None
     if FAMILIES[mt].scalars:  # Granite: GraniteConfig's defaults are 1 (a softmax scale of 1, not 1 / sqrt(d))
@@ -306,6 +314,12 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
                       "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
                       "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",
+                      "balance": "aux_loss", "shared_experts": 0}
+    elif mt == "olmoe":
+        out["moe"] = {"num_experts": conf.get("num_experts", 64), "top_k": conf.get("num_experts_per_tok", 8),
+                      "expert_ffn_hidden": conf.get("intermediate_size"),
+                      "norm_topk_prob": bool(conf.get("norm_topk_prob", False)),
+                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.01)), "router": "softmax",
                       "balance": "aux_loss", "shared_experts": 0}
     elif mt == "qwen3_moe":
         out["moe"] = {"num_experts": conf.get("num_experts", conf.get("num_local_experts", 128)),

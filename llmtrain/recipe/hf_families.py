@@ -39,6 +39,7 @@ class Family:
     nope: bool = False                # layers without RoPE (no_rope_layers: SmolLM3)
     olmo: bool = False                # only post norms, q/k norms over all heads (OLMo 2)
     fused_experts: bool = False       # experts on disk as 3D tensors, gate/up fused per expert (GraniteMoE)
+    qk_all: bool = False              # q/k norms over all heads, not per head (OLMo 2, OLMoE)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -57,7 +58,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("granitemoe", "GraniteMoeForCausalLM", moe=True, rope_scaling="none", scalars=True,
            moe_prefix="block_sparse_moe", fixed_norm_topk=True, fused_experts=True),  # IBM Granite 3.x MoE
     Family("smollm3", "SmolLM3ForCausalLM", rope_scaling="none", nope=True),  # SmolLM3: NoPE every 4th layer
-    Family("olmo2", "Olmo2ForCausalLM", qk_norm=True, rope_scaling="none", olmo=True),  # OLMo 2: post norms only
+    Family("olmo2", "Olmo2ForCausalLM", qk_norm=True, rope_scaling="none", olmo=True,
+           qk_all=True),  # OLMo 2: post norms only
+    Family("olmoe", "OlmoeForCausalLM", moe=True, qk_norm=True, rope_scaling="none", moe_prefix="mlp",
+           expert_names=("gate_proj", "up_proj", "down_proj"), qk_all=True),  # OLMoE: Llama's norms, OLMo's q/k norms
     Family("gemma2", "Gemma2ForCausalLM", sliding="gemma", rope_scaling="none", gemma=True, post_norms=True,
            softcap=True),  # Gemma 2 2B, 9B, 27B (recipe/hf_gemma.py)
     Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, sliding="gemma", rope_scaling="linear",
@@ -86,7 +90,7 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
 
     if cfg.is_moe and not f.moe:
         bad("model.family", f"{f.name} has no experts but model.moe.num_experts is {cfg.moe.num_experts}",
-            "use model.family mixtral, qwen3_moe or granitemoe, or a dense model (model.moe.num_experts: 1)")
+            "use model.family mixtral, qwen3_moe, granitemoe or olmoe, or a dense model (model.moe.num_experts: 1)")
     if f.moe and not cfg.is_moe:
         bad("model.family", f"{f.name} is a mixture-of-experts family but the model is dense",
             "use model.family llama/mistral/qwen2/qwen3/phi3/granite, or set model.moe.num_experts")
@@ -109,9 +113,9 @@ def family_problems(cfg: ModelConfig) -> list[Problem]:
     elif cfg.rope_dim != cfg.head_dim and int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
         bad("model.rotary_dim", f"rotary_dim {cfg.rope_dim} of head_dim {cfg.head_dim} is no partial_rotary_factor "
             "transformers turns back into it (int(head_dim x factor))", "use a rotary_dim such as head_dim x 3/4")
-    if cfg.qk_norm and (cfg.qk_norm_width == "all") != f.olmo:
+    if cfg.qk_norm and (cfg.qk_norm_width == "all") != f.qk_all:
         bad("model.qk_norm_width", f"qk_norm_width {cfg.qk_norm_width}; {f.name}'s q/k norms are "
-            + ("over all heads" if f.olmo else "per head"), f"set model.qk_norm_width: {'all' if f.olmo else 'head'}")
+            + ("over all heads" if f.qk_all else "per head"), f"set model.qk_norm_width: {'all' if f.qk_all else 'head'}")
     if cfg.pre_norms == f.olmo:
         bad("model.pre_norms", f"pre_norms is {cfg.pre_norms}; {f.name} " + ("has none (only post norms)" if f.olmo
             else "normalizes the attention's and the MLP's inputs"), f"set model.pre_norms: {str(not f.olmo).lower()}"

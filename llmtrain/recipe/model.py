@@ -192,7 +192,7 @@ class ModelConfig(Strict):
     logit_divisor: float | None = Field(
         None, gt=0, le=1e6, description="Logits divided by this, in the loss too (Granite's logits_scaling: 8, 16); None = 1.")
     family: Literal["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "phi3", "gemma", "gemma2",
-                    "gemma3_text", "granite", "granitemoe", "smollm3", "olmo2"] | None = Field(
+                    "gemma3_text", "granite", "granitemoe", "smollm3", "olmo2", "olmoe"] | None = Field(
         None,
         description="Hugging Face model_type written by `ckpt export --hf` and expected by --init-from-hf "
         "(default: llama when dense, mixtral when MoE).",
