@@ -49,6 +49,11 @@ CASES = {
     "packed_cp2_ulysses": PACKED + ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero=3"],
     # under all-gather: each rank's zigzag rows of the whole row's sample mask, against the gathered K/V
     "packed_cp2_allgather": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero=1"],
+    # ... with the heads split over TP 2 (+SP), and under a pipeline (the sample ids travel as the schedule's kwargs)
+    "packed_cp2_allgather_tp2": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2",
+                                          "parallel.zero=0"],
+    "packed_cp2_allgather_pp2": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.pp=2",
+                                          "parallel.zero=0", "parallel.pp_schedule=1f1b"],
 }
 
 
