@@ -96,6 +96,8 @@ CASES = {
     "LoRA zero 3 dp 4": ["train.lora.rank=4", "parallel.zero=3"],
     "LoRA tp 2 +SP x dp 2 (zero 2)": ["train.lora.rank=4", "parallel.tp=2", "parallel.zero=2"],
     "LoRA tp 2 x dp 2 (zero 0)": ["train.lora.rank=4", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    # LoRA on an MoE model: attention and the dense layer's MLP adapted, routers and experts frozen (EP 2)
+    "LoRA MoE ep 2 x dp_shard 4 (zero 1)": MOE + ["train.lora.rank=4", "parallel.zero=1", "parallel.ep=2"],
 }
 TINY_CASES = ["tp 2 +SP x dp 2", "tp 2 x dp 2, full", "cp 2 (ring) x dp 2, selective"]
 

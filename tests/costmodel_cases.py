@@ -94,6 +94,13 @@ CASES = {
     "lora_ddp_dropout": LORA + ["train.lora.dropout=0.1"],  # per-adapter dropped inputs and masks
     "lora_tp2_dropout_wo_w2": LORA + ["train.lora.dropout=0.1", "train.lora.targets=[wo,w2]", "parallel.tp=2"],
     "pp2_zero2_lora": LORA + ["parallel.pp=2", "parallel.zero=2", "train.global_batch_size=8"],
+    # LoRA on an MoE model: adapters on the attention and the dense layer's MLP; routers, routed and shared experts
+    # frozen (no gradient or optimizer state), their inputs kept only where a gradient needs them
+    "lora_moe_zero1": MOE + LORA + ["parallel.zero=1"],
+    "lora_moe_ep2_attn": MOE + LORA + ["train.lora.targets=[wq,wk,wv,wo]", "parallel.ep=2", "parallel.zero=1"],
+    # every layer MoE (block 0 too: its input needs no gradient), and with selective recomputation
+    "lora_moe_all_zero3": MOE + LORA + ["model.moe.first_dense_layers=0", "train.lora.targets=[wq,wv]", "parallel.zero=3"],
+    "lora_moe_selective": MOE + LORA + ["parallel.zero=1", "train.activation_checkpointing=selective"],
     # tied embeddings under PP (engine/parallel/tied.py): the last stage holds a copy of the embedding
     # (parameter, gradient, AdamW state); V-shaped: rank 0 holds both; TP: each gradient in its weight's rows
     "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",

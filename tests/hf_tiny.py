@@ -172,3 +172,23 @@ def save_tiny_gemma3_multimodal(out_dir: Path, *, shards: int = 3, seed: int = 0
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     model.save_pretrained(out_dir, max_shard_size=max(1, total // max(1, shards)) + 1)
     return out_dir
+
+
+def lora_model(cfg, state: dict, lora_cfg, seed: int = 1):
+    """Our model of ``cfg`` with ``state`` (full tensors, ours) and LoRA adapters of ``lora_cfg`` drawn at random
+    (B is zero at init: both drawn, so that every adapter matters), for the PEFT interop tests."""
+    import torch
+
+    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key
+    from llmtrain.engine.models.llama import Transformer
+
+    ours = Transformer(cfg)
+    ours.load_state_dict(state)
+    apply_lora(ours, lora_cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if is_adapter_key(name):
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    return ours
+

@@ -155,26 +155,19 @@ def test_peft_adapter_of_a_multimodal_gemma3_loads_onto_the_multimodal_model(tmp
     from safetensors.torch import save_file
     from transformers import Gemma3ForConditionalGeneration
 
-    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key
+    from llmtrain.engine.finetune.lora import is_adapter_key
     from llmtrain.engine.finetune.peft_export import CONFIG, MULTIMODAL, TEXT, WEIGHTS, adapter_config, peft_tensors
     from llmtrain.engine.hf.files import check_hf_model
-    from llmtrain.engine.models.llama import Transformer
     from llmtrain.recipe.schema import LoRAConfig
-    from tests.hf_tiny import save_tiny_gemma3_multimodal
+    from tests.hf_tiny import lora_model, save_tiny_gemma3_multimodal
 
     base = save_tiny_gemma3_multimodal(tmp_path / "mm", shards=1)
     conf, files = check_hf_dir(base)
     cfg = ModelConfig(**model_from_hf_config(conf))
     raw = read_hf_state(files)
     lora_cfg = LoRAConfig(rank=4, alpha=8.0)
-    ours = Transformer(cfg)
-    ours.load_state_dict(from_hf_state({n: raw[h.key or n] for n, h in check_hf_model(base, cfg).tensors.items()}, cfg))
-    apply_lora(ours, lora_cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if is_adapter_key(name):
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    ours = lora_model(cfg, from_hf_state({n: raw[h.key or n] for n, h in check_hf_model(base, cfg).tensors.items()}, cfg),
+                      lora_cfg)
     adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

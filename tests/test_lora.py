@@ -41,7 +41,7 @@ import torch
 
 from tests.distrun import ROOT, run_cases
 from tests.helpers_ckpt import load_ckpt
-from tests.hf_tiny import save_tiny
+from tests.hf_tiny import lora_model, save_tiny
 
 STEPS = 4
 LOSS_TOL, WEIGHT_TOL, LOGIT_TOL = 2e-5, 2e-4, 1e-5
@@ -51,6 +51,9 @@ COMMON = TINY + ["train.seq_len=32", "train.micro_batch_size=2", "train.global_b
                  "train.optimizer.lr=0.01", "train.optimizer.eps=1e-6", "train.schedule.warmup_steps=1",
                  "train.schedule.decay=constant", "parallel.dp_shard=-1", "train.lora={rank: 4, alpha: 8}"]
 SUBSET = ["train.lora={rank: 4, alpha: 8, targets: [wq, w2]}"]
+# MoE: layer 0 dense (all seven adapters), layer 1 MoE (attention adapters; router, routed and shared experts frozen)
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32", "model.moe.first_dense_layers=1",
+       "model.moe.shared_experts=1"]
 CASES = {
     "ddp": ["parallel.tp=1", "parallel.zero=0"],
     "zero1": ["parallel.tp=1", "parallel.zero=1"],
@@ -60,6 +63,9 @@ CASES = {
     "tp2_sp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true"],
     "pp2_zero1": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1"],
     "subset_tp2_sp": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true", *SUBSET],
+    "moe_ep2_zero1": ["parallel.tp=1", "parallel.zero=1", "parallel.ep=2", *MOE],
+    "moe_tp2_sp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true", *MOE],  # expert-TP
+    "moe_pp2": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", *MOE],
 }
 SAVED = ("zero1", "tp2_sp_zero3", "pp2_zero1")  # checkpoint at the end: which parameters have AdamW state
 
@@ -142,7 +148,8 @@ def test_adapters_freeze_init_and_merge():
 
 @pytest.mark.parametrize("family, targets", [("phi3", None), ("phi3", ["wq", "wv", "w3", "wo"]), ("gemma3", None),
                                              ("gemma2", None), ("gemma", None), ("granite", None), ("smollm3", None),
-                                             ("olmo2", None)])
+                                             ("olmo2", None), ("qwen3_moe", ["wq", "wk", "wv", "wo"]),
+                                             ("granitemoe", ["wq", "wv"]), ("olmoe", ["wq", "wk", "wv", "wo"])])
 def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets):
     """Phi-3 keeps q/k/v and gate/up fused, where PEFT puts its adapters: our per-projection adapters
     become one block-diagonal adapter per fused module (peft_export.py). On transformers' own tiny
@@ -150,15 +157,16 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
     every projection adapted (rank 12 on qkv_proj, 8 on gate_up_proj) and with some (k and gate
     not: their rows of B stay zero). Gemma 3 (unfused; GeGLU, offset and post norms, sliding and
     full layers) the same, on its own tiny base; Gemma 2 (soft-capped scores and logits), Gemma 1,
-    Granite (its multipliers), SmolLM3 (NoPE layers) and OLMo 2 (post norms only) too."""
+    Granite (its multipliers), SmolLM3 (NoPE layers) and OLMo 2 (post norms only) too; MoE models
+    (Qwen3-MoE, GraniteMoE, OLMoE) with attention adapters (MLP targets on an MoE model: refused by
+    ``--peft``, test below)."""
     from peft import PeftModel
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key
+    from llmtrain.engine.finetune.lora import is_adapter_key
     from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
     from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
-    from llmtrain.engine.models.llama import Transformer
     from llmtrain.recipe.schema import LoRAConfig, ModelConfig
 
     from llmtrain.recipe.hf_families import family_of
@@ -167,14 +175,7 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
     conf, files = check_hf_dir(base)
     cfg = ModelConfig(**model_from_hf_config(conf))
     lora_cfg = LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
-    ours = Transformer(cfg)
-    ours.load_state_dict(from_hf_state(read_hf_state(files), cfg))
-    apply_lora(ours, lora_cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in ours.named_parameters():
-            if is_adapter_key(name):  # B is zero at init: draw both so that every adapter matters
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
     adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
     out = tmp_path / "peft"
     out.mkdir()
@@ -191,6 +192,37 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
           f"{(want - base_logits).abs().max().item():.2e}")
     assert diff <= LOGIT_TOL, diff
     assert (want - base_logits).abs().max().item() > 1e-2
+
+
+def test_peft_export_of_moe_mlp_adapters_is_refused_and_merged_export_matches(tmp_path):
+    """LoRA on all-linear targets of a Qwen3-MoE (dense layer 0, MoE layer 1): ``--peft`` refuses it in one
+    line (PEFT 0.21 would put gate/up/down_proj on the experts and drop layer 0's MLP adapters: measured
+    0.72 apart), and the merged weights (what ``--hf`` writes) give transformers our LoRA model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine.finetune.lora import merge_lora
+    from llmtrain.engine.finetune.peft_export import export_peft
+    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state, to_hf_state
+    from llmtrain.errors import LLMTrainError
+    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
+
+    base = save_tiny("qwen3_moe", tmp_path / "base", shards=1)
+    conf, files = check_hf_dir(base)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    lora_cfg = LoRAConfig(rank=4, alpha=8.0)
+    with pytest.raises(LLMTrainError) as exc:
+        export_peft(tmp_path / "no-ckpt", {}, cfg, lora_cfg, tmp_path / "peft", str(base))
+    assert "w1/w2/w3 of an MoE model" in str(exc.value) and not (tmp_path / "peft").exists()
+    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
+    assert any("layers.0.feed_forward.w1.lora_a" in k for k in ours.state_dict())  # the dense layer's MLP adapted
+    merged = merge_lora(dict(ours.state_dict()), lora_cfg)
+    theirs = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    theirs.load_state_dict(to_hf_state(merged, cfg), strict=False)
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (theirs.eval()(tokens).logits - ours.eval()(tokens)).abs().max().item()
+    print(f"qwen3_moe merged LoRA vs ours: {diff:.2e}")
+    assert diff <= LOGIT_TOL, diff
 
 
 def test_peft_names_and_fingerprint(tmp_path):
@@ -214,7 +246,8 @@ def test_peft_names_and_fingerprint(tmp_path):
 def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_parity")
     refs = run_worker(tmp, 1, {"all": ["parallel.tp=1", "parallel.zero=0"],
-                               "subset": ["parallel.tp=1", "parallel.zero=0", *SUBSET]})
+                               "subset": ["parallel.tp=1", "parallel.zero=0", *SUBSET],
+                               "moe": ["parallel.tp=1", "parallel.zero=0", *MOE]})
     return tmp, refs, run_worker(tmp, 4, CASES, saved=SAVED)
 
 
@@ -223,19 +256,19 @@ def test_lora_layout_matches_single_process(parity, case):
     from llmtrain.engine.finetune.lora import is_adapter_key
 
     tmp, refs, layouts = parity
-    subset = case.startswith("subset")
-    ref, got = refs["subset" if subset else "all"], layouts[case]
+    kind = case.split("_")[0] if case.startswith(("subset", "moe")) else "all"
+    ref, got = refs[kind], layouts[case]
     assert got["layout_errors"] == []
     loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
     assert loss_diff <= LOSS_TOL, (got["losses"], ref["losses"])
     assert set(got["state"]) == set(ref["state"])
     adapters = [k for k in ref["state"] if is_adapter_key(k)]
-    assert len(adapters) == 2 * 2 * (2 if subset else 7)
+    assert len(adapters) == 2 * {"all": 2 * 7, "subset": 2 * 2, "moe": 7 + 4}[kind]  # MoE: layer 1's attention only
     assert got["trainable"] == sorted(adapters)
     worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in adapters)
     assert worst <= WEIGHT_TOL, worst
     print(f"{case}: loss diff {loss_diff:.2e}, adapter weight diff {worst:.2e}")
-    init = fresh_init(SUBSET if subset else [])
+    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE}[kind])
     moved = [k for k in ref["state"] if not is_adapter_key(k) and not torch.equal(got["state"][k], init[k])]
     assert not moved, f"frozen base changed: {moved[:3]}"
     if case not in SAVED:

@@ -70,6 +70,31 @@ def test_priced_gemms_are_the_counted_gemm_flops(targets, first):
     assert _flops(again) == pytest.approx(tok * (r_split + r_rep - 2 * 2 * h - 4 * h * seq), rel=1e-12)
 
 
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("targets", [("wq", "wk", "wv", "wo", "w1", "w2", "w3"), ("wo",), ("w1",)])
+def test_moe_block_under_lora_prices_the_counted_gemm_flops(targets, first):
+    """An MoE block under LoRA (adapters on its attention only; router, routed and shared experts frozen:
+    their forward, and their input gradients where the MLP input needs one): the priced GEMMs equal
+    flops.py's count, as for a dense block (``("w1",)``: no adapter at all in an MoE block)."""
+    m = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=2, ffn_hidden=1536, vocab_size=1000, max_seq_len=256,
+                    rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
+                    moe={"num_experts": 8, "top_k": 2, "shared_experts": 1, "expert_ffn_hidden": 256})
+    x = dataclasses.replace(_shape(m, targets, first=first), experts=8, top_k=2, shared=1, expert_ffn=256)
+    tok, h, seq = x.b * x.s, m.hidden, x.seq
+    fwd, bwd, attn_grad, _, needs = loratime.block_gemms(x, first, moe=True)
+    assert set(needs) == {"wq", "wk", "wv", "wo"}
+    attn_t = tuple(t for t in targets if t in needs)
+    q, k, v, r_grad = _needs(attn_t, first)
+    f_split, f_rep = flops.forward_flops_per_token(m, 0 if first else 1, seq, (8, tuple(targets)))
+    assert _flops(fwd) == pytest.approx(tok * (f_split + f_rep - 2 * 2 * h - 4 * h * seq), rel=1e-12)
+    split, rep = flops.block_flops_per_token(m, 0 if first else 1, seq, (8, tuple(targets)))
+    norms = 2 * h * (1 + (not first)) + 2 * h * (1 + r_grad)
+    attention = 4 * h * seq + 2 * h * seq * (v + (q or k) + q + k)
+    assert _flops(fwd) + _flops(bwd) == pytest.approx(tok * (split + rep - norms - attention), rel=1e-12)
+    assert attn_grad == (q or k or v)
+    assert (not bwd) == (first and not attn_t)  # block 0 with no attention adapter runs no backward GEMM
+
+
 def test_tp_splits_the_base_and_one_adapter_matrix():
     """Under TP 2 a column-wise projection's B and a row-wise one's A are split, the other replicated:
     the per-rank GEMM FLOPs are (split / 2 + replicated) of flops.py's per-token split."""

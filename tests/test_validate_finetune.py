@@ -44,15 +44,25 @@ def test_packing_needs_samples_and_masked_context_parallelism():
         assert not [e for e in errors(debug(fine)) if e.path in ("data.packing", "parallel.cp_method")]
 
 
-def test_lora_on_moe_is_an_error_and_dense_lora_is_valid():
-    p = find(errors(debug({"train": {"lora": {"rank": 4}}}, preset="debug-moe")), "train.lora",
-             "MoE model", "routed experts are not implemented")
-    assert "remove train.lora" in p.hint
+def test_lora_on_moe_adapts_attention_and_dense_layers_only():
+    """LoRA on an MoE model: attention targets are valid; MLP targets adapt the dense layers only, said in a
+    warning (routers and routed experts stay frozen); MLP targets on a model without a dense layer are an
+    error (nothing would train)."""
+    moe = plan_of(debug({"train": {"lora": {"rank": 4, "targets": ["wq", "wk", "wv", "wo"]}}}, preset="debug-moe"))
+    assert moe.valid and not [w for w in moe.validation.warnings if w.path.startswith("train.lora")]
+    mixed = plan_of(debug({"train": {"lora": {"rank": 4}}}, preset="debug-moe"))  # all-linear; layer 0 is dense
+    assert mixed.valid
+    w = find(mixed.validation.warnings, "train.lora.targets", "w1/w2/w3 adapt the 1 dense MLP layer(s) only",
+             "3 MoE layers' routers and routed experts stay frozen")
+    assert "wq, wk, wv, wo" in w.hint
+    all_moe = {"model": {"moe": {"first_dense_layers": 0}}, "train": {"lora": {"rank": 4, "targets": ["w1", "w2"]}}}
+    p = find(errors(debug(all_moe, preset="debug-moe")), "train.lora.targets", "nothing would train")
+    assert "add attention targets" in p.hint
     assert plan_of(debug({"train": {"lora": {"rank": 4, "targets": ["wq", "wv"]}}})).valid
 
 
 def test_finetune_problems_are_reported_together():
-    data = debug({"data": {"source": "chat", "packing": True}, "parallel": {"cp": 2}, "train": {"lora": {}}},
-                 preset="debug-moe")
+    data = debug({"data": {"source": "chat", "packing": True}, "parallel": {"cp": 2},
+                  "model": {"moe": {"first_dense_layers": 0}}, "train": {"lora": {"targets": ["w1"]}}}, preset="debug-moe")
     got = paths(errors(data))
-    assert {"data.path", "data.tokenizer", "parallel.cp_method", "train.lora"} <= set(got)
+    assert {"data.path", "data.tokenizer", "parallel.cp_method", "train.lora.targets"} <= set(got)

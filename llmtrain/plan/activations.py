@@ -57,6 +57,8 @@ output, ``engine/models/llama.py``), ``n`` =
   target saves nothing there. The frozen output layer does not save its input, nor the
   embedding its token ids. Selective recomputation also keeps the adapters' matmul outputs.
   Adapter dropout (``train.lora.dropout > 0``) gives each adapter its own dropped input and mask.
+  An MoE block has adapters on its attention only; its frozen router and experts keep what the
+  input gradient needs (:func:`frozen_moe_terms`).
 - the loss: :mod:`llmtrain.plan.loss_activations` (re-exported here).
 """
 
@@ -70,7 +72,7 @@ from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_te
 from llmtrain.plan.rope_activations import layer_rope_terms, stage_rope_terms
 from llmtrain.plan.loss_activations import last_stage_terms, logits_bytes, loss_backward_bytes  # noqa: F401
 from llmtrain.plan.losschunk import loss_chunk_tokens
-
+from llmtrain.plan.mlp_activations import frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401 (re-exported)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -223,39 +225,6 @@ def core_attention_terms(x: ActShape) -> dict[str, int]:
     return {"qkv_attn_out": 2 * e * q + 2 * e * kv * x.cp, "attn_lse": lse}
 
 
-def mlp_terms(x: ActShape, recompute: str) -> dict[str, int]:
-    bs, e = x.b * x.s, x.e
-    f = bs * x.ffn // x.tp
-    if recompute in ("selective", "selective_mm"):  # outputs of w1, w3 (w2's output, the block's last op,
-        return {"mlp_proj_out": e * (2 if recompute == "selective" else 1) * f}  # is discarded; selective_mm: w3's too
-    out = _norm(x) if x.pre_norms else {}
-    out["mlp_input"] = bs * x.h * e
-    out["swiglu"] = 3 * e * f  # w1's and w3's outputs (engine/models/swiglu.py) and w2's input
-    return out
-
-
-def moe_terms(x: ActShape, recompute: str) -> dict[str, int]:
-    """MoE block (``engine/models/moe.py``): T tokens, k copies each, E experts of width F."""
-    # the full sequence on every TP rank (gathered under SP); expert-TP: each expert's (and the
-    # shared experts') F / tp slice (engine/parallel/expert.py)
-    t_tok, k, e, h = x.b * x.s, x.top_k, x.e, x.h
-    f, sf = x.expert_ffn // x.tp, x.shared_ffn // x.tp
-    slots = t_tok * k
-    if recompute in ("selective", "selective_mm"):  # outputs of router, each expert's gate/up/down, shared
-        # w1/w3/w2 (selective_mm too: an MoE block has no feed_forward.w3, engine/parallel/checkpointing.py)
-        return {"moe_proj_out": e * (t_tok * x.experts + slots * (2 * f + h)
-                                     + t_tok * (2 * sf + h) * (1 if sf else 0))}
-    out = _norm(x) if x.pre_norms else {}
-    out["moe_input"] = t_tok * h * e  # router (+ shared experts') input
-    out["moe_dispatch"] = slots * h * e  # tokens gathered per expert
-    out["moe_experts"] = 3 * slots * f * e  # gate, up (engine/models/swiglu.py) and w2's input, per slot
-    out["moe_combine"] = 2 * slots * h * e  # expert outputs, weighted outputs
-    out["moe_routing"] = t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8
-    if sf:
-        out["moe_shared"] = 3 * t_tok * sf * e
-    return out
-
-
 def layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
                 cp_index: int | None = None) -> dict[str, int]:
     """Bytes one transformer block keeps for backward for one micro batch, by term (``first``:
@@ -264,15 +233,19 @@ def layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
     return dict(_layer_terms(x, moe, recompute, first and x.lora is not None, cp_index))
 
 
-def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | None = None) -> dict[str, int]:
-    """A dense block's saved tensors under LoRA (module docstring), following ``requires_grad``."""
+def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | None = None,
+                     moe: bool = False) -> dict[str, int]:
+    """A block's saved tensors under LoRA (module docstring), following ``requires_grad``; an MoE block
+    (``moe``) has adapters on its attention only, its router and experts frozen (:func:`frozen_moe_terms`)."""
     rank, targets, dropout = x.lora
+    if moe:
+        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
     bs, e, t = x.b * x.s, x.e, x.tp
     q, kv, f = bs * x.heads * x.head_dim // t, bs * x.kv_heads * x.head_dim // t, bs * x.ffn // t
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
     if recompute in ("selective", "selective_mm"):  # + the adapters' own matmul outputs (A x and B A x;
         # selective_mm recomputes only the frozen bases' mm of wk, w3, wo: the adapters' outputs stay)
-        base = dict(_layer_terms(_without_lora(x), False, recompute, False, cp_index))
+        base = dict(_layer_terms(_without_lora(x), moe, recompute, False, cp_index))
         # lora_b's output on a row-parallel projection is a partial sum, discarded like the base's
         # (wo without TP: kept, it is part of the attention output); on w2 always discarded
         out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": 0 if t > 1 else bs * x.h, "w1": f, "w3": f, "w2": 0}
@@ -296,6 +269,15 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     r_grad = x_grad or bool(attn_t) or "wo" in targets
     if r_grad:
         _add(out, norm)
+    if moe:
+        _add(out, frozen_moe_terms(x) if r_grad else {})
+        if dropout:
+            mask = 1 if x.fused_norm else e
+            ins = {"wq": (bs * x.h, x_grad), "wk": (bs * x.h, x_grad), "wv": (bs * x.h, x_grad),
+                   "wo": (q, x_grad or bool(attn_t))}
+            out["lora_dropout"] = sum(n * (e + mask * grad) for n, grad in (ins[name] for name in targets))
+        out["lora_ax"] = ax
+        return out
     mlp_t = [name for name in targets if name in ("w1", "w3")]
     if mlp_t and not dropout:
         out["mlp_input"] = bs * x.h * e
@@ -326,10 +308,10 @@ def _layer_terms(x: ActShape, moe: bool, recompute: str, first: bool = False,
                  cp_index: int | None = None) -> tuple[tuple[str, int], ...]:
     if recompute == "full":
         return (("block_input", x.b * x.s * x.h * x.e // x.n),)
-    if x.lora is not None and not moe:  # post norms with frozen weights keep what they need for dx: input, rstd
+    if x.lora is not None:  # post norms with frozen weights keep what they need for dx: input, rstd
         post = {k: v for k, v in {**post_norm_terms(x, recompute), **qk_norm_terms(x, recompute)}.items()
                 if not k.endswith("_normalized")}  # frozen norm weights: no normalized input kept for them
-        return tuple(_add(dict(lora_layer_terms(x, recompute, first, cp_index)), post).items())
+        return tuple(_add(dict(lora_layer_terms(x, recompute, first, cp_index, moe)), post).items())
     out: dict[str, int] = {}
     if recompute in ("selective", "selective_mm"):
         out["block_input"] = x.b * x.s * x.h * x.e // x.n

@@ -155,7 +155,8 @@ def _lora_block(m: ModelConfig, layer: int, seq_len: int, lora: tuple[int, tuple
 
     Column-wise bases keep ``lora_a`` replicated over TP and row-wise ones ``lora_b``: those are
     the replicated part. ``forward_only``: the forward FLOPs (for recomputation)."""
-    return _lora_block_cached(_shape_key(m), layer == 0, seq_len, lora, forward_only)
+    moe = (m.moe.num_experts, m.moe.top_k + m.moe.shared_experts, m.expert_ffn) if m.is_moe_layer(layer) else None
+    return _lora_block_cached(_shape_key(m), layer == 0, seq_len, lora, forward_only, moe)
 
 
 def _shape_key(m: ModelConfig) -> tuple:
@@ -164,9 +165,14 @@ def _shape_key(m: ModelConfig) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int, tuple[str, ...]],
-                       forward_only: bool) -> tuple[float, float]:
+                       forward_only: bool, moe: tuple[int, int, int] | None = None) -> tuple[float, float]:
+    """``moe``: (experts, active experts per token with the shared ones, expert width) of an MoE block,
+    whose router and experts are frozen (no adapters: engine/finetune/lora.py): their forward, and
+    their input gradients where the block's MLP input needs one, as frozen projections."""
     h, heads, kv, hd, f, qkv_bias, qk_norm = shape
     rank, targets = lora
+    if moe is not None:
+        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
     bwd = 0.0 if forward_only else 1.0
     split = rep = 0.0
 
@@ -194,6 +200,11 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     o = proj("wo", h, heads * hd, False, attn)
     r_grad = x_grad or o
     split += 2.0 * h * (1 + bwd * r_grad)  # ffn norm
+    if moe is not None:  # the router (replicated over TP, as without LoRA) and the active experts' three GEMMs
+        experts, active, ef = moe
+        rep += 2.0 * h * experts * (1 + bwd * r_grad)
+        split += active * 3 * 2.0 * h * ef * (1 + bwd * r_grad)
+        return split, rep
     g = proj("w1", f, h, True, r_grad)
     u = proj("w3", f, h, True, r_grad)
     proj("w2", h, f, False, g or u)

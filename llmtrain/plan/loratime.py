@@ -62,10 +62,14 @@ class BlockGemms(NamedTuple):
     input_grad: dict[str, bool]  # per projection: whether its input needs a gradient
 
 
-def block_gemms(x, first: bool) -> BlockGemms:
-    """A dense block's GEMMs under LoRA for :class:`~llmtrain.plan.ops.BlockShape` ``x``; the first
-    block's input needs no gradient."""
+def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
+    """A block's GEMMs under LoRA for :class:`~llmtrain.plan.ops.BlockShape` ``x``; the first block's
+    input needs no gradient. An MoE block (``moe``) has adapters on its attention only; its router and
+    experts are frozen: their forward GEMMs (as ops.block_gemms, balanced routing) and, where the
+    MLP input needs a gradient, their input gradients."""
     rank, targets, _ = x.lora
+    if moe:
+        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
     tok, t = x.b * x.s, x.tp
     q, kv, f = x.heads * x.hd / t, x.kv_heads * x.hd / t, x.ffn / t
     fwd: list[tuple] = []
@@ -84,6 +88,17 @@ def block_gemms(x, first: bool) -> BlockGemms:
     attn = gq or gk or gv
     o = proj("wo", x.h, q, attn)
     r_grad = x_grad or o
+    if moe:
+        local = max(1, x.experts // max(1, x.ep))
+        per, ef = tok * x.top_k / local, x.expert_ffn / t  # routed tokens per local expert, its width per rank
+        frozen = [(tok, x.experts, x.h, 1)] + [(per, ef, x.h, 2 * local), (per, x.h, ef, local)]
+        if x.shared:
+            sf = x.shared * x.expert_ffn / t
+            frozen += [(tok, sf, x.h, 2), (tok, x.h, sf, 1)]
+        for m, n, k, count in frozen:
+            fwd.extend([(m, n, k)] * count)
+            bwd.extend([(m, k, n)] * count if r_grad else [])
+        return BlockGemms(fwd, bwd, attn, tuple(fwd[:-1]), needs)
     g, u = proj("w1", f, x.h, r_grad), proj("w3", f, x.h, r_grad)
     proj("w2", x.h, f, g or u)
     # full recomputation stops before the block's last GEMM: w2's B with an adapter, else w2's
@@ -93,8 +108,9 @@ def block_gemms(x, first: bool) -> BlockGemms:
 
 def adapter_bytes(x, input_grad: dict[str, bool]) -> tuple[float, float]:
     """(forward, backward) HBM bytes of the adapters' element-wise ops (scale, add, dropout) per rank
-    and micro batch (``input_grad``: :attr:`BlockGemms.input_grad`)."""
+    and micro batch (``input_grad``: :attr:`BlockGemms.input_grad`: the projections the block has)."""
     rank, targets, dropout = x.lora
+    targets = tuple(name for name in targets if name in input_grad)
     tok, t, e = x.b * x.s, x.tp, x.e
     shapes = {"wq": (x.heads * x.hd / t, x.h), "wk": (x.kv_heads * x.hd / t, x.h), "wv": (x.kv_heads * x.hd / t, x.h),
               "wo": (x.h, x.heads * x.hd / t), "w1": (x.ffn / t, x.h), "w3": (x.ffn / t, x.h), "w2": (x.h, x.ffn / t)}
@@ -114,11 +130,11 @@ def gemm_list_seconds(gemms, gpu: GPUSpec, sms: int | None = None) -> float:
 
 
 def lora_pass_seconds(x, gpu: GPUSpec, first: bool, attention: tuple[float, float], elementwise: tuple[float, float],
-                      sms: int | None = None) -> tuple[float, float, float]:
-    """(forward, backward, what full recomputation re-runs) seconds of one dense block under LoRA
+                      sms: int | None = None, moe: bool = False) -> tuple[float, float, float]:
+    """(forward, backward, what full recomputation re-runs) seconds of one block under LoRA
     (``attention``, ``elementwise``: the block's attention and element-wise (forward, backward)
     seconds as ops.py prices them without LoRA); ops.block_seconds adds the recomputation."""
-    fwd_g, bwd_g, attn_grad, again, input_grad = block_gemms(x, first)
+    fwd_g, bwd_g, attn_grad, again, input_grad = block_gemms(x, first, moe)
     af, ab = attention
     ef, eb = elementwise
     lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, input_grad))

@@ -176,8 +176,8 @@ def block_seconds(x: BlockShape, gpu: GPUSpec, moe: bool, sms: int | None = None
     # saved), the dense MLP's w3 (an MoE block has none); under LoRA the frozen bases' (the same shapes)
     again_mm = (gemm_seconds(tok, kv, x.h, gpu, lin, sms=sms) + (gemm_seconds(tok, x.h, q, gpu, lin, sms=sms) if t == 1 else 0.0)
                 + (0.0 if moe else gemm_seconds(tok, x.ffn / t, x.h, gpu, lin, sms=sms)))
-    if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; validate refuses LoRA on MoE)
-        fwd, bwd, again = lora_pass_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms)
+    if x.lora is not None:  # frozen bases and adapters (plan/loratime.py; an MoE block's router and experts frozen)
+        fwd, bwd, again = lora_pass_seconds(x, gpu, x.lora_first, (af, ab), (ef_s, eb_s), sms, moe)
     else:
         fwd, bwd, again = _gemm_pass_seconds(x, gpu, moe, sms)
         fwd, bwd, again = fwd + af + ef_s, bwd + ab + eb_s, again + af + ef_s

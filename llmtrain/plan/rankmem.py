@@ -127,9 +127,10 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
             n = sum(1 for i in stages[chunk] if i in layers)
             if n:
                 parts.append((delta, n))
-        if chunk == 0 and x.lora is not None and n_layers > n_moe:  # block 0: its input needs no gradient
-            parts[0] = (kinds[False], n_layers - n_moe - 1)
-            parts.append((act.layer_terms(x, False, recompute, first=True, cp_index=cp_index), 1))
+        if chunk == 0 and x.lora is not None and 0 in stages[chunk]:  # block 0: its input needs no gradient
+            moe0 = m.is_moe_layer(0)  # (dense or MoE)
+            parts[int(moe0)] = (kinds[moe0], parts[int(moe0)][1] - 1)
+            parts.append((act.layer_terms(x, moe0, recompute, first=True, cp_index=cp_index), 1))
         if chunk == 0:
             parts.append((act.first_stage_terms(x), 1))
         if chunk == last:

@@ -120,12 +120,18 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
     rank, targets = lora
     bases = _lora_bases(m)
     out = []
-    for t in targets:
+    for t in layer_targets(m, layer, targets):
         module, rows, cols, column_wise = bases[t]
         a, b = ((rank, cols), (rows // tp, rank)) if column_wise else ((rank, cols // tp), (rows, rank))
         name = f"layers.{layer}.{module}.{t}."
         out += [ParamShape(name + "lora_a.weight", a, "matmul"), ParamShape(name + "lora_b.weight", b, "matmul")]
     return out
+
+
+def layer_targets(m: ModelConfig, layer: int, targets: tuple[str, ...]) -> tuple[str, ...]:
+    """The targets block ``layer`` has adapters on: an MoE block's MLP targets none (its routers and
+    experts stay frozen, engine/finetune/lora.py)."""
+    return tuple(t for t in targets if t in ("wq", "wk", "wv", "wo")) if m.is_moe_layer(layer) else targets
 
 
 def _lora_bases(m: ModelConfig) -> dict[str, tuple[str, int, int, bool]]:
@@ -145,8 +151,8 @@ def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int
         return 0
     rank, targets = lora
     bases = _lora_bases(m)
-    per_layer = sum(rank * (cols if column_wise else rows) for _, rows, cols, column_wise in map(bases.get, targets))
-    return per_layer * len(layers)
+    return sum(rank * (cols if column_wise else rows) for layer in layers
+               for _, rows, cols, column_wise in map(bases.get, layer_targets(m, layer, targets)))
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:

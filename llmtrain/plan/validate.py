@@ -166,7 +166,7 @@ def validate(recipe: Recipe, placement: Placement) -> Validation:
 
     # -- data and fine-tuning (before the layout is accepted: an error here means no layout) ------
     _check_data(recipe, err)
-    _check_lora(recipe, err)
+    _check_lora(recipe, err, warn)
     _check_precision_features(recipe, err, warn)
 
     # -- batch math ------------------------------------------------------------------------------
@@ -262,14 +262,25 @@ def _check_data(recipe: Recipe, err) -> None:
                     "set parallel.cp_method: allgather or ulysses, or data.packing: false, or parallel.cp: 1"))
 
 
-def _check_lora(recipe: Recipe, err) -> None:
-    """LoRA adapters exist for the dense projections only (llmtrain/engine/finetune/lora.py)."""
-    if recipe.train.lora is None:
+def _check_lora(recipe: Recipe, err, warn) -> None:
+    """LoRA adapters exist for the attention projections and the dense MLPs (llmtrain/engine/finetune/lora.py):
+    on an MoE model the routers and the routed experts stay frozen (PEFT's all-linear on transformers' MoE
+    models adapts no expert either: their experts are 3D parameters, not Linear modules)."""
+    lora, m = recipe.train.lora, recipe.model
+    if lora is None or not m.is_moe:
         return
-    m = recipe.model
-    if m.is_moe:
-        err(Problem("train.lora", f"LoRA on an MoE model (model.moe.num_experts = {m.moe.num_experts}): adapters on "
-                    "routed experts are not implemented", "remove train.lora (full fine-tuning), or use a dense model"))
+    moe_layers = sum(1 for i in range(m.layers) if m.is_moe_layer(i))
+    mlp = [t for t in lora.target_names if t in ("w1", "w2", "w3")]
+    if not mlp:
+        return
+    if moe_layers == m.layers and len(mlp) == len(lora.target_names):
+        err(Problem("train.lora.targets", f"targets {list(lora.target_names)} are MLP projections, and every layer of this "
+                    "MoE model has routed experts, which get no adapters: nothing would train",
+                    "add attention targets (wq, wk, wv, wo), or remove train.lora (full fine-tuning)"))
+        return
+    warn(Problem("train.lora.targets", f"{'/'.join(mlp)} adapt the {m.layers - moe_layers} dense MLP layer(s) only: the "
+                 f"{moe_layers} MoE layers' routers and routed experts stay frozen (adapters on them are not "
+                 "implemented)", "list only attention targets (wq, wk, wv, wo) to say so"))
 
 
 def _check_moe_fields(recipe: Recipe, err) -> None:

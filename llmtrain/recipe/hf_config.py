@@ -27,6 +27,7 @@ from llmtrain.recipe.model import longrope_attention
 from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
 
+from llmtrain.recipe.hf_moe import moe_config_json, moe_fields
 from llmtrain.recipe.hf_families import FAMILIES, SUPPORTED, family_of, require_hf_compatible
 from llmtrain.recipe.hf_gemma import gemma_config, gemma_fields, gemma_problems, text_part
 from llmtrain.recipe.hf_types import BOOL_KEYS, FLOAT_KEYS, HINT, INT_KEYS, _type_problems  # noqa: F401 (re-exported)
@@ -108,23 +109,7 @@ def hf_config(cfg: ModelConfig) -> dict:
                    attention_multiplier=float(cfg.attention_scale if cfg.attention_scale is not None
                                               else cfg.head_dim ** -0.5),
                    logits_scaling=float(cfg.logit_divisor or 1.0), attention_bias=False, mlp_bias=False)
-    m = cfg.moe
-    if f.name == "mixtral":
-        out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                   router_aux_loss_coef=float(m.aux_loss_coef), router_jitter_noise=0.0, output_router_logits=False)
-    elif f.name == "olmoe":  # softmax top-k, renormalized or not; the experts' width is its intermediate_size
-        out.update(intermediate_size=cfg.expert_ffn, num_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                   norm_topk_prob=bool(m.norm_topk_prob), router_aux_loss_coef=float(m.aux_loss_coef),
-                   output_router_logits=False, clip_qkv=None)
-    elif f.name == "granitemoe":  # Mixtral's routing; the experts' width is its intermediate_size
-        out.update(intermediate_size=cfg.expert_ffn, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
-                   router_aux_loss_coef=float(m.aux_loss_coef), output_router_logits=False)
-    elif f.name == "qwen3_moe":
-        step = m.sparse_step
-        out.update(num_experts=m.num_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=cfg.expert_ffn,
-                   decoder_sparse_step=step, norm_topk_prob=bool(m.norm_topk_prob),
-                   mlp_only_layers=[i for i in range(cfg.layers) if (i + 1) % step == 0 and not cfg.is_moe_layer(i)],
-                   router_aux_loss_coef=float(m.aux_loss_coef), output_router_logits=False)
+    out.update(moe_config_json(f.name, cfg))
     return out
 
 
@@ -310,26 +295,9 @@ def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
         scale = lambda key: None if float(conf.get(key, 1.0)) == 1.0 else float(conf[key])  # noqa: E731
         out.update(embed_multiplier=scale("embedding_multiplier"), residual_multiplier=scale("residual_multiplier"),
                    logit_divisor=scale("logits_scaling"), attention_scale=float(conf.get("attention_multiplier", 1.0)))
-    if mt in ("mixtral", "granitemoe"):  # both renormalize the top-k weights (softmax over the top-k logits)
-        out["moe"] = {"num_experts": conf.get("num_local_experts", 8), "top_k": conf.get("num_experts_per_tok", 2),
-                      "expert_ffn_hidden": conf.get("intermediate_size"), "norm_topk_prob": True,
-                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",
-                      "balance": "aux_loss", "shared_experts": 0}
-    elif mt == "olmoe":
-        out["moe"] = {"num_experts": conf.get("num_experts", 64), "top_k": conf.get("num_experts_per_tok", 8),
-                      "expert_ffn_hidden": conf.get("intermediate_size"),
-                      "norm_topk_prob": bool(conf.get("norm_topk_prob", False)),
-                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.01)), "router": "softmax",
-                      "balance": "aux_loss", "shared_experts": 0}
-    elif mt == "qwen3_moe":
-        out["moe"] = {"num_experts": conf.get("num_experts", conf.get("num_local_experts", 128)),
-                      "top_k": conf.get("num_experts_per_tok", 8),
-                      "expert_ffn_hidden": conf.get("moe_intermediate_size", 768),
-                      "norm_topk_prob": bool(conf.get("norm_topk_prob", False)),
-                      "sparse_step": conf.get("decoder_sparse_step", 1),
-                      "dense_layers": list(conf.get("mlp_only_layers") or []),
-                      "aux_loss_coef": float(conf.get("router_aux_loss_coef", 0.001)), "router": "softmax",
-                      "balance": "aux_loss", "shared_experts": 0}
+    moe = moe_fields(mt, conf)
+    if moe is not None:
+        out["moe"] = moe
     return out
 
 

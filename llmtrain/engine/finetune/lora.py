@@ -22,7 +22,7 @@ and FSDP2 (so those wrap the adapters like any other parameter). Decisions:
   and TP's output hook reduces the sum once (all-reduce, or reduce-scatter with sequence
   parallelism). The rank-r intermediate is tiny, so replicating it costs nothing.
 * **MoE.** Only the attention projections and dense ``feed_forward`` MLPs get adapters; routers
-  and experts are frozen and untouched (the planner refuses LoRA with MoE models anyway).
+  and experts are frozen and untouched (plan/validate.py warns when MLP targets leave MoE layers unadapted).
 * **Initialization** (:mod:`llmtrain.engine.models.init`, layout-independent like every weight):
   ``A`` kaiming-uniform(a=sqrt(5)) as PEFT's default, ``B`` zeros, so step 0 is the base model.
 * **Dropout** on the adapter input uses torch's RNG on each rank (``nn.Dropout``; identity at 0,
