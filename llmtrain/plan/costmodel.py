@@ -187,7 +187,9 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                               inv.largest_block / max(1, inv.dense_numel + inv.expert_numel), stepped))
         if v2:
             dense, moe = len(inv.layers) - inv.moe_layers, inv.moe_layers
-            first = lk is not None and inv.first and 0 in inv.layers  # LoRA: block 0's input needs no gradient
+            first = None  # LoRA: block 0's input needs no gradient (a dense or an MoE block)
+            if lk is not None and inv.first and 0 in inv.layers:
+                first = "moe" if m.is_moe_layer(0) else "dense"
             f_s, b_s = ops.rank_seconds(shape, gpu, dense, moe, inv.last, first_block=first)
             for share, layers in again:  # the weight pass's recomputation (recompute_again)
                 moe_again = sum(1 for layer in layers if is_moe_layer(m, layer)) if m.is_moe else 0

@@ -245,15 +245,16 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
-                 sms: int | None = None, first_block: bool = False) -> tuple[float, float]:
+                 sms: int | None = None, first_block: str | None = None) -> tuple[float, float]:
     """(forward, backward) compute seconds of one micro batch on a pipeline rank holding
     ``dense_layers`` + ``moe_layers`` blocks (and the output head when ``last``); ``sms``: on
-    only that many SMs (:func:`overlap_slowdown`); ``first_block``: under LoRA, one of the dense
-    blocks is block 0 (its input needs no gradient)."""
+    only that many SMs (:func:`overlap_slowdown`); ``first_block``: under LoRA, one of the
+    ``"dense"`` or ``"moe"`` blocks is block 0 (its input needs no gradient)."""
     fwd = bwd = 0.0
-    if first_block and x.lora is not None and dense_layers:
-        fwd, bwd = block_seconds(replace(x, lora_first=True), gpu, False, sms)
-        dense_layers -= 1
+    first_moe = first_block == "moe"
+    if first_block and x.lora is not None and (moe_layers if first_moe else dense_layers):
+        fwd, bwd = block_seconds(replace(x, lora_first=True), gpu, first_moe, sms)
+        dense_layers, moe_layers = (dense_layers, moe_layers - 1) if first_moe else (dense_layers - 1, moe_layers)
     for n, moe in ((dense_layers, False), (moe_layers, True)):
         if n:
             f, b = block_seconds(x, gpu, moe, sms)
@@ -266,7 +267,7 @@ def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int
 
 @lru_cache(maxsize=4096)  # pure in hashable arguments; plan --search prices the same shapes many times
 def overlap_slowdown(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,
-                     first_block: bool = False) -> float:
+                     first_block: str | None = None) -> float:
     """Share of compute throughput lost while an NCCL collective runs beside it (issue 18, 9.1 (a)).
 
     NCCL's kernels are ordinary CTAs, one per channel, resident for the whole collective, so the
