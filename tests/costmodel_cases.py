@@ -101,6 +101,9 @@ CASES = {
     # every layer MoE (block 0 too: its input needs no gradient), and with selective recomputation
     "lora_moe_all_zero3": MOE + LORA + ["model.moe.first_dense_layers=0", "train.lora.targets=[wq,wv]", "parallel.zero=3"],
     "lora_moe_selective": MOE + LORA + ["parallel.zero=1", "train.activation_checkpointing=selective"],
+    # under autocast: block 0 (MoE) keeps no bf16 copy of a frozen weight whose input needs no gradient
+    "lora_moe_all_amp": MOE + LORA + ["model.moe.first_dense_layers=0", "train.lora.targets=[wo]",
+                                      "train.precision=bf16"],
     # tied embeddings under PP (engine/parallel/tied.py): the last stage holds a copy of the embedding
     # (parameter, gradient, AdamW state); V-shaped: rank 0 holds both; TP: each gradient in its weight's rows
     "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",

@@ -148,7 +148,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     head = m.vocab_size // dims.tp * m.hidden if inv.last and not (m.tie_embeddings and inv.first) else 0  # output.weight
     # the chunked loss computes the head's gradients in forward: autocast's cast of it is not kept
     uncast = head if recipe.planner.loss == "engine" else 0
-    if t.lora is not None and inv.first and not m.is_moe_layer(0) and 0 in inv.layers:
+    if t.lora is not None and inv.first and 0 in inv.layers:
         uncast += lora_uncast_numel(m, dims.tp, dims.ep, lora_key(t.lora))  # block 0's inputs need no gradient
     weights = master_weight_buffers(inv.matmul_numel - head, t.precision) if master else param_buffer_bytes(
         inv.dense_numel + inv.expert_numel, inv.matmul_numel - uncast, mode, t.precision, inv.largest_block, inv.root,
