@@ -34,7 +34,8 @@ EXPECTED = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped
             "dcp_async_resume", "hf_export", "cp_attention_blocks", "dense_compiled", "hf_llama_eager", "dense_eager",
             "dense_compiled_selective_ac", "dense_compiled_full_ac", "dense_compiled_fsdp1", "moe_eager",
             "moe_compiled_fsdp1", "hf_llama_compiled", "kernel_rates", "loss_rates", "adamw_quantized_states", "fp8_dense_compiled", "fp8_all_gather",
-            "fp8_tp", "async_tp", "moe_profile", "dense_profile", "softcap_attention", "gqa_attention"]  # fp8_tp, async_tp: issue 17
+            "fp8_tp", "async_tp", "moe_profile", "dense_profile", "softcap_attention", "gqa_attention",
+            "masked_rows_attention"]  # fp8_tp, async_tp: issue 17
 ACCEPTANCE = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped_gemm", "fused_adamw",
               "dcp_async_resume", "hf_export", "cp_attention_blocks", "dense_compiled", "hf_llama_eager"]
 SPEED_KEYS = ("tokens_per_s", "mfu", "peak_mem_gib", "planned_step_s", "planned_peak_gib")

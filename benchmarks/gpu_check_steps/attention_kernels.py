@@ -3,7 +3,8 @@
 recomputed by blocks of queries in the backward) has not run on a GPU in the session that wrote
 it. Correctness against the eager formula in fp32, and its time beside time model v2's price
 (plan/attentiontime.py ``SOFTCAP_BYTES``) and beside SDPA's causal flash kernel at the same shape.
-An option (group (g)): it runs after the speed rows."""
+Also GQA's unrepeated K/V in causal attention and all-gather CP's masked call of one rank's rows, both
+written without a GPU. Options (group (g)): they run after the speed rows."""
 
 from __future__ import annotations
 
@@ -150,3 +151,68 @@ def gqa_attention_step(ctx) -> dict:
         raise CheckFailed("the flash kernel refused enable_gqa for bf16 causal attention (head_dim 128): the engine "
                           "repeats K/V here, which plan/gqa.py does not price")
     return result
+
+
+# all-gather CP's masked call on one rank: Llama 3 8B's heads at TP 8 (4 / 1 of 128), 8,192 tokens, cp 4
+MASKED_SHAPE = (1, 4, 1, 8192, 128, 4)
+TINY_MASKED_SHAPE = (1, 2, 1, 64, 16, 2)
+
+
+@step("masked_rows_attention", est_s=6, group="options")
+def masked_rows_attention_step(ctx) -> dict:
+    """All-gather CP's attention with a mask (engine/parallel/context.py ``masked_rows_attention``: packed
+    rows' document mask and a window, as one rank's zigzag rows against the whole sequence's K/V; written
+    in a session without a GPU): a float mask of non-square rows through SDPA's memory-efficient kernel in
+    bf16. Its output and gradients against the same rows of the whole-sequence masked attention
+    (relative L2 <= 1e-2 in bf16; CPU fp32 1e-5), time (median of 5) and memory beyond the inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from llmtrain.engine.models.masks import forward_masks, zigzag_rows
+    from llmtrain.engine.parallel.context import masked_rows_attention
+
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    b, h, kv, S, d, cp = TINY_MASKED_SHAPE if ctx.tiny else MASKED_SHAPE
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, S, d, generator=g).to(ctx.device, dtype)
+    k, v = (torch.randn(b, kv, S, d, generator=g).to(ctx.device, dtype).requires_grad_() for _ in range(2))
+    dout = torch.randn(b, h, S, d, generator=g).to(ctx.device, dtype)
+    segments = (torch.arange(S, device=ctx.device) * 5 // S).unsqueeze(0)  # 5 packed samples
+    window = S // 3
+    rows = zigzag_rows(S, cp, 1, device=ctx.device)
+    _, whole = forward_masks(torch.arange(S, device=ctx.device), segments, window, S, 1, None, False, dtype)
+    _, mask = forward_masks(rows, segments, window, S, cp, rows, False, dtype)
+    q_rows = q.index_select(2, rows).requires_grad_()
+    q_all = q.clone().requires_grad_()
+    dout_rows = dout.index_select(2, rows)
+    out = masked_rows_attention(q_rows, k, v, mask)
+    got = (out.detach(), *torch.autograd.grad(out, (q_rows, k, v), dout_rows))
+    kr, vr = (t.repeat_interleave(h // kv, 1) for t in (k, v))
+    ref = F.scaled_dot_product_attention(q_all, kr, vr, attn_mask=whole)
+    masked_dout = torch.zeros_like(dout).index_copy_(2, rows, dout_rows)  # only these rows' gradient
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, (q_all, k, v), masked_dout)
+    want = (ref.detach().index_select(2, rows), ref_dq.index_select(2, rows), ref_dk, ref_dv)
+    rel = lambda a, w: float((a.float() - w.float()).norm() / w.float().norm())
+    errors = {n: rel(a, w) for n, a, w in zip(("out", "dq", "dk", "dv"), got, want)}
+
+    def run():
+        o = masked_rows_attention(q_rows, k, v, mask)
+        torch.autograd.grad(o, (q_rows, k, v), dout_rows)
+
+    extra_gib = None
+    if ctx.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    tol = 1e-2 if ctx.cuda else 1e-5
+    result = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shape": {"b": b, "heads": h, "kv_heads": kv, "S": S,
+              "rows": int(rows.numel()), "head_dim": d}, "rel_l2": errors, "tolerance": tol,
+              "seconds": _timed(run, 5 if ctx.cuda else 2, ctx.cuda), "extra_gib": extra_gib}
+    if not max(errors.values()) <= tol:
+        raise CheckFailed(f"all-gather CP's masked rows differ from the whole sequence's: relative L2 {errors} "
+                          f"(tolerance {tol})")
+    return result
+

@@ -126,12 +126,20 @@ def allgather_attention(q, k, v, group: dist.ProcessGroup, cp: int, cp_rank: int
     v_full = _gather_seq(v, group, cp, order)
     if mask is None and softcap is None:
         return PrefixCausalAttention.apply(q, k_full, v_full, allgather_offsets(q.shape[2], cp, cp_rank))
-    if k_full.shape[1] != q.shape[1]:  # the masked kernels take equal head counts (models/llama.py)
-        rep = q.shape[1] // k_full.shape[1]
-        k_full, v_full = k_full.repeat_interleave(rep, dim=1), v_full.repeat_interleave(rep, dim=1)
+    return masked_rows_attention(q, k_full, v_full, mask, softcap)
+
+
+def masked_rows_attention(q, k, v, mask: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
+    """The queries of some rows (``q`` ``[b, heads, s, d]``) against the whole sequence's K/V (``[b, kv_heads,
+    S, d]``) under ``mask``, the additive mask of those rows (``[s, S]`` or ``[b, 1, s, S]``: models/masks.py):
+    masked SDPA, or the soft-capped kernel (its mask then required: rows are not square). K/V are repeated
+    to the query heads first, as the model's own masked attention does (models/llama.py)."""
+    if k.shape[1] != q.shape[1]:  # the masked kernels take equal head counts
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     if softcap is not None:
-        return softcap_attention(q, k_full, v_full, mask, softcap)
-    return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask)
+        return softcap_attention(q, k, v, mask, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def _gather_seq(x: torch.Tensor, group, cp: int, order: list[int] | None = None) -> torch.Tensor:
