@@ -11,6 +11,20 @@ from __future__ import annotations
 from . import CheckFailed, step
 from .kernels import _timed
 
+def _extra_gib(run, cuda: bool) -> float | None:
+    """GiB one call of ``run`` allocates beyond what is allocated before it (CUDA; None elsewhere)."""
+    if not cuda:
+        return None
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 # Gemma 2 9B's attention on one rank at TP 4 (16 / 4 heads of 256) over 4,096 tokens
 SOFTCAP_SHAPE = (1, 4, 4096, 256)
 TINY_SOFTCAP_SHAPE = (1, 2, 64, 16)
@@ -62,14 +76,7 @@ def softcap_attention_step(ctx) -> dict:
         torch.autograd.grad(o, (q, k, v), dout)
 
     reps = 5 if ctx.cuda else 2
-    extra_gib = None
-    if ctx.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run_softcap()
-        torch.cuda.synchronize()
-        extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    extra_gib = _extra_gib(run_softcap, ctx.cuda)
     seconds = {"softcap": _timed(run_softcap, reps, ctx.cuda), "sdpa_causal": _timed(run_sdpa, reps, ctx.cuda)}
     gpu = GPUS[ctx.gpu_key]
     e = q.element_size()
@@ -130,15 +137,8 @@ def gqa_attention_step(ctx) -> dict:
             torch.autograd.grad(o, (q, k, v), dout)
         return run
 
-    extra_gib = {}
-    if ctx.cuda:
-        for name, fn in (("engine", causal_sdpa), ("repeated", repeated)):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            timed(fn)()
-            torch.cuda.synchronize()
-            extra_gib[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    extra_gib = {name: _extra_gib(timed(fn), True) for name, fn in (("engine", causal_sdpa), ("repeated", repeated))
+                 if ctx.cuda}
     reps = 5 if ctx.cuda else 2
     seconds = {"engine": _timed(timed(causal_sdpa), reps, ctx.cuda), "repeated": _timed(timed(repeated), reps, ctx.cuda)}
     tol = 1e-2 if ctx.cuda else 1e-5
@@ -199,14 +199,7 @@ def masked_rows_attention_step(ctx) -> dict:
         o = masked_rows_attention(q_rows, k, v, mask)
         torch.autograd.grad(o, (q_rows, k, v), dout_rows)
 
-    extra_gib = None
-    if ctx.cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        run()
-        torch.cuda.synchronize()
-        extra_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    extra_gib = _extra_gib(run, ctx.cuda)
     tol = 1e-2 if ctx.cuda else 1e-5
     result = {"gpu": ctx.gpu_key, "dtype": str(dtype), "shape": {"b": b, "heads": h, "kv_heads": kv, "S": S,
               "rows": int(rows.numel()), "head_dim": d}, "rel_l2": errors, "tolerance": tol,
