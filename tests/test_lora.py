@@ -54,6 +54,8 @@ SUBSET = ["train.lora={rank: 4, alpha: 8, targets: [wq, w2]}"]
 # MoE: layer 0 dense (all seven adapters), layer 1 MoE (attention adapters; router, routed and shared experts frozen)
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hidden=32", "model.moe.first_dense_layers=1",
        "model.moe.shared_experts=1"]
+# the same with train.lora.experts: layer 1's routed experts get stacked adapters on w1/w2/w3 too
+EXPERTS = [*MOE, "train.lora={rank: 4, alpha: 8, experts: true}"]
 CASES = {
     "ddp": ["parallel.tp=1", "parallel.zero=0"],
     "zero1": ["parallel.tp=1", "parallel.zero=1"],
@@ -66,8 +68,12 @@ CASES = {
     "moe_ep2_zero1": ["parallel.tp=1", "parallel.zero=1", "parallel.ep=2", *MOE],
     "moe_tp2_sp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.sequence_parallel=true", *MOE],  # expert-TP
     "moe_pp2": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", *MOE],
+    "experts_ep2_zero1": ["parallel.tp=1", "parallel.zero=1", "parallel.ep=2", *EXPERTS],
+    "experts_ep2_tp2_sp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.ep=2", "parallel.sequence_parallel=true",
+                                 *EXPERTS],  # EP x expert-TP, FSDP on the edp mesh
+    "experts_pp2": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", *EXPERTS],
 }
-SAVED = ("zero1", "tp2_sp_zero3", "pp2_zero1")  # checkpoint at the end: which parameters have AdamW state
+SAVED = ("zero1", "tp2_sp_zero3", "pp2_zero1", "experts_ep2_zero1")  # checkpoint at the end: which parameters have AdamW state
 
 
 def env() -> dict:
@@ -146,6 +152,39 @@ def test_adapters_freeze_init_and_merge():
     assert (want - before).abs().max() > 1e-2  # the random B matter: the check above is not vacuous
 
 
+def test_expert_adapters_init_and_merge():
+    """``train.lora.experts``: the routed experts get stacked adapters ``[E, r, in]`` / ``[E, out, r]``
+    (A within PEFT's kaiming bound per expert, B = 0: the base at init); merge_lora folds them into
+    the stacked expert weights, giving the adapter forward's logits (fp32, |diff| <= 1e-5)."""
+    from llmtrain.engine.finetune.lora import apply_lora, is_adapter_key, merge_lora
+    from llmtrain.engine.models.init import init_weights
+    from llmtrain.engine.models.llama import Transformer
+    from llmtrain.recipe.load import load_recipe
+
+    recipe = load_recipe(ROOT / "recipes/debug.yaml", COMMON + EXPERTS)
+    base, lora = Transformer(recipe.model), Transformer(recipe.model)
+    adapted = apply_lora(lora, recipe.train.lora)
+    assert [a for a in adapted if ".experts." in a] == [f"layers.1.moe.experts.{t}" for t in ("w1", "w2", "w3")]
+    init_weights(base, 0)
+    init_weights(lora, 0)
+    experts = lora.layers["1"].moe.experts
+    assert tuple(experts.lora_a["w1"].shape) == (4, 4, 32) and tuple(experts.lora_b["w2"].shape) == (4, 32, 4)
+    assert 0 < experts.lora_a["w2"].abs().max() <= 1 / 32 ** 0.5 and not experts.lora_b["w1"].any()
+    tokens = torch.randint(0, 128, (2, 16))
+    assert torch.equal(base(tokens), lora(tokens))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if is_adapter_key(n) and ("lora_b" in n):
+                p.normal_(0, 0.05)
+        merged = merge_lora(lora.state_dict(), recipe.train.lora)
+        assert not any(is_adapter_key(k) for k in merged)
+        before = base(tokens)
+        base.load_state_dict(merged)
+        want, got = lora(tokens), base(tokens)
+    assert (want - got).abs().max() <= 1e-5
+    assert (want - before).abs().max() > 1e-2
+
+
 # -- parity on every layout ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -153,7 +192,8 @@ def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_parity")
     refs = run_worker(tmp, 1, {"all": ["parallel.tp=1", "parallel.zero=0"],
                                "subset": ["parallel.tp=1", "parallel.zero=0", *SUBSET],
-                               "moe": ["parallel.tp=1", "parallel.zero=0", *MOE]})
+                               "moe": ["parallel.tp=1", "parallel.zero=0", *MOE],
+                               "experts": ["parallel.tp=1", "parallel.zero=0", *EXPERTS]})
     return tmp, refs, run_worker(tmp, 4, CASES, saved=SAVED)
 
 
@@ -162,19 +202,20 @@ def test_lora_layout_matches_single_process(parity, case):
     from llmtrain.engine.finetune.lora import is_adapter_key
 
     tmp, refs, layouts = parity
-    kind = case.split("_")[0] if case.startswith(("subset", "moe")) else "all"
+    kind = case.split("_")[0] if case.startswith(("subset", "moe", "experts")) else "all"
     ref, got = refs[kind], layouts[case]
     assert got["layout_errors"] == []
     loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
     assert loss_diff <= LOSS_TOL, (got["losses"], ref["losses"])
     assert set(got["state"]) == set(ref["state"])
     adapters = [k for k in ref["state"] if is_adapter_key(k)]
-    assert len(adapters) == 2 * {"all": 2 * 7, "subset": 2 * 2, "moe": 7 + 4}[kind]  # MoE: layer 1's attention only
+    # MoE: layer 1's attention only; with experts also its routed experts' w1/w2/w3
+    assert len(adapters) == 2 * {"all": 2 * 7, "subset": 2 * 2, "moe": 7 + 4, "experts": 7 + 4 + 3}[kind]
     assert got["trainable"] == sorted(adapters)
     worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in adapters)
     assert worst <= WEIGHT_TOL, worst
     print(f"{case}: loss diff {loss_diff:.2e}, adapter weight diff {worst:.2e}")
-    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE}[kind])
+    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE, "experts": EXPERTS}[kind])
     moved = [k for k in ref["state"] if not is_adapter_key(k) and not torch.equal(got["state"][k], init[k])]
     assert not moved, f"frozen base changed: {moved[:3]}"
     if case not in SAVED:
@@ -190,7 +231,7 @@ def test_reference_adapters_trained(parity):
     """Guards the parity test: the adapters moved (B far from 0) and the loss fell."""
     _, refs, _ = parity
     for ref in refs.values():
-        bs = [v for k, v in ref["state"].items() if k.endswith("lora_b.weight")]
+        bs = [v for k, v in ref["state"].items() if k.endswith("lora_b.weight") or ".experts.lora_b." in k]
         assert min(b.abs().max().item() for b in bs) > 1e-2
         assert ref["losses"][-1] < ref["losses"][0]
 

@@ -57,8 +57,23 @@ def test_lora_on_moe_adapts_attention_and_dense_layers_only():
     assert "wq, wk, wv, wo" in w.hint
     all_moe = {"model": {"moe": {"first_dense_layers": 0}}, "train": {"lora": {"rank": 4, "targets": ["w1", "w2"]}}}
     p = find(errors(debug(all_moe, preset="debug-moe")), "train.lora.targets", "nothing would train")
-    assert "add attention targets" in p.hint
+    assert "train.lora.experts: true" in p.hint and "add attention targets" in p.hint
     assert plan_of(debug({"train": {"lora": {"rank": 4, "targets": ["wq", "wv"]}}})).valid
+
+
+def test_lora_experts_needs_moe_mlp_targets_and_no_dropout():
+    """``train.lora.experts``: valid (and silent) with MLP targets on an MoE model, also when every layer is
+    MoE; refused on a dense model, without an MLP target, and with adapter dropout."""
+    experts = {"model": {"moe": {"first_dense_layers": 0}}, "train": {"lora": {"rank": 4, "targets": ["w1", "w2"],
+                                                                                "experts": True}}}
+    ok = plan_of(debug(experts, preset="debug-moe"))
+    assert ok.valid and not [w for w in ok.validation.warnings if w.path.startswith("train.lora")]
+    find(errors(debug({"train": {"lora": {"experts": True}}})), "train.lora.experts", "the model is dense")
+    p = find(errors(debug({"train": {"lora": {"targets": ["wq"], "experts": True}}}, preset="debug-moe")),
+             "train.lora.experts", "list no MLP projection")
+    assert "w1, w2 and/or w3" in p.hint
+    drop = {"train": {"lora": {"dropout": 0.1, "experts": True}}}
+    find(errors(debug(drop, preset="debug-moe")), "train.lora.dropout", "no dropout")
 
 
 def test_finetune_problems_are_reported_together():

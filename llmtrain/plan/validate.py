@@ -263,24 +263,36 @@ def _check_data(recipe: Recipe, err) -> None:
 
 
 def _check_lora(recipe: Recipe, err, warn) -> None:
-    """LoRA adapters exist for the attention projections and the dense MLPs (llmtrain/engine/finetune/lora.py):
-    on an MoE model the routers and the routed experts stay frozen (PEFT's all-linear on transformers' MoE
-    models adapts no expert either: their experts are 3D parameters, not Linear modules)."""
+    """LoRA adapters exist for the attention projections and the dense MLPs (llmtrain/engine/finetune/lora.py),
+    and with ``lora.experts`` for the routed experts (per-expert stacked adapters, finetune/lora_experts.py);
+    routers and shared experts stay frozen. Without ``experts`` MLP targets leave an MoE model's experts
+    frozen, as PEFT's all-linear does (transformers' experts are 3D parameters, not Linear modules)."""
     lora, m = recipe.train.lora, recipe.model
-    if lora is None or not m.is_moe:
+    if lora is None:
+        return
+    mlp = [t for t in lora.target_names if t in ("w1", "w2", "w3")]
+    if lora.experts:
+        if not m.is_moe:
+            err(Problem("train.lora.experts", "experts is true, but the model is dense (no routed experts)",
+                        "remove train.lora.experts"))
+        elif not mlp:
+            err(Problem("train.lora.experts", f"experts is true, but targets {list(lora.target_names)} list no MLP "
+                        "projection to adapt in the experts", "add w1, w2 and/or w3 to train.lora.targets"))
+        if lora.dropout > 0:
+            err(Problem("train.lora.dropout", f"dropout {lora.dropout:g} with experts: the routed experts' adapters have "
+                        "no dropout (PEFT's expert adapters neither)", "set train.lora.dropout: 0"))
+        return
+    if not m.is_moe or not mlp:
         return
     moe_layers = sum(1 for i in range(m.layers) if m.is_moe_layer(i))
-    mlp = [t for t in lora.target_names if t in ("w1", "w2", "w3")]
-    if not mlp:
-        return
     if moe_layers == m.layers and len(mlp) == len(lora.target_names):
         err(Problem("train.lora.targets", f"targets {list(lora.target_names)} are MLP projections, and every layer of this "
-                    "MoE model has routed experts, which get no adapters: nothing would train",
-                    "add attention targets (wq, wk, wv, wo), or remove train.lora (full fine-tuning)"))
+                    "MoE model has routed experts, which get no adapters without train.lora.experts: nothing would train",
+                    "set train.lora.experts: true, or add attention targets (wq, wk, wv, wo)"))
         return
     warn(Problem("train.lora.targets", f"{'/'.join(mlp)} adapt the {m.layers - moe_layers} dense MLP layer(s) only: the "
-                 f"{moe_layers} MoE layers' routers and routed experts stay frozen (adapters on them are not "
-                 "implemented)", "list only attention targets (wq, wk, wv, wo) to say so"))
+                 f"{moe_layers} MoE layers' routers and routed experts stay frozen", "set train.lora.experts: true to "
+                 "adapt the routed experts too, or list only attention targets (wq, wk, wv, wo) to say so"))
 
 
 def _check_moe_fields(recipe: Recipe, err) -> None:

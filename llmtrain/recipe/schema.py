@@ -178,6 +178,10 @@ class LoRAConfig(Strict):
     targets: Literal["all-linear"] | list[Literal["wq", "wk", "wv", "wo", "w1", "w2", "w3"]] = Field(
         "all-linear", description="Projections that get adapters: a list of wq wk wv wo (attention) w1 w2 w3 (MLP), "
                                   "or all-linear (all seven; never the output head or the embeddings).")
+    experts: bool = Field(
+        False, description="Also adapt the routed experts of MoE layers: every expert gets its own adapter on each "
+                           "MLP target (w1 w2 w3) in targets; the router and shared experts stay frozen. Off: MLP "
+                           "targets adapt the dense MLPs only.")
 
     @field_validator("targets")
     @classmethod

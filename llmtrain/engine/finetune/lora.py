@@ -21,8 +21,9 @@ and FSDP2 (so those wrap the adapters like any other parameter). Decisions:
   ``Shard(1)``, ``B`` Replicate — ``A x`` is then a Partial sum, ``B (A x)`` too, like ``W x``,
   and TP's output hook reduces the sum once (all-reduce, or reduce-scatter with sequence
   parallelism). The rank-r intermediate is tiny, so replicating it costs nothing.
-* **MoE.** Only the attention projections and dense ``feed_forward`` MLPs get adapters; routers
-  and experts are frozen and untouched (plan/validate.py warns when MLP targets leave MoE layers unadapted).
+* **MoE.** The attention projections and dense ``feed_forward`` MLPs get adapters; the routed
+  experts only with ``lora.experts`` (per-expert stacked adapters, :mod:`.lora_experts`); routers and
+  shared experts stay frozen (plan/validate.py warns when MLP targets leave MoE layers unadapted).
 * **Initialization** (:mod:`llmtrain.engine.models.init`, layout-independent like every weight):
   ``A`` kaiming-uniform(a=sqrt(5)) as PEFT's default, ``B`` zeros, so step 0 is the base model.
 * **Dropout** on the adapter input uses torch's RNG on each rank (``nn.Dropout``; identity at 0,
@@ -112,10 +113,14 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, tp_mesh=None) -> list[str]:
     the argument documents the contract and is checked against it)."""
     from torch.distributed.tensor import DTensor
 
+    from llmtrain.engine.finetune.lora_experts import add_expert_adapters
+
     adapted = []
     for p in model.parameters():
         p.requires_grad_(False)
     for layer_id, block in model.layers.items():
+        if hasattr(block, "moe"):
+            adapted += [f"layers.{layer_id}.{name}" for name in add_expert_adapters(block.moe, cfg)]
         for target in cfg.target_names:
             parent = block.attention if target in ATTENTION else getattr(block, "feed_forward", None)
             linear = getattr(parent, target, None) if parent is not None else None
@@ -132,7 +137,11 @@ def apply_lora(model: nn.Module, cfg: LoRAConfig, tp_mesh=None) -> list[str]:
 # -- merging (full tensors, for the exports) ------------------------------------------------------
 
 def adapter_keys(base_key: str) -> tuple[str, str]:
-    """``layers.0.attention.wq.weight`` -> its ``lora_a`` and ``lora_b`` weight keys."""
+    """``layers.0.attention.wq.weight`` -> its ``lora_a`` and ``lora_b`` weight keys; a routed experts'
+    stacked ``layers.N.moe.experts.w1`` -> ``layers.N.moe.experts.lora_a.w1`` / ``lora_b.w1``."""
+    if ".experts." in base_key and not base_key.endswith(".weight"):
+        stem, target = base_key.rsplit(".", 1)
+        return f"{stem}.lora_a.{target}", f"{stem}.lora_b.{target}"
     stem = base_key.removesuffix(".weight")
     return f"{stem}.lora_a.weight", f"{stem}.lora_b.weight"
 
@@ -147,8 +156,17 @@ def merge_one(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: flo
 def merge_lora(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, torch.Tensor]:
     """A full (unsharded) model state dict with adapters -> the merged one, adapter keys removed.
 
-    Every ``X.lora_a.weight`` needs its ``X.lora_b.weight`` and ``X.weight``; a lone adapter is an error."""
+    Every ``X.lora_a.weight`` needs its ``X.lora_b.weight`` and ``X.weight``, every expert
+    ``X.lora_a.t`` its ``X.lora_b.t`` and ``X.t``; a lone adapter is an error."""
+    from llmtrain.engine.finetune.lora_experts import merge_expert
+
     out = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    for key in [k for k in state if ".experts.lora_a." in k]:  # layers.N.moe.experts.lora_a.w1 -> ...experts.w1
+        stem, target = key.rsplit(".lora_a.", 1)
+        base, b_key = f"{stem}.{target}", f"{stem}.lora_b.{target}"
+        if base not in state or b_key not in state:
+            raise KeyError(f"merge_lora: {key} without {base if base not in state else b_key}")
+        out[base] = merge_expert(state[base], state[key], state[b_key], cfg.scale)
     for key in [k for k in state if k.endswith(".lora_a.weight")]:
         base = key.removesuffix(".lora_a.weight") + ".weight"
         b_key = adapter_keys(base)[1]
@@ -159,7 +177,8 @@ def merge_lora(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, tor
 
 
 def adapter_shapes(model_cfg, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]:
-    """``<our adapter key> -> shape`` for a model (no ``model.`` prefix); MoE layers get attention adapters only."""
+    """``<our adapter key> -> shape`` for a model (no ``model.`` prefix); MoE layers get attention adapters,
+    and their routed experts stacked ``[E, ...]`` ones with ``cfg.experts``."""
     head, h = model_cfg.head_dim, model_cfg.hidden
     dims = {"wq": (h, model_cfg.heads * head), "wk": (h, model_cfg.kv_heads * head),
             "wv": (h, model_cfg.kv_heads * head), "wo": (model_cfg.heads * head, h),
@@ -172,4 +191,10 @@ def adapter_shapes(model_cfg, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]:
             fan_in, fan_out = dims[t]
             a, b = adapter_keys(f"layers.{i}.{target_path(t)}.weight")
             out[a], out[b] = (cfg.rank, fan_in), (fan_out, cfg.rank)
+        if cfg.experts and model_cfg.is_moe_layer(i):
+            e, f = model_cfg.moe.num_experts, model_cfg.expert_ffn
+            for t in (t for t in cfg.target_names if t in MLP):
+                fan_in, fan_out = (h, f) if t != "w2" else (f, h)
+                stem = f"layers.{i}.moe.experts"
+                out[f"{stem}.lora_a.{t}"], out[f"{stem}.lora_b.{t}"] = (e, cfg.rank, fan_in), (e, fan_out, cfg.rank)
     return out

@@ -28,7 +28,9 @@ Distributions (GPT-2 / Megatron "scaled init"):
   variance roughly independent of depth at initialization;
 * LoRA adapters (:mod:`llmtrain.engine.finetune.lora`): ``lora_a`` kaiming-uniform with
   ``a = sqrt(5)`` (PEFT's default, i.e. U(-1/sqrt(in), 1/sqrt(in))) from the same per-name
-  generator, ``lora_b`` zeros, so the adapted model starts as the base model;
+  generator, ``lora_b`` zeros, so the adapted model starts as the base model; the routed experts'
+  stacked ``lora_a`` ``[E, r, in]`` (:mod:`llmtrain.engine.finetune.lora_experts`) with the same bound
+  per expert, U(-1/sqrt(in), 1/sqrt(in));
 * RMSNorm weights (block norms and Qwen3's per-head ``q_norm``/``k_norm``): ones (zeros for
   Gemma's offset norms, ``model.norm_offset``: the same identity scale); linear
   biases (Qwen2's q/k/v biases): zeros, as in transformers; buffers (``expert_bias``,
@@ -89,6 +91,10 @@ def _init_kind(module: nn.Module, leaf: str, name: str = "") -> str:
         return "kaiming"
     if name.endswith(".lora_b.weight"):
         return "zeros"
+    if ".experts.lora_a." in name:  # LoRA on the routed experts: [E, r, in], each expert's slice as a Linear's A
+        return "kaiming_stacked"
+    if ".experts.lora_b." in name:
+        return "zeros"
     if isinstance(module, nn.RMSNorm):
         return "ones"
     if isinstance(module, OffsetRMSNorm):  # Gemma's x * (1 + w): 0 is the identity, as transformers starts it
@@ -110,6 +116,9 @@ def _full_tensor(name: str, kind: str, shape: torch.Size, seed: int, residual_st
     generator = torch.Generator(device="cpu").manual_seed(name_seed(seed, name))
     if kind == "kaiming":  # LoRA A, as PEFT (and nn.Linear): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         return nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=generator)
+    if kind == "kaiming_stacked":  # the same bound with fan_in = the last dim (kaiming_ would take r x in)
+        bound = 1.0 / math.sqrt(shape[-1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=generator)
     parts = name.split(".")
     is_residual_out = parts[-1] in RESIDUAL_OUTPUTS or (
         len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in RESIDUAL_OUTPUTS
