@@ -104,6 +104,13 @@ CASES = {
     # under autocast: block 0 (MoE) keeps no bf16 copy of a frozen weight whose input needs no gradient
     "lora_moe_all_amp": MOE + LORA + ["model.moe.first_dense_layers=0", "train.lora.targets=[wo]",
                                       "train.precision=bf16"],
+    # train.lora.experts: the routed experts' stacked adapters (state split by EP and expert-TP; A x per routed
+    # slot, the dispatched tokens and w2's input kept; selective: the adapters' matmul outputs)
+    "lora_experts_zero1": MOE + LORA + ["train.lora.experts=true", "parallel.zero=1"],
+    "lora_experts_ep2_tp2_zero3": MOE + LORA + ["train.lora.experts=true", "parallel.ep=2", "parallel.tp=2",
+                                                "parallel.zero=3"],
+    "lora_experts_selective": MOE + LORA + ["train.lora.experts=true", "train.lora.targets=[wq,w2,w3]",
+                                            "parallel.zero=2", "train.activation_checkpointing=selective"],
     # tied embeddings under PP (engine/parallel/tied.py): the last stage holds a copy of the embedding
     # (parameter, gradient, AdamW state); V-shaped: rank 0 holds both; TP: each gradient in its weight's rows
     "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",

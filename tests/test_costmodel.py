@@ -223,6 +223,10 @@ def test_engine_cases_are_not_trivial(engine):
     ("debug-dense", "selective", "[wo,w2]"),
     # selective_mm re-runs the forward GEMMs of wk, wo (tp 1) and the dense w3 (MoE blocks: none)
     ("debug-dense", "selective_mm", None), ("debug-moe", "selective_mm", None), ("debug-dense", "selective_mm", "all-linear"),
+    # MoE under LoRA: full recomputation re-runs the MoE block whole; "experts:" adds train.lora.experts (the
+    # routed experts' adapters, as the dense MLP's per routed slot)
+    ("debug-moe", "full", "[w1]"), ("debug-moe", "none", "experts:all-linear"), ("debug-moe", "none", "experts:[w2,wq]"),
+    ("debug-moe", "full", "experts:[w1]"), ("debug-moe", "selective", "experts:all-linear"),
 ])
 def test_flops_match_flop_counter(preset, recompute, lora):
     torch = pytest.importorskip("torch")
@@ -235,7 +239,8 @@ def test_flops_match_flop_counter(preset, recompute, lora):
 
     from llmtrain.engine.finetune.lora import apply_lora
 
-    lora_set = [] if lora is None else ["train.lora.rank=4", f"train.lora.targets={lora}"]
+    lora_set = [] if lora is None else ["train.lora.rank=4", f"train.lora.targets={lora.removeprefix('experts:')}",
+                                        f"train.lora.experts={lora.startswith('experts:')}"]
     recipe = load_recipe(REPO / "recipes/debug.yaml", [f"model.preset={preset}", "parallel.tp=1", "train.seq_len=64",
                                                        f"train.activation_checkpointing={recompute}"] + lora_set)
     m, lk = recipe.model, recipe.train.lora
@@ -261,7 +266,7 @@ def test_flops_match_flop_counter(preset, recompute, lora):
     assert counter.get_total_flops() == pytest.approx(predicted * 2 * 64, rel=0.02)
 
 
-@pytest.mark.parametrize("targets", ["all-linear", "[wq,wv,w2]"])
+@pytest.mark.parametrize("targets", ["all-linear", "[wq,wv,w2]", "experts:all-linear", "experts:[wo,w3]"])
 def test_lora_inventory_names_shapes_and_trainability_match_the_engine(targets):
     """The planner's parameter list under LoRA is the engine's: every name, (single-rank) shape and
     requires_grad flag of ``apply_lora`` on the meta-device model (the multi-rank layouts are
@@ -271,8 +276,10 @@ def test_lora_inventory_names_shapes_and_trainability_match_the_engine(targets):
     from llmtrain.engine.models.llama import Transformer
     from llmtrain.plan.shards import lora_key, rank_params
 
+    experts = targets.startswith("experts:")  # train.lora.experts on the MoE preset: the routed experts' stacked adapters
     recipe = load_recipe(REPO / "recipes/debug.yaml", ["parallel.tp=1", "train.lora.rank=4",
-                                                       f"train.lora.targets={targets}"])
+                                                       f"train.lora.targets={targets.removeprefix('experts:')}"]
+                         + (["model.preset=debug-moe", "train.lora.experts=true"] if experts else []))
     with torch.device("meta"):
         model = Transformer(recipe.model)
     apply_lora(model, recipe.train.lora)

@@ -72,7 +72,7 @@ from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_te
 from llmtrain.plan.rope_activations import layer_rope_terms, stage_rope_terms
 from llmtrain.plan.loss_activations import last_stage_terms, logits_bytes, loss_backward_bytes  # noqa: F401
 from llmtrain.plan.losschunk import loss_chunk_tokens
-from llmtrain.plan.mlp_activations import frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401 (re-exported)
+from llmtrain.plan.mlp_activations import EXPERT_TARGETS, expert_lora_terms, frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401,E501 (re-exported)
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -238,8 +238,11 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     """A block's saved tensors under LoRA (module docstring), following ``requires_grad``; an MoE block
     (``moe``) has adapters on its attention only, its router and experts frozen (:func:`frozen_moe_terms`)."""
     rank, targets, dropout = x.lora
+    experts = tuple(name for name in targets if name in EXPERT_TARGETS) if moe else ()  # train.lora.experts
     if moe:
         targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
+    else:
+        targets = tuple(name for name in targets if name not in EXPERT_TARGETS)
     bs, e, t = x.b * x.s, x.e, x.tp
     q, kv, f = bs * x.heads * x.head_dim // t, bs * x.kv_heads * x.head_dim // t, bs * x.ffn // t
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient
@@ -250,6 +253,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
         # (wo without TP: kept, it is part of the attention output); on w2 always discarded
         out_sizes = {"wq": q, "wk": kv, "wv": kv, "wo": 0 if t > 1 else bs * x.h, "w1": f, "w3": f, "w2": 0}
         base["lora_outputs"] = ax + e * sum(out_sizes[name] for name in targets)
+        _add(base, expert_lora_terms(x, experts, recompute))
         return base
     out: dict[str, int] = {}
     rows = x.b * x.s // x.n
@@ -270,7 +274,10 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     if r_grad:
         _add(out, norm)
     if moe:
-        _add(out, frozen_moe_terms(x) if r_grad else {})
+        # adapted experts: their outputs need gradients whatever the block's input needs (approximation for
+        # an MoE block 0 without attention adapters: its routing is kept as if the input needed one)
+        _add(out, frozen_moe_terms(x) if r_grad or experts else {})
+        _add(out, expert_lora_terms(x, experts, recompute))
         if dropout:
             mask = 1 if x.fused_norm else e
             ins = {"wq": (bs * x.h, x_grad), "wk": (bs * x.h, x_grad), "wv": (bs * x.h, x_grad),

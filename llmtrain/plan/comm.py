@@ -129,6 +129,9 @@ class CommSpec:
     trainable: int = -1  # parameters with gradients (LoRA: the adapters only); -1 = all
     lora_first: bool = False  # LoRA and this rank holds block 0, whose input needs no gradient
     lora_replicated: int = 0  # LoRA under TP: adapter elements replicated over TP (shards.lora_replicated_numel)
+    # LoRA on the routed experts under TP: per MoE block, the replicated factors (A of w1 / w3, B of w2)
+    # whose gradients are all-reduced over TP in every backward (count, elements each, bytes per element)
+    lora_expert_tp: tuple[int, int, int] = (0, 0, 4)
     reduce_bytes: int = 4  # bytes per gradient element in every reduction (parallel.reduce_dtype)
     bucket_bytes: int = 25 << 20  # zero 0/1 gradient bucket (parallel.dp_bucket_mb)
     grad_overlap: bool = True  # zero 0/1 buckets start before the step's end (every PP schedule)

@@ -78,4 +78,8 @@ def tp_comms(c: CommSpec, g: Link) -> list[Comm]:
     if c.lora_replicated:
         out.append(make("tp", "all-reduce", d.tp, c.reduce_bytes * c.lora_replicated, 1, g, "step",
                         "LoRA: the gradients of the adapters replicated over TP (Partial), once per step"))
+    factors, numel, nbytes = c.lora_expert_tp
+    if factors and c.moe_layers:
+        out.append(make("tp", "all-reduce", d.tp, nbytes * numel, m * c.moe_layers * factors, g, "microbatch",
+                        "LoRA on the experts: the gradients of their factors replicated over TP, every backward"))
     return out

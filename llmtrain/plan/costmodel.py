@@ -40,7 +40,8 @@ from llmtrain.plan.memory import DPMode, best_dp_index, compute_bytes, dp_mode, 
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.ringtime import apply_ring_overlap, forward_passes, ring_grad_units
 from llmtrain.plan.schedule import gradient_ready
-from llmtrain.plan.shards import inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages, stage_layers
+from llmtrain.plan.shards import (expert_lora_tp, inventory, is_moe_layer, lora_key, lora_replicated_numel, rank_stages,
+                                  stage_layers)
 from llmtrain.plan.assumptions import planner_assumptions
 from llmtrain.plan.steptime import RankWork, StepTime, efficiency, step_time
 from llmtrain.recipe.gpus import GPUSpec, cluster_gpu
@@ -156,6 +157,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         recompute, p.cp_method, len(held), inv.root, inv.trainable,
                         lk is not None and inv.first and 0 in inv.layers,
                         lora_replicated=lora_replicated_numel(m, inv.layers, dims.tp, lk),
+                        lora_expert_tp=expert_lora_tp(m, dims, lk, mode.kind == "fsdp" and t.precision != "fp32"),
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
                         grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
                         fsdp_reduce_each=p.fsdp_reduce_each_microbatch,

@@ -115,6 +115,9 @@ def recompute_flops_per_token(model: ModelConfig, layer: int, seq_len: int, reco
         # over TP, is not re-run)
         key = _key(lora)
         split, replicated = _lora_block(model, layer, seq_len, key, forward_only=True)
+        if model.is_moe_layer(layer):  # an MoE block's forward runs again whole (measured against the counter,
+            # tests/test_costmodel.py; its routing and combine keep tensors to the end)
+            return split, replicated
         if "w2" in key[1]:
             return split, replicated - 2.0 * model.hidden * key[0]
         return split - 2.0 * model.hidden * model.ffn_hidden, replicated
@@ -146,7 +149,9 @@ def forward_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora) 
 
 
 def _key(lora) -> tuple[int, tuple[str, ...]]:
-    return lora if isinstance(lora, tuple) else (lora.rank, tuple(lora.target_names))
+    from llmtrain.plan.shards import lora_key
+
+    return lora if isinstance(lora, tuple) else lora_key(lora)
 
 
 def _lora_block(m: ModelConfig, layer: int, seq_len: int, lora: tuple[int, tuple[str, ...]],
@@ -155,7 +160,7 @@ def _lora_block(m: ModelConfig, layer: int, seq_len: int, lora: tuple[int, tuple
 
     Column-wise bases keep ``lora_a`` replicated over TP and row-wise ones ``lora_b``: those are
     the replicated part. ``forward_only``: the forward FLOPs (for recomputation)."""
-    moe = (m.moe.num_experts, m.moe.top_k + m.moe.shared_experts, m.expert_ffn) if m.is_moe_layer(layer) else None
+    moe = (m.moe.num_experts, m.moe.top_k, m.moe.shared_experts, m.expert_ffn) if m.is_moe_layer(layer) else None
     return _lora_block_cached(_shape_key(m), layer == 0, seq_len, lora, forward_only, moe)
 
 
@@ -165,26 +170,31 @@ def _shape_key(m: ModelConfig) -> tuple:
 
 @lru_cache(maxsize=1024)
 def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int, tuple[str, ...]],
-                       forward_only: bool, moe: tuple[int, int, int] | None = None) -> tuple[float, float]:
-    """``moe``: (experts, active experts per token with the shared ones, expert width) of an MoE block,
-    whose router and experts are frozen (no adapters: engine/finetune/lora.py): their forward, and
-    their input gradients where the block's MLP input needs one, as frozen projections."""
+                       forward_only: bool, moe: tuple[int, int, int, int] | None = None) -> tuple[float, float]:
+    """``moe``: (experts, routed experts per token, shared experts, expert width) of an MoE block, whose
+    router and shared experts are frozen: their forward, and their input gradients where the block's MLP
+    input needs one, as frozen projections; its routed experts too, unless ``train.lora.experts`` gave
+    them adapters (``e1 e2 e3`` in the key, engine/finetune/lora_experts.py): then each routed slot's
+    three GEMMs count as the dense MLP's, with its adapters."""
     h, heads, kv, hd, f, qkv_bias, qk_norm = shape
     rank, targets = lora
     if moe is not None:
-        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
+        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo")) + \
+            tuple({"e1": "w1", "e2": "w2", "e3": "w3"}[name] for name in targets if name in ("e1", "e2", "e3"))
     bwd = 0.0 if forward_only else 1.0
     split = rep = 0.0
 
-    def proj(name: str, rows: int, cols: int, column_wise: bool, input_grad: bool, bias: bool = False) -> bool:
-        """Add one frozen projection and its adapter; returns whether its output needs a gradient."""
+    def proj(name: str, rows: int, cols: int, column_wise: bool, input_grad: bool, bias: bool = False,
+             times: int = 1) -> bool:
+        """Add one frozen projection and its adapter (``times`` per token: an MoE block's routed slots);
+        returns whether its output needs a gradient."""
         nonlocal split, rep
         base = rows * cols + (rows if bias else 0)
-        split += 2.0 * base * (1 + bwd * input_grad)
+        split += times * 2.0 * base * (1 + bwd * input_grad)
         if name not in targets:
             return input_grad
         a, b = 2.0 * rank * cols * (1 + bwd * (1 + input_grad)), 6.0 * rows * rank if bwd else 2.0 * rows * rank
-        split, rep = (split + b, rep + a) if column_wise else (split + a, rep + b)
+        split, rep = (split + times * b, rep + times * a) if column_wise else (split + times * a, rep + times * b)
         return True
 
     x_grad = not first  # the frozen embedding: block 0's input needs no gradient
@@ -200,10 +210,13 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     o = proj("wo", h, heads * hd, False, attn)
     r_grad = x_grad or o
     split += 2.0 * h * (1 + bwd * r_grad)  # ffn norm
-    if moe is not None:  # the router (replicated over TP, as without LoRA) and the active experts' three GEMMs
-        experts, active, ef = moe
+    if moe is not None:  # the router (replicated over TP, as without LoRA), the shared and routed experts' GEMMs
+        experts, top_k, shared, ef = moe
         rep += 2.0 * h * experts * (1 + bwd * r_grad)
-        split += active * 3 * 2.0 * h * ef * (1 + bwd * r_grad)
+        split += shared * 3 * 2.0 * h * ef * (1 + bwd * r_grad)
+        g = proj("w1", ef, h, True, r_grad, times=top_k)
+        u = proj("w3", ef, h, True, r_grad, times=top_k)
+        proj("w2", h, ef, False, g or u, times=top_k)
         return split, rep
     g = proj("w1", f, h, True, r_grad)
     u = proj("w3", f, h, True, r_grad)

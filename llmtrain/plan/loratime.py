@@ -64,12 +64,16 @@ class BlockGemms(NamedTuple):
 
 def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
     """A block's GEMMs under LoRA for :class:`~llmtrain.plan.ops.BlockShape` ``x``; the first block's
-    input needs no gradient. An MoE block (``moe``) has adapters on its attention only; its router and
-    experts are frozen: their forward GEMMs (as ops.block_gemms, balanced routing) and, where the
-    MLP input needs a gradient, their input gradients."""
+    input needs no gradient. An MoE block (``moe``) has adapters on its attention, and on its routed
+    experts with ``train.lora.experts`` (``e1 e2 e3`` in the key); its router and shared experts are
+    frozen: their forward GEMMs (as ops.block_gemms, balanced routing) and, where the MLP input needs
+    a gradient, their input gradients; each routed expert's three as the dense MLP's, per local expert."""
     rank, targets, _ = x.lora
+    experts = {"w1": "e1" in targets, "w2": "e2" in targets, "w3": "e3" in targets}
     if moe:
         targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
+    else:
+        targets = tuple(name for name in targets if name not in ("e1", "e2", "e3"))
     tok, t = x.b * x.s, x.tp
     q, kv, f = x.heads * x.hd / t, x.kv_heads * x.hd / t, x.ffn / t
     fwd: list[tuple] = []
@@ -91,13 +95,19 @@ def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
     if moe:
         local = max(1, x.experts // max(1, x.ep))
         per, ef = tok * x.top_k / local, x.expert_ffn / t  # routed tokens per local expert, its width per rank
-        frozen = [(tok, x.experts, x.h, 1)] + [(per, ef, x.h, 2 * local), (per, x.h, ef, local)]
+        frozen = [(tok, x.experts, x.h, 1)]
         if x.shared:
             sf = x.shared * x.expert_ffn / t
             frozen += [(tok, sf, x.h, 2), (tok, x.h, sf, 1)]
         for m, n, k, count in frozen:
             fwd.extend([(m, n, k)] * count)
             bwd.extend([(m, k, n)] * count if r_grad else [])
+        for _ in range(local):  # the routed experts, adapted or frozen
+            for name, n, k, grad in (("w1", ef, x.h, r_grad), ("w3", ef, x.h, r_grad),
+                                     ("w2", x.h, ef, r_grad or experts["w1"] or experts["w3"])):
+                pf, pb = lora_projection(per, n, k, rank, experts[name], grad)
+                fwd.extend(pf)
+                bwd.extend(pb)
         return BlockGemms(fwd, bwd, attn, tuple(fwd[:-1]), needs)
     g, u = proj("w1", f, x.h, r_grad), proj("w3", f, x.h, r_grad)
     proj("w2", x.h, f, g or u)

@@ -1,5 +1,5 @@
-"""Activation terms of a block's MLP: the dense SwiGLU MLP, the MoE block, and the MoE block whose router
-and experts are frozen (LoRA); split out of :mod:`llmtrain.plan.activations` (one concept: what the
+"""Activation terms of a block's MLP: the dense SwiGLU MLP, the MoE block, the MoE block whose router
+and experts are frozen (LoRA), and what adapters on its routed experts add; split out of :mod:`llmtrain.plan.activations` (one concept: what the
 MLP half of a block keeps for backward), which re-exports them."""
 
 from __future__ import annotations
@@ -59,4 +59,29 @@ def frozen_moe_terms(x: ActShape) -> dict[str, int]:
            "moe_routing": t_tok * x.experts * 4 + slots * (8 + 4 + 8 + 8 + 4) + t_tok * 8}
     if sf:
         out["moe_shared"] = 2 * t_tok * sf * e
+    return out
+
+
+EXPERT_TARGETS = {"e1": "w1", "e2": "w2", "e3": "w3"}  # plan/shards.py lora_key's pseudo-targets
+
+
+def expert_lora_terms(x: ActShape, targets: tuple[str, ...], recompute: str) -> dict[str, int]:
+    """What LoRA on the routed experts (``train.lora.experts``, engine/finetune/lora_experts.py) adds to
+    :func:`frozen_moe_terms`: each adapter's ``A x`` per routed slot ``[slots, r]`` (kept for ``B``'s weight
+    gradient), the dispatched tokens when ``w1`` or ``w3`` is adapted (``A``'s weight gradient) and w2's
+    input when ``w2`` is (the frozen GEMMs keep neither). Under selective recomputation the policy keeps
+    the adapters' matmul outputs instead: ``A x`` and ``B A x`` (``[slots, out]``)."""
+    names = [EXPERT_TARGETS[t] for t in targets if t in EXPERT_TARGETS]
+    if not names:
+        return {}
+    slots, e, h, rank = x.b * x.s * x.top_k, x.e, x.h, x.lora[0]
+    f = x.expert_ffn // x.tp
+    ax = slots * rank * e * len(names)
+    if recompute in ("selective", "selective_mm"):
+        return {"lora_expert_outputs": ax + slots * e * sum(h if n == "w2" else f for n in names)}
+    out = {"lora_expert_ax": ax}
+    if "w1" in names or "w3" in names:
+        out["moe_dispatch"] = slots * h * e
+    if "w2" in names:
+        out["lora_expert_w2_input"] = slots * f * e
     return out

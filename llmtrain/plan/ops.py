@@ -58,6 +58,7 @@ from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
 from llmtrain.plan.launchtime import KERNELS, LAUNCH_S, launch_seconds  # noqa: F401 (re-exported)
 from llmtrain.plan.loratime import lora_pass_seconds
 from llmtrain.plan.losstime import head_loss_seconds
+from llmtrain.plan.shards import lora_key
 from llmtrain.recipe.gpus import GPUSpec
 
 # SMs an NCCL collective holds while it overlaps compute: one CTA per channel. Measured: an H100
@@ -237,7 +238,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       cp_method=({"engine": p.cp_method, "torch": "torch"}.get(recipe.planner.cp_merge, "")
                                  if blocks else ""),
                       cp_kv_repeated=recipe.planner.cp_kv == "repeated",
-                      lora=None if t.lora is None else (t.lora.rank, t.lora.target_names, t.lora.dropout > 0),
+                      lora=None if t.lora is None else (*lora_key(t.lora), t.lora.dropout > 0),
                       loss=recipe.planner.loss, kernels=recipe.planner.block_kernels, compiled=t.compile,
                       rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset,
                       # the whole block priced as its layers without a window band (plan/gqa.py)

@@ -63,7 +63,8 @@ def attention_params(m: ModelConfig) -> int:
 
 def lora_adapter_params(m: ModelConfig, lora) -> int:
     """Adapter parameters of the whole model: per block and target with base ``[out, in]``,
-    ``rank x (in + out)`` (``lora_a`` and ``lora_b``, no bias); MoE blocks get none."""
+    ``rank x (in + out)`` (``lora_a`` and ``lora_b``, no bias); an MoE block's MLP targets adapt its routed
+    experts (``rank x (in + out)`` per expert) with ``lora.experts``, else nothing."""
     if lora is None:
         return 0
     h, q, kv, f = m.hidden, m.heads * m.head_dim, m.kv_heads * m.head_dim, m.ffn_hidden
@@ -71,7 +72,11 @@ def lora_adapter_params(m: ModelConfig, lora) -> int:
     attention = sum(sizes[t] for t in lora.target_names if t in ("wq", "wk", "wv", "wo"))
     mlp = sum(sizes[t] for t in lora.target_names if t in ("w1", "w2", "w3"))
     n_moe = moe_layer_count(m)
-    return lora.rank * (m.layers * attention + (m.layers - n_moe) * mlp)
+    experts = 0
+    if getattr(lora, "experts", False) and n_moe:
+        ef = m.expert_ffn
+        experts = m.moe.num_experts * sum(h + ef for t in lora.target_names if t in ("w1", "w2", "w3"))
+    return lora.rank * (m.layers * attention + (m.layers - n_moe) * mlp + n_moe * experts)
 
 
 def trainable_params(m: ModelConfig, lora) -> int:

@@ -43,7 +43,8 @@ def render_plan(d: dict[str, Any], console: Console) -> None:
     if lora:
         share = m["trainable_params"] / max(1, m["params_total"])
         params += (f"; LoRA rank {lora['rank']}, alpha {lora['alpha']:g} (scale {lora['scale']:g})"
-                   f"{', dropout ' + format(lora['dropout'], 'g') if lora['dropout'] else ''} on {' '.join(lora['targets'])}: "
+                   f"{', dropout ' + format(lora['dropout'], 'g') if lora['dropout'] else ''} on {' '.join(lora['targets'])}"
+                   f"{' (and the routed experts)' if lora.get('experts') else ''}: "
                    f"{_count(m['trainable_params'])} trainable ({share:.2%}), the base frozen")
     console.print(f"\n[bold]Model[/] {m['preset'] or 'custom'}: {m['layers']} layers, hidden {m['hidden']}, "
                   f"{m['heads']} heads / {m['kv_heads']} kv, ffn {m['ffn_hidden']}, vocab {m['vocab_size']}; {params}", highlight=False)

@@ -91,7 +91,7 @@ def lora_dict(lora) -> dict[str, Any] | None:
     if lora is None:
         return None
     return {"rank": lora.rank, "alpha": lora.alpha, "scale": lora.scale, "dropout": lora.dropout,
-            "targets": list(lora.target_names)}
+            "targets": list(lora.target_names), "experts": lora.experts}
 
 
 def cost_dict(plan: Plan) -> dict[str, Any]:

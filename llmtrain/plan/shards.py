@@ -45,6 +45,7 @@ from math import prod
 from llmtrain.recipe.schema import ModelConfig
 
 V_SHAPED = ("zbv", "dualpipev")
+EXPERT_NAMES = ("e1", "e2", "e3")  # lora_key's pseudo-targets for the routed experts' adapters
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: cheap keys for the per-stage caches below
@@ -107,9 +108,48 @@ def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]
 LoRAKey = tuple[int, tuple[str, ...]] | None
 
 
+# ``train.lora.experts``: the routed experts' adapters ride in the key as pseudo-targets e1 / e2 / e3
+# (the experts' w1 / w2 / w3), so every consumer that filters targets by name sees them apart
+EXPERT_KEYS = {"w1": "e1", "w2": "e2", "w3": "e3"}
+
+
 def lora_key(lora) -> LoRAKey:
-    """The hashable inventory key of a :class:`~llmtrain.recipe.schema.LoRAConfig` (None: no LoRA)."""
-    return None if lora is None else (lora.rank, tuple(lora.target_names))
+    """The hashable inventory key of a :class:`~llmtrain.recipe.schema.LoRAConfig` (None: no LoRA):
+    (rank, target names, then ``e1 e2 e3`` for the MLP targets adapted in the routed experts)."""
+    if lora is None:
+        return None
+    names = tuple(lora.target_names)
+    if getattr(lora, "experts", False):
+        names += tuple(EXPERT_KEYS[t] for t in names if t in EXPERT_KEYS)
+    return (lora.rank, names)
+
+
+def expert_lora_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey) -> list[ParamShape]:
+    """The routed experts' stacked adapters of MoE block ``layer`` on one TP/EP rank
+    (engine/finetune/lora_experts.py): ``lora_a.<t>`` ``[E/ep, r, in]`` then ``lora_b.<t>``
+    ``[E/ep, out, r]``; EP splits the experts, expert-TP F (``B`` of w1/w3, ``A`` of w2)."""
+    if lora is None or not m.is_moe_layer(layer):
+        return []
+    rank, targets = lora
+    names = [t for t in ("w1", "w2", "w3") if EXPERT_KEYS[t] in targets]
+    e, h, ft = m.moe.num_experts // ep, m.hidden, m.expert_ffn // tp
+    kind = "expert" if ep > 1 else "matmul"
+    shapes = {"w1": ((e, rank, h), (e, ft, rank)), "w3": ((e, rank, h), (e, ft, rank)), "w2": ((e, rank, ft), (e, h, rank))}
+    p = f"layers.{layer}.moe.experts."
+    return [ParamShape(f"{p}lora_a.{t}", shapes[t][0], kind) for t in names] + \
+        [ParamShape(f"{p}lora_b.{t}", shapes[t][1], kind) for t in names]
+
+
+def expert_lora_tp(m: ModelConfig, dims, lora: LoRAKey, low_precision_params: bool) -> tuple[int, int, int]:
+    """The factors of one MoE block's expert adapters that are replicated over TP (``A`` of w1 / w3, ``B`` of
+    w2, each ``[E/ep, r, H]`` or ``[E/ep, H, r]``): their gradients are summed over TP in every backward
+    (ExpertTPRegion.replicated), in the parameters' dtype (bf16 under FSDP's bf16 policy, else fp32).
+    (count, elements each, bytes each); no count without TP."""
+    if lora is None or dims.tp == 1 or not m.is_moe:
+        return (0, 0, 4)
+    rank, targets = lora
+    return (sum(t in targets for t in EXPERT_NAMES), m.moe.num_experts // dims.ep * rank * m.hidden,
+            2 if low_precision_params else 4)
 
 
 def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[ParamShape]:
@@ -120,7 +160,7 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
     rank, targets = lora
     bases = _lora_bases(m)
     out = []
-    for t in layer_targets(m, layer, targets):
+    for t in (t for t in layer_targets(m, layer, targets) if t not in EXPERT_NAMES):
         module, rows, cols, column_wise = bases[t]
         a, b = ((rank, cols), (rows // tp, rank)) if column_wise else ((rank, cols // tp), (rows, rank))
         name = f"layers.{layer}.{module}.{t}."
@@ -129,9 +169,12 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
 
 
 def layer_targets(m: ModelConfig, layer: int, targets: tuple[str, ...]) -> tuple[str, ...]:
-    """The targets block ``layer`` has adapters on: an MoE block's MLP targets none (its routers and
-    experts stay frozen, engine/finetune/lora.py)."""
-    return tuple(t for t in targets if t in ("wq", "wk", "wv", "wo")) if m.is_moe_layer(layer) else targets
+    """The targets block ``layer`` has adapters on: an MoE block's attention and its routed experts' (``e1
+    e2 e3`` with ``train.lora.experts``; the router and shared experts stay frozen, engine/finetune/lora.py),
+    a dense block's attention and MLP."""
+    if m.is_moe_layer(layer):
+        return tuple(t for t in targets if t in ("wq", "wk", "wv", "wo") or t in EXPERT_NAMES)
+    return tuple(t for t in targets if t not in EXPERT_NAMES)
 
 
 def _lora_bases(m: ModelConfig) -> dict[str, tuple[str, int, int, bool]]:
@@ -151,8 +194,9 @@ def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int
         return 0
     rank, targets = lora
     bases = _lora_bases(m)
-    return sum(rank * (cols if column_wise else rows) for layer in layers
-               for _, rows, cols, column_wise in map(bases.get, layer_targets(m, layer, targets)))
+    return sum(rank * (cols if column_wise else rows) for layer in layers  # experts': expert_lora_replicated_numel
+               for _, rows, cols, column_wise in (bases[t] for t in layer_targets(m, layer, targets)
+                                                  if t not in EXPERT_NAMES))
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:
@@ -163,7 +207,8 @@ def block_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey = N
     """Local parameter shapes of transformer block ``layer`` on one TP/EP rank (engine order); with
     ``lora`` the base weights are frozen and the adapters follow them."""
     if lora is not None:
-        return _frozen(block_params(m, layer, tp, ep)) + lora_params(m, layer, tp, lora)
+        return _frozen(block_params(m, layer, tp, ep)) + lora_params(m, layer, tp, lora) + \
+            expert_lora_params(m, layer, tp, ep, lora)
     h, hd = m.hidden, m.head_dim
     p = f"layers.{layer}."
     out = [
