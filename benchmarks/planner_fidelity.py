@@ -98,6 +98,10 @@ CASES = {
     "LoRA tp 2 x dp 2 (zero 0)": ["train.lora.rank=4", "parallel.tp=2", "parallel.sequence_parallel=false"],
     # LoRA on an MoE model: attention and the dense layer's MLP adapted, routers and experts frozen (EP 2)
     "LoRA MoE ep 2 x dp_shard 4 (zero 1)": MOE + ["train.lora.rank=4", "parallel.zero=1", "parallel.ep=2"],
+    # LoRA on the routed experts too (train.lora.experts): their adapters split by EP and expert-TP, the
+    # TP-replicated factors' gradients summed over TP in every backward
+    "LoRA experts ep 2 x tp 2 (zero 3)": MOE + ["train.lora.rank=4", "train.lora.experts=true", "parallel.zero=3",
+                                                "parallel.ep=2", "parallel.tp=2"],
 }
 TINY_CASES = ["tp 2 +SP x dp 2", "tp 2 x dp 2, full", "cp 2 (ring) x dp 2, selective"]
 

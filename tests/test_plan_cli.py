@@ -208,7 +208,7 @@ def test_plan_shows_lora_and_trainable_params():
     d = json.loads(js.stdout)
     m = d["model"]
     assert m["trainable_params"] == 6_815_744 and m["params_total"] > 1000 * m["trainable_params"]
-    assert m["lora"] == {"rank": 16, "alpha": 32.0, "scale": 2.0, "dropout": 0.0, "targets": ["wq", "wv"]}
+    assert m["lora"] == {"rank": 16, "alpha": 32.0, "scale": 2.0, "dropout": 0.0, "targets": ["wq", "wv"], "experts": False}
     mem = d["memory"]
     # tp 1, pp 1: one rank holds every adapter before FSDP shards them
     assert mem["trainable_params_per_rank"] == 6_815_744 == mem["per_rank"][0]["trainable_params"]
@@ -223,6 +223,22 @@ def test_plan_shows_lora_and_trainable_params():
     assert text.returncode == 0, text.stderr
     assert "LoRA rank 16, alpha 32 (scale 2) on wq wv: 6.82M trainable (0.08%), the base frozen" in text.stdout
     assert "6.82M trainable per rank" in text.stdout
+
+
+def test_plan_counts_lora_on_the_routed_experts():
+    """``train.lora.experts`` on Mixtral 8x7B (32 MoE blocks, hidden 4096, 8 experts of 14336), rank 16 on wq wv w1
+    w2 w3: attention 16 x (8192 + 5120) and per expert 16 x 3 x (4096 + 14336) per block, 32 x (212,992 +
+    7,077,888) = 233,308,160 trainable; a rank of the default layout (tp 2, ep 8) holds its one expert's
+    adapters split over TP: 32 x (172,032 + 540,672) = 22,806,528."""
+    js = run("plan", "recipes/mixtral-8x7b.yaml", "--set", "train.lora.rank=16", "--set",
+             "train.lora.targets=[wq,wv,w1,w2,w3]", "--set", "train.lora.experts=true", "--json")
+    assert js.returncode == 0, js.stderr
+    d = json.loads(js.stdout)
+    assert d["model"]["trainable_params"] == 233_308_160 and d["model"]["lora"]["experts"] is True
+    assert d["memory"]["trainable_params_per_rank"] == 22_806_528
+    text = run("plan", "recipes/mixtral-8x7b.yaml", "--set", "train.lora.targets=[wq,w1]", "--set",
+               "train.lora.experts=true")
+    assert text.returncode == 0 and "on wq w1 (and the routed experts)" in text.stdout
 
 
 def test_search_with_lora_fits_where_full_training_cannot():

@@ -152,13 +152,14 @@ class CommSpec:
     pp_blocking: bool = False  # planner.pp_p2p blocking: Megatron's waiting sends, 1/tp of the activation per TP rank
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs w2 and its reduction too
     v_shaped: bool = False  # zbv / dualpipev: rank r holds stages r and 2 pp - 1 - r
+    trainable_expert: int = 0  # of ``trainable``, EP-sharded ones (LoRA on the experts under EP: their adapters)
 
     @property
     def grad_params(self) -> tuple[int, int]:
         """(dense, expert) parameters whose gradients are reduced (and, ZeRO-1, broadcast)."""
         if self.trainable < 0:
             return self.params, self.expert_params
-        return min(self.trainable, self.params), max(0, self.trainable - self.params)
+        return self.trainable - self.trainable_expert, self.trainable_expert
 
 
 def fp8_gather_numel(m, layers, tp: int) -> int:
@@ -217,7 +218,10 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
     if c.dp_kind == "fsdp":
         shard = d.dp_shard * d.cp
         g = lk("fsdp")
-        total = c.params + c.expert_params
+        # EP: the experts are their own FSDP unit on the edp mesh (engine/parallel/data_parallel.py); with edp 1
+        # (ep = dp_shard x cp) that unit has one shard: nothing of theirs is gathered or reduce-scattered
+        alone = d.ep > 1 and d.edp == 1
+        total = c.params + (0 if alone else c.expert_params)
         # zero 3 gathers again for backward, except FSDP2's root unit (embedding, norm, output),
         # which is not resharded after forward
         passes = 1 if d.pp > 1 else (2 * m - m * min(c.root, total) / max(1, total) if c.zero == 3 else m)
@@ -226,16 +230,17 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
         out.append(make("dp", "all-gather", shard, c.e * total - (c.e - 1) * fp8, passes, g, "fsdp-gather",
                         f"{c.e}-byte weights{' (the Float8 Linears: 1-byte)' if fp8 else ''}, {'once per step (pp > 1)' if d.pp > 1 else 'per micro batch' + (' forward and backward' if c.zero == 3 else '')}"))
         out[-1].units = units
-        grads = sum(c.grad_params)
+        dense_grads, expert_grads = c.grad_params
+        grads = dense_grads + (0 if alone else expert_grads)
         r, rname = c.reduce_bytes, "bf16" if c.reduce_bytes == 2 else "fp32"
         # parallel.fsdp_reduce_each_microbatch (no PP): every micro batch; else the last one (engine/step.py)
         reduces = m if c.fsdp_reduce_each and d.pp == 1 else 1
         out.append(make("dp", "reduce-scatter", shard, r * grads, reduces, g, "fsdp-reduce",
                         f"{rname} gradients, {'per' if reduces > 1 else 'last'} micro batch"))
         out[-1].units = units
-        if d.dp_replicate > 1:
-            out.append(make("dp", "all-reduce", d.dp_replicate, r * grads / shard, reduces, lk("dp_replicate"), "fsdp-reduce",
-                            "HSDP: sharded gradients across replicas"))
+        if d.dp_replicate > 1:  # (edp 1: the experts' whole gradients)
+            out.append(make("dp", "all-reduce", d.dp_replicate, r * (grads / shard + (expert_grads if alone else 0)),
+                            reduces, lk("dp_replicate"), "fsdp-reduce", "HSDP: sharded gradients across replicas"))
     elif dpcp > 1:
         g = lk("dp_cp")
         dense, expert = c.grad_params

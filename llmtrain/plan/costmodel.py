@@ -158,6 +158,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         lk is not None and inv.first and 0 in inv.layers,
                         lora_replicated=lora_replicated_numel(m, inv.layers, dims.tp, lk),
                         lora_expert_tp=expert_lora_tp(m, dims, lk, mode.kind == "fsdp" and t.precision != "fp32"),
+                        trainable_expert=inv.trainable_expert_numel,
                         reduce_bytes=2 if p.reduce_dtype == "bf16" else 4, bucket_bytes=int(p.dp_bucket_mb * 2**20),
                         grad_ready=gradient_ready(p.pp_schedule if dims.pp > 1 else None, dims.pp, r, v),
                         fsdp_reduce_each=p.fsdp_reduce_each_microbatch,

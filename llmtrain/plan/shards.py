@@ -308,6 +308,7 @@ class Inventory:
     chunk_moe: tuple[int, ...]  # per held stage: of which MoE blocks
     trainable_numel: int = -1  # parameters with gradients (LoRA: the adapters); -1 = all of them
     largest_trainable_block: int = -1  # trainable parameters of the largest block; -1 = largest_block
+    trainable_expert_numel: int = 0  # of trainable_numel, EP-sharded ones (LoRA on the experts under EP)
 
     @property
     def trainable(self) -> int:
@@ -385,7 +386,8 @@ def inventory(m: ModelConfig, stages, held: list[int], tp: int, ep: int, lora: L
                         tuple(sum(1 for layer in stages[s] if layer in moe_set) for s in held),
                         sum(q.numel for q in params if q.trainable),
                         max(([sum(q.numel for q in dense if q.trainable)] if len(layers) > n_moe else [])
-                            + ([sum(q.numel for q in moe if q.trainable)] if n_moe else []), default=0))
+                            + ([sum(q.numel for q in moe if q.trainable)] if n_moe else []), default=0),
+                        sum(q.numel for q in params if q.trainable and q.kind == "expert"))
         if len(_CACHE) > 20000:
             _CACHE.clear()
         _CACHE[key] = inv
