@@ -6,7 +6,9 @@ the adapters move far from B = 0 within 4 steps and a mismapped export cannot hi
 
 * **Parity** (one 4-rank torchrun job vs one 1-process job, tests/dist_worker.py): DDP, ZeRO-1,
   ZeRO-2, FSDP zero 3, TP 2 (without and with sequence parallelism, under FSDP), PP 2 (ZeRO-1),
-  plus a target subset (wq, w2: a column- and a row-wise base) under TP 2 + SP. Tolerances are
+  plus a target subset (wq, w2: a column- and a row-wise base) under TP 2 + SP; an MoE model (its
+  experts frozen: EP 2, TP 2 + SP + FSDP, PP 2) and with ``train.lora.experts`` (the routed experts'
+  stacked adapters: EP 2 + ZeRO-1, EP 2 x TP 2 + SP + FSDP, PP 2). Tolerances are
   those of tests/test_engine_parity.py, for the same reason (layouts differ only in summation
   order): losses |diff| <= 2e-5, adapter weights after AdamW |diff| <= 2e-4 (AdamW turns
   rounding-level gradient differences on near-zero gradients into up to ~lr-sized moves; a

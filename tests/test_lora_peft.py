@@ -63,6 +63,47 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
     assert (want - base_logits).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("family, targets", [("mixtral", None), ("olmoe", ["wq", "w2"]), ("granitemoe", ["w1"]),
+                                             ("mixtral", ["wv", "w3", "w2"])])
+def test_peft_adapters_of_the_routed_experts_load_in_peft(tmp_path, family, targets):
+    """``train.lora.experts`` on MoE models without dense layers: the experts' adapters export as PEFT's
+    ``target_parameters`` on transformers' stacked ``gate_up_proj`` / ``down_proj`` (peft_experts.py: w1 and
+    w3 one block-diagonal adapter of rank 2 r, nested wrappers when down_proj is adapted too); PEFT with
+    the exported adapter equals our LoRA model's forward on transformers' own tiny bases (LOGIT_TOL), with
+    all MLP targets, with w2 alone, with w1 alone (its up rows of B zero) and with w3 + w2."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine.finetune.lora import is_adapter_key
+    from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
+    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
+    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
+
+    base = save_tiny(family, tmp_path / "base", shards=1)
+    conf, files = check_hf_dir(base)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    lora_cfg = LoRAConfig(rank=4, alpha=8.0, experts=True, **({"targets": targets} if targets else {}))
+    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
+    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
+    assert any(".experts.lora_b." in k for k in adapters)
+    out = tmp_path / "peft"
+    out.mkdir()
+    save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base))))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        base_logits = plain(tokens).logits
+        theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
+        want = ours.eval()(tokens)
+    diff = (theirs - want).abs().max().item()
+    print(f"{family} experts PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
+          f"{(want - base_logits).abs().max().item():.2e}")
+    assert diff <= LOGIT_TOL, diff
+    assert (want - base_logits).abs().max().item() > 1e-2
+
+
 def test_peft_export_of_moe_mlp_adapters_is_refused_and_merged_export_matches(tmp_path):
     """LoRA on all-linear targets of a Qwen3-MoE (dense layer 0, MoE layer 1): ``--peft`` refuses it in one
     line (PEFT 0.21 would put gate/up/down_proj on the experts and drop layer 0's MLP adapters: measured
@@ -81,6 +122,9 @@ def test_peft_export_of_moe_mlp_adapters_is_refused_and_merged_export_matches(tm
     lora_cfg = LoRAConfig(rank=4, alpha=8.0)
     with pytest.raises(LLMTrainError) as exc:
         export_peft(tmp_path / "no-ckpt", {}, cfg, lora_cfg, tmp_path / "peft", str(base))
+    assert "w1/w2/w3 of an MoE model" in str(exc.value) and not (tmp_path / "peft").exists()
+    with pytest.raises(LLMTrainError) as exc:  # with the experts adapted too: layer 0's dense MLP still cannot be said
+        export_peft(tmp_path / "no-ckpt", {}, cfg, LoRAConfig(rank=4, alpha=8.0, experts=True), tmp_path / "peft", str(base))
     assert "w1/w2/w3 of an MoE model" in str(exc.value) and not (tmp_path / "peft").exists()
     ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
     assert any("layers.0.feed_forward.w1.lora_a" in k for k in ours.state_dict())  # the dense layer's MLP adapted

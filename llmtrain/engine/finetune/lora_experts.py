@@ -18,7 +18,9 @@ the ``[rows, r]`` intermediate is saved, never a merged expert weight). Decision
   dense adapters do. The experts run on local tensors inside the MoE's TP region, where every
   gradient is a partial sum over TP; a replicated factor's gradient is summed over TP by the
   region's hook (``ExpertTPRegion.replicated``, the router weight's), and every factor gets the
-  EP gradient scale of its base (``GradScale``).
+  EP gradient scale of its base (``GradScale``). FSDP2 shards them on dim 0 in the experts' unit
+  (unevenly, padded, where the rank's experts do not divide: the base weights move to H there,
+  ``data_parallel.expert_placement``; the planner's ``dp_shards`` counts both).
 * **Initialization** as the dense adapters and PEFT's ``ParamWrapper``: ``A`` kaiming-uniform with
   fan-in ``in`` (each expert's ``[r, in]`` slice drawn like a Linear's), ``B`` zeros
   (:mod:`llmtrain.engine.models.init`).

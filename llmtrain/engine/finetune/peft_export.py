@@ -33,10 +33,13 @@
   against each module's name). Without this the adapter would name ``model.layers.N`` modules the
   multimodal model does not have, and PEFT would load nothing onto it.
 * MoE models: attention adapters export as for a dense model (PEFT adapts exactly the attention
-  projections). MLP targets are refused: PEFT (0.21, on transformers 5) turns ``gate_proj`` /
-  ``up_proj`` / ``down_proj`` of an MoE model into its experts' fused parameters and drops the dense
-  layers' MLPs our adapters are on (measured on a tiny Qwen3-MoE with a dense layer 0: logits 0.72
-  apart), so such an adapter would not be what the run trained; the merged ``--hf`` export is.
+  projections); the routed experts' adapters (``train.lora.experts``) as PEFT's ``target_parameters``
+  on the experts' stacked parameters (:mod:`.peft_experts`), on MoE models without dense layers. MLP
+  targets on the dense layers of an MoE model are refused: PEFT (0.21, on transformers 5) turns
+  ``gate_proj`` / ``up_proj`` / ``down_proj`` of an MoE model into its experts' fused parameters and
+  drops the dense layers' MLPs our adapters are on (measured on a tiny Qwen3-MoE with a dense layer
+  0: logits 0.72 apart), so such an adapter would not be what the run trained; the merged ``--hf``
+  export is.
 """
 
 from __future__ import annotations
@@ -77,8 +80,14 @@ FUSED_TARGETS = {"wq": "qkv_proj", "wk": "qkv_proj", "wv": "qkv_proj", "w1": "ga
 def adapter_config(lora_cfg, base: str, fused: bool = False, multimodal: bool = False) -> dict:
     """PEFT's ``adapter_config.json``. ``fused`` (Phi-3): a fused module holding n adapted projections
     gets rank n r and alpha n alpha (``rank_pattern``/``alpha_pattern``), so its scale stays alpha / r.
-    ``multimodal``: ``target_modules`` a regular expression over the language model's modules."""
-    names = {t: (FUSED_TARGETS.get(t, HF_TARGETS[t]) if fused else HF_TARGETS[t]) for t in lora_cfg.target_names}
+    ``multimodal``: ``target_modules`` a regular expression over the language model's modules. With
+    ``lora_cfg.experts`` (an MoE model without dense layers) the MLP targets are the experts' parameters
+    (``target_parameters``, :mod:`.peft_experts`) and ``target_modules`` the attention's (or none)."""
+    from llmtrain.engine.finetune.peft_experts import GATE_UP, expert_parameters, gate_up_count
+
+    experts = bool(getattr(lora_cfg, "experts", False))
+    targets_ours = [t for t in lora_cfg.target_names if not (experts and t in ("w1", "w2", "w3"))]
+    names = {t: (FUSED_TARGETS.get(t, HF_TARGETS[t]) if fused else HF_TARGETS[t]) for t in targets_ours}
     count = {m: list(names.values()).count(m) for m in set(names.values())}
     ranks = {m: n * lora_cfg.rank for m, n in sorted(count.items()) if n > 1}
     alphas = {m: n * lora_cfg.alpha for m, n in sorted(count.items()) if n > 1}
@@ -90,11 +99,18 @@ def adapter_config(lora_cfg, base: str, fused: bool = False, multimodal: bool = 
                         for t in lora_cfg.target_names for section in ("attention", "feed_forward")
                         if f"{section}.{t}.weight" in LAYER_NAMES})
         targets = MULTIMODAL.replace(".", r"\.") + r"layers\.\d+\.(" + "|".join(p.replace(".", r"\.") for p in paths) + ")"
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
-            "lora_dropout": lora_cfg.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-            "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-            "target_modules": targets, "layers_to_transform": None, "rank_pattern": ranks,
-            "alpha_pattern": alphas, "base_model_name_or_path": base}
+    out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
+           "lora_dropout": lora_cfg.dropout, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+           "use_dora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+           "target_modules": targets, "layers_to_transform": None, "rank_pattern": ranks,
+           "alpha_pattern": alphas, "base_model_name_or_path": base}
+    if experts:
+        out["target_parameters"] = expert_parameters(lora_cfg)
+        out["target_modules"] = targets or None
+        n = gate_up_count(lora_cfg)
+        if n > 1:
+            ranks[GATE_UP], alphas[GATE_UP] = n * lora_cfg.rank, n * lora_cfg.alpha
+    return out
 
 
 def peft_tensors(adapters: dict, cfg, where: str = TEXT) -> dict:
@@ -107,9 +123,16 @@ def peft_tensors(adapters: dict, cfg, where: str = TEXT) -> dict:
     from llmtrain.engine.hf.families import fused_rows, interleaved_to_half
     from llmtrain.recipe.hf_families import family_of
 
-    fused = family_of(cfg).fused
-    out, groups = {}, {}
+    from llmtrain.engine.finetune.peft_experts import expert_tensors
+
+    fam = family_of(cfg)
+    fused = fam.fused
+    experts = {k: v for k, v in adapters.items() if ".experts.lora_" in k}
+    out = expert_tensors(experts, cfg, fam.name, where, PREFIX) if experts else {}
+    groups = {}
     for key, t in adapters.items():
+        if key in experts:
+            continue
         t = t.detach()
         if key.endswith(("attention.wq.lora_b.weight", "attention.wk.lora_b.weight")):
             t = interleaved_to_half(t, t.shape[0] // cfg.head_dim, cfg.rope_dim)
@@ -146,7 +169,8 @@ def export_peft(ckpt: Path, files: dict, cfg, lora_cfg, out: Path, base: str, dt
     from llmtrain.engine.safe_reader import SafeReader, dcp_guard
 
     mlp = [t for t in lora_cfg.target_names if t in ("w1", "w2", "w3")]
-    if cfg.is_moe and mlp:
+    all_moe = all(cfg.is_moe_layer(i) for i in range(cfg.layers))
+    if cfg.is_moe and mlp and not (lora_cfg.experts and all_moe):
         raise LLMTrainError(f"--peft: LoRA on {'/'.join(mlp)} of an MoE model: PEFT maps gate/up/down_proj of an MoE model to "
                             "its experts, not to the dense MLPs these adapters are on",
                             "export the merged model with --hf, or train attention adapters only "
