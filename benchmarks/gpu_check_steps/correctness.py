@@ -179,6 +179,54 @@ def _grouped_under_autocast(ctx, x, counts, w1, w2, w3, rel, g) -> dict:
     return out
 
 
+@step("moe_grouped_lora", est_s=5)
+def moe_grouped_lora(ctx) -> dict:
+    """LoRA on the routed experts (``train.lora.experts``, written without a GPU): the grouped GEMM path
+    with each adapter as two more ``torch._grouped_mm`` calls (rank 8: rows 16-byte aligned in bf16) vs
+    the per-expert loop, output and the gradients of the token rows and of every adapter factor (the base
+    frozen). Tolerances as ``moe_grouped_gemm``: bf16 on CUDA 2e-2 relative L2; CPU (smoke) the forward
+    in fp32, 1e-4."""
+    import torch
+
+    from llmtrain.engine.models.grouped_experts import ExpertAdapters, grouped_swiglu, grouped_swiglu_gemm
+
+    if not hasattr(torch, "_grouped_mm"):
+        raise Skip(f"torch {torch.__version__} has no torch._grouped_mm")
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    g = torch.Generator(device="cpu").manual_seed(1)
+    h, f, r = (256, 512, 8) if not ctx.tiny else (32, 48, 8)
+    counts = [37, 0, 16, 5, 300 if not ctx.tiny else 9]
+    e = len(counts)
+    make = lambda *s, grad=True: (torch.randn(*s, generator=g) * 0.1).to(ctx.device, dtype).requires_grad_(grad)
+    x = make(sum(counts), h)
+    w1, w3, w2 = make(e, f, h, grad=False), make(e, f, h, grad=False), make(e, h, f, grad=False)
+    pairs = {"w1": (make(e, r, h), make(e, f, r)), "w3": (make(e, r, h), make(e, f, r)),
+             "w2": (make(e, r, f), make(e, h, r))}
+    adapters = ExpertAdapters(pairs, 2.0)
+    with _env("LLMTRAIN_GROUPED_MM", "0"):
+        loop = grouped_swiglu(x, counts, w1, w2, w3, adapters)
+    try:
+        gemm = grouped_swiglu_gemm(x, counts, w1, w2, w3, adapters)
+    except (RuntimeError, NotImplementedError) as exc:
+        raise Skip(f"torch._grouped_mm on {ctx.device.type} {dtype}: {str(exc).splitlines()[0][:200]}") from None
+    rel = lambda a, b: float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
+    out = {"dtype": str(dtype), "rank": r, "forward_rel_l2": rel(gemm, loop)}
+    if ctx.cuda:
+        leaves = [x] + [t for pair in pairs.values() for t in pair]
+        names = ["x"] + [f"{k}_{n}" for k in pairs for n in ("a", "b")]
+        dy = torch.randn(loop.shape, generator=g).to(ctx.device, dtype)
+        out["grad_rel_l2"] = {n: rel(a, b) for n, a, b in zip(names, torch.autograd.grad(gemm, leaves, dy),
+                                                                 torch.autograd.grad(loop, leaves, dy))}
+    else:
+        out["backward"] = "not checked: torch's CPU _grouped_mm has no backward (needs CUDA)"
+    tol = 2e-2 if ctx.cuda else 1e-4
+    worst = max([out["forward_rel_l2"], *out.get("grad_rel_l2", {}).values()])
+    out["tolerance_rel_l2"] = tol
+    if not worst <= tol:
+        raise CheckFailed(f"grouped GEMM with expert adapters vs loop: relative L2 error {worst:.3g} > {tol} ({out})")
+    return out
+
+
 @step("fused_adamw", est_s=3)
 def fused_adamw(ctx) -> dict:
     """The engine's AdamW (``fused=True``, engine/optim.py) on FSDP2 DTensor parameters on the
