@@ -111,6 +111,8 @@ CASES = {
                                                 "parallel.zero=3"],
     "lora_experts_selective": MOE + LORA + ["train.lora.experts=true", "train.lora.targets=[wq,w2,w3]",
                                             "parallel.zero=2", "train.activation_checkpointing=selective"],
+    # 2 experts over 4 FSDP ranks: the base weights split on H evenly, their adapters on dim 0 unevenly (padded)
+    "lora_experts_e2_zero3": MOE + LORA + ["train.lora.experts=true", "model.moe.num_experts=2", "parallel.zero=3"],
     # tied embeddings under PP (engine/parallel/tied.py): the last stage holds a copy of the embedding
     # (parameter, gradient, AdamW state); V-shaped: rank 0 holds both; TP: each gradient in its weight's rows
     "pp2_zbv_tied_zero1": ["model.tie_embeddings=true", "parallel.pp=2", "parallel.pp_schedule=zbv",

@@ -30,10 +30,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from gpu_check_steps import load_all
 
-EXPECTED = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped_gemm", "moe_grouped_lora", "fused_adamw",
+EXPECTED = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped_gemm", "fused_adamw",
             "dcp_async_resume", "hf_export", "cp_attention_blocks", "dense_compiled", "hf_llama_eager", "dense_eager",
             "dense_compiled_selective_ac", "dense_compiled_full_ac", "dense_compiled_fsdp1", "moe_eager",
-            "moe_compiled_fsdp1", "hf_llama_compiled", "kernel_rates", "loss_rates", "adamw_quantized_states", "fp8_dense_compiled", "fp8_all_gather",
+            "moe_compiled_fsdp1", "hf_llama_compiled", "moe_grouped_lora", "kernel_rates", "loss_rates", "adamw_quantized_states", "fp8_dense_compiled", "fp8_all_gather",
             "fp8_tp", "async_tp", "moe_profile", "dense_profile", "softcap_attention", "gqa_attention",
             "masked_rows_attention"]  # fp8_tp, async_tp: issue 17
 ACCEPTANCE = ["env_nccl", "train_bf16_vs_fp32", "fsdp2_bf16_vs_fp32", "moe_grouped_gemm", "fused_adamw",

@@ -8,7 +8,8 @@ the adapters move far from B = 0 within 4 steps and a mismapped export cannot hi
   ZeRO-2, FSDP zero 3, TP 2 (without and with sequence parallelism, under FSDP), PP 2 (ZeRO-1),
   plus a target subset (wq, w2: a column- and a row-wise base) under TP 2 + SP; an MoE model (its
   experts frozen: EP 2, TP 2 + SP + FSDP, PP 2) and with ``train.lora.experts`` (the routed experts'
-  stacked adapters: EP 2 + ZeRO-1, EP 2 x TP 2 + SP + FSDP, PP 2). Tolerances are
+  stacked adapters: EP 2 + ZeRO-1, EP 2 x TP 2 + SP + FSDP, PP 2, CP 2 x TP 2 with bias balancing, FSDP
+  over 2 experts on 4 ranks). Tolerances are
   those of tests/test_engine_parity.py, for the same reason (layouts differ only in summation
   order): losses |diff| <= 2e-5, adapter weights after AdamW |diff| <= 2e-4 (AdamW turns
   rounding-level gradient differences on near-zero gradients into up to ~lr-sized moves; a
@@ -58,6 +59,11 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hid
        "model.moe.shared_experts=1"]
 # the same with train.lora.experts: layer 1's routed experts get stacked adapters on w1/w2/w3 too
 EXPERTS = [*MOE, "train.lora={rank: 4, alpha: 8, experts: true}"]
+# CP splits each sequence, and the auxiliary balance loss is per rank by design (tests/test_engine_5d.py): the CP
+# case balances with the bias instead, layout-independent; and 2 experts (top 1) over 4 FSDP ranks: the stacked
+# adapters' dim 0 is split unevenly (FSDP2 pads)
+BIAS = [*EXPERTS, "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
+UNEVEN = [*EXPERTS, "model.moe.num_experts=2", "model.moe.top_k=1"]
 CASES = {
     "ddp": ["parallel.tp=1", "parallel.zero=0"],
     "zero1": ["parallel.tp=1", "parallel.zero=1"],
@@ -74,6 +80,8 @@ CASES = {
     "experts_ep2_tp2_sp_zero3": ["parallel.tp=2", "parallel.zero=3", "parallel.ep=2", "parallel.sequence_parallel=true",
                                  *EXPERTS],  # EP x expert-TP, FSDP on the edp mesh
     "experts_pp2": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", *EXPERTS],
+    "bias_cp2_tp2": ["parallel.tp=2", "parallel.zero=1", "parallel.cp=2", *BIAS],
+    "uneven_zero3": ["parallel.tp=1", "parallel.zero=3", *UNEVEN],
 }
 SAVED = ("zero1", "tp2_sp_zero3", "pp2_zero1", "experts_ep2_zero1")  # checkpoint at the end: which parameters have AdamW state
 
@@ -195,7 +203,9 @@ def parity(tmp_path_factory):
     refs = run_worker(tmp, 1, {"all": ["parallel.tp=1", "parallel.zero=0"],
                                "subset": ["parallel.tp=1", "parallel.zero=0", *SUBSET],
                                "moe": ["parallel.tp=1", "parallel.zero=0", *MOE],
-                               "experts": ["parallel.tp=1", "parallel.zero=0", *EXPERTS]})
+                               "experts": ["parallel.tp=1", "parallel.zero=0", *EXPERTS],
+                               "bias": ["parallel.tp=1", "parallel.zero=0", *BIAS],
+                               "uneven": ["parallel.tp=1", "parallel.zero=0", *UNEVEN]})
     return tmp, refs, run_worker(tmp, 4, CASES, saved=SAVED)
 
 
@@ -204,7 +214,7 @@ def test_lora_layout_matches_single_process(parity, case):
     from llmtrain.engine.finetune.lora import is_adapter_key
 
     tmp, refs, layouts = parity
-    kind = case.split("_")[0] if case.startswith(("subset", "moe", "experts")) else "all"
+    kind = case.split("_")[0] if case.startswith(("subset", "moe", "experts", "bias", "uneven")) else "all"
     ref, got = refs[kind], layouts[case]
     assert got["layout_errors"] == []
     loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
@@ -212,14 +222,18 @@ def test_lora_layout_matches_single_process(parity, case):
     assert set(got["state"]) == set(ref["state"])
     adapters = [k for k in ref["state"] if is_adapter_key(k)]
     # MoE: layer 1's attention only; with experts also its routed experts' w1/w2/w3
-    assert len(adapters) == 2 * {"all": 2 * 7, "subset": 2 * 2, "moe": 7 + 4, "experts": 7 + 4 + 3}[kind]
+    assert len(adapters) == 2 * {"all": 2 * 7, "subset": 2 * 2, "moe": 7 + 4}.get(kind, 7 + 4 + 3)
     assert got["trainable"] == sorted(adapters)
     worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in adapters)
     assert worst <= WEIGHT_TOL, worst
     print(f"{case}: loss diff {loss_diff:.2e}, adapter weight diff {worst:.2e}")
-    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE, "experts": EXPERTS}[kind])
-    moved = [k for k in ref["state"] if not is_adapter_key(k) and not torch.equal(got["state"][k], init[k])]
+    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE, "experts": EXPERTS, "bias": BIAS, "uneven": UNEVEN}[kind])
+    # the bias balancing's expert_bias is learned state, not a weight: it moves, as in the reference
+    moved = [k for k in ref["state"] if not is_adapter_key(k) and not k.endswith("expert_bias")
+             and not torch.equal(got["state"][k], init[k])]
     assert not moved, f"frozen base changed: {moved[:3]}"
+    for k in (k for k in ref["state"] if k.endswith("expert_bias")):
+        assert (got["state"][k] - ref["state"][k]).abs().max() <= WEIGHT_TOL, k
     if case not in SAVED:
         return
     ckpt = tmp / f"4-{case}" / "checkpoints" / f"step-{STEPS}"

@@ -179,7 +179,7 @@ def _grouped_under_autocast(ctx, x, counts, w1, w2, w3, rel, g) -> dict:
     return out
 
 
-@step("moe_grouped_lora", est_s=5)
+@step("moe_grouped_lora", est_s=5, group="options")
 def moe_grouped_lora(ctx) -> dict:
     """LoRA on the routed experts (``train.lora.experts``, written without a GPU): the grouped GEMM path
     with each adapter as two more ``torch._grouped_mm`` calls (rank 8: rows 16-byte aligned in bf16) vs
