@@ -279,10 +279,8 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
         _add(out, frozen_moe_terms(x) if r_grad or experts else {})
         _add(out, expert_lora_terms(x, experts, recompute))
         if dropout:
-            mask = 1 if x.fused_norm else e
-            ins = {"wq": (bs * x.h, x_grad), "wk": (bs * x.h, x_grad), "wv": (bs * x.h, x_grad),
-                   "wo": (q, x_grad or bool(attn_t))}
-            out["lora_dropout"] = sum(n * (e + mask * grad) for n, grad in (ins[name] for name in targets))
+            out["lora_dropout"] = _dropout_bytes(x, targets, {"wq": x_grad, "wk": x_grad, "wv": x_grad,
+                                                              "wo": x_grad or bool(attn_t)})
         out["lora_ax"] = ax
         return out
     mlp_t = [name for name in targets if name in ("w1", "w3")]
@@ -293,17 +291,23 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     # when the w1 output does; w2's lora_a keeps the product
     out["swiglu"] = e * f * ((gate or up) + gate + ("w2" in targets and not dropout))
     if dropout:
-        # Each adapter has its own dropout: lora_a saves the dropped input (e bytes), and where
-        # that input needs a gradient the dropout keeps its mask: CUDA's fused kernel a bool
-        # (1 byte), the CPU composite a scaled noise tensor of the input's dtype (``fused_norm``
-        # is the planner's "not on CPU" flag).
-        mask = 1 if x.fused_norm else e
-        w2_grad = gate or up
-        ins = {"wq": (bs * x.h, x_grad), "wk": (bs * x.h, x_grad), "wv": (bs * x.h, x_grad),
-               "wo": (q, x_grad or bool(attn_t)), "w1": (bs * x.h, r_grad), "w3": (bs * x.h, r_grad), "w2": (f, w2_grad)}
-        out["lora_dropout"] = sum(n * (e + mask * grad) for n, grad in (ins[name] for name in targets))
+        out["lora_dropout"] = _dropout_bytes(x, targets, {"wq": x_grad, "wk": x_grad, "wv": x_grad,
+                                                          "wo": x_grad or bool(attn_t), "w1": r_grad, "w3": r_grad,
+                                                          "w2": gate or up})
     out["lora_ax"] = ax
     return out
+
+
+def _dropout_bytes(x: ActShape, targets, input_grad: dict[str, bool]) -> int:
+    """Each adapter has its own dropout: lora_a saves the dropped input (e bytes per element), and where
+    that input needs a gradient (``input_grad``) the dropout keeps its mask: CUDA's fused kernel a bool
+    (1 byte), the CPU composite a scaled noise tensor of the input's dtype (``fused_norm`` is the
+    planner's "not on CPU" flag)."""
+    bs, e = x.b * x.s, x.e
+    q, f = bs * x.heads * x.head_dim // x.tp, bs * x.ffn // x.tp
+    width = {"wq": bs * x.h, "wk": bs * x.h, "wv": bs * x.h, "wo": q, "w1": bs * x.h, "w3": bs * x.h, "w2": f}
+    mask = 1 if x.fused_norm else e
+    return sum(width[name] * (e + mask * input_grad[name]) for name in targets)
 
 
 def _without_lora(x: ActShape) -> ActShape:
