@@ -313,13 +313,17 @@ def hf_run(tmp_path_factory):
     recipe.write_text(f"name: lora\nmodel: {model}\nparallel: {{tp: 2}}\ntrain: {{precision: fp32, seed: 0}}\n"
                       f"data: {{source: synthetic}}\ncheckpoint: {{init_from_hf: {json.dumps(str(base))}}}\n"
                       "cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}\n")
-    args = ["launch", str(recipe), "--runs", str(tmp / "runs")]
-    for s in HF_SETS:
+    return tmp, base, launch_run(recipe, tmp / "runs", HF_SETS)
+
+
+def launch_run(recipe: Path, runs: Path, sets: list[str]) -> Path:
+    """``llmtrain launch recipe --set ...`` into ``runs``; the run directory."""
+    args = ["launch", str(recipe), "--runs", str(runs)]
+    for s in sets:
         args += ["--set", s]
     proc = cli(args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = next((tmp / "runs").iterdir()).iterdir().__next__()
-    return tmp, base, run
+    return next(next(runs.iterdir()).iterdir())
 
 
 def test_hf_checkpoint_holds_adapters_and_fingerprint(hf_run):

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from tests.hf_tiny import save_tiny
-from tests.test_lora import STEPS, assert_peft_equals_merged, cli, index_keys
+from tests.test_lora import STEPS, assert_peft_equals_merged, cli, index_keys, launch_run
 
 SETS = ["train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", f"train.steps={STEPS}",
         "train.optimizer.lr=0.02", "train.optimizer.eps=1e-6", "train.schedule.warmup_steps=0",
@@ -33,12 +33,7 @@ def mixtral_run(tmp_path_factory):
                       "train: {precision: fp32, seed: 0}\ndata: {source: synthetic}\n"
                       f"checkpoint: {{init_from_hf: {json.dumps(str(base))}}}\n"
                       "cluster: {nodes: 1, gpus_per_node: 2, gpu: cpu}\n")
-    args = ["launch", str(recipe), "--runs", str(tmp / "runs")]
-    for s in SETS:
-        args += ["--set", s]
-    proc = cli(args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return base, next(next((tmp / "runs").iterdir()).iterdir())
+    return base, launch_run(recipe, tmp / "runs", SETS)
 
 
 def test_expert_adapters_checkpoint_and_exports(mixtral_run, tmp_path):

@@ -29,38 +29,7 @@ def test_peft_adapters_of_phi3_and_gemma_load_in_peft(tmp_path, family, targets)
     Granite (its multipliers), SmolLM3 (NoPE layers) and OLMo 2 (post norms only) too; MoE models
     (Qwen3-MoE, GraniteMoE, OLMoE) with attention adapters (MLP targets on an MoE model: refused by
     ``--peft``, test below)."""
-    from peft import PeftModel
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.engine.finetune.lora import is_adapter_key
-    from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
-    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
-    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
-
-    from llmtrain.recipe.hf_families import family_of
-
-    base = save_tiny(family, tmp_path / "base", shards=1)
-    conf, files = check_hf_dir(base)
-    cfg = ModelConfig(**model_from_hf_config(conf))
-    lora_cfg = LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {}))
-    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
-    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
-    out = tmp_path / "peft"
-    out.mkdir()
-    save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), fused=family_of(cfg).fused)))
-    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        base_logits = plain(tokens).logits
-        theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
-        want = ours.eval()(tokens)
-    diff = (theirs - want).abs().max().item()
-    print(f"{family} PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
-          f"{(want - base_logits).abs().max().item():.2e}")
-    assert diff <= LOGIT_TOL, diff
-    assert (want - base_logits).abs().max().item() > 1e-2
+    assert_peft_equals_ours(tmp_path, family, {"targets": targets} if targets else {})
 
 
 @pytest.mark.parametrize("family, targets", [("mixtral", None), ("olmoe", ["wq", "w2"]), ("granitemoe", ["w1"]),
@@ -71,37 +40,7 @@ def test_peft_adapters_of_the_routed_experts_load_in_peft(tmp_path, family, targ
     w3 one block-diagonal adapter of rank 2 r, nested wrappers when down_proj is adapted too); PEFT with
     the exported adapter equals our LoRA model's forward on transformers' own tiny bases (LOGIT_TOL), with
     all MLP targets, with w2 alone, with w1 alone (its up rows of B zero) and with w3 + w2."""
-    from peft import PeftModel
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
-
-    from llmtrain.engine.finetune.lora import is_adapter_key
-    from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
-    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
-    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
-
-    base = save_tiny(family, tmp_path / "base", shards=1)
-    conf, files = check_hf_dir(base)
-    cfg = ModelConfig(**model_from_hf_config(conf))
-    lora_cfg = LoRAConfig(rank=4, alpha=8.0, experts=True, **({"targets": targets} if targets else {}))
-    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
-    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
-    assert any(".experts.lora_b." in k for k in adapters)
-    out = tmp_path / "peft"
-    out.mkdir()
-    save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
-    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base))))
-    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        base_logits = plain(tokens).logits
-        theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
-        want = ours.eval()(tokens)
-    diff = (theirs - want).abs().max().item()
-    print(f"{family} experts PEFT vs our LoRA forward ({targets or 'all-linear'}): {diff:.2e}; vs base "
-          f"{(want - base_logits).abs().max().item():.2e}")
-    assert diff <= LOGIT_TOL, diff
-    assert (want - base_logits).abs().max().item() > 1e-2
+    assert_peft_equals_ours(tmp_path, family, {"experts": True, **({"targets": targets} if targets else {})})
 
 
 def test_peft_export_of_moe_mlp_adapters_is_refused_and_merged_export_matches(tmp_path):
@@ -151,3 +90,41 @@ def test_peft_names_and_fingerprint(tmp_path):
     shutil.copytree(a, tmp_path / "c")
     fa, fb, fc = fingerprint(a), fingerprint(b), fingerprint(tmp_path / "c")
     assert fa["sha256"] == fc["sha256"] and fa["sha256"] != fb["sha256"] and fa["files"] >= 3
+
+
+def assert_peft_equals_ours(tmp_path, family: str, lora_kwargs: dict) -> None:
+    """Our LoRA model (rank 4, alpha 8, ``lora_kwargs``) on transformers' own tiny ``family`` base, its adapters
+    exported (peft_export.py): PEFT with them gives our forward's logits within LOGIT_TOL, and the adapters
+    matter (> 1e-2 from the base's)."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from llmtrain.engine.finetune.lora import is_adapter_key
+    from llmtrain.engine.finetune.peft_export import CONFIG, WEIGHTS, adapter_config, peft_tensors
+    from llmtrain.engine.hf import check_hf_dir, from_hf_state, model_from_hf_config, read_hf_state
+    from llmtrain.recipe.hf_families import family_of
+    from llmtrain.recipe.schema import LoRAConfig, ModelConfig
+
+    base = save_tiny(family, tmp_path / "base", shards=1)
+    conf, files = check_hf_dir(base)
+    cfg = ModelConfig(**model_from_hf_config(conf))
+    lora_cfg = LoRAConfig(rank=4, alpha=8.0, **lora_kwargs)
+    ours = lora_model(cfg, from_hf_state(read_hf_state(files), cfg), lora_cfg)
+    adapters = {k: v for k, v in ours.state_dict().items() if is_adapter_key(k)}
+    assert not lora_cfg.experts or any(".experts.lora_b." in k for k in adapters)
+    out = tmp_path / "peft"
+    out.mkdir()
+    save_file(peft_tensors(adapters, cfg), str(out / WEIGHTS), metadata={"format": "pt"})
+    (out / CONFIG).write_text(json.dumps(adapter_config(lora_cfg, str(base), fused=family_of(cfg).fused)))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        base_logits = plain(tokens).logits
+        theirs = PeftModel.from_pretrained(plain, out).eval()(tokens).logits
+        want = ours.eval()(tokens)
+    diff = (theirs - want).abs().max().item()
+    print(f"{family} PEFT vs our LoRA forward ({lora_kwargs or 'all-linear'}): {diff:.2e}; vs base "
+          f"{(want - base_logits).abs().max().item():.2e}")
+    assert diff <= LOGIT_TOL, diff
+    assert (want - base_logits).abs().max().item() > 1e-2
