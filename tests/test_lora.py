@@ -47,6 +47,7 @@ from tests.helpers_ckpt import load_ckpt
 from tests.hf_tiny import save_tiny
 
 STEPS = 4
+ALL_LINEAR = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 LOSS_TOL, WEIGHT_TOL, LOGIT_TOL = 2e-5, 2e-4, 1e-5
 TINY = ["model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2", "model.ffn_hidden=64",
         "model.vocab_size=128", "model.max_seq_len=128"]
@@ -361,6 +362,16 @@ def test_hf_resume_exact_and_resharded(hf_run, tmp_path):
             weight_diff = max((got[k] - ref_final[k]).abs().max().item() for k in got if k.startswith("model."))
             print(f"resume dp2_zero1: loss diff {loss_diff:.2e}, adapter weight diff {weight_diff:.2e}")
             assert loss_diff <= LOSS_TOL and weight_diff <= WEIGHT_TOL
+
+
+def test_resume_with_other_adapters_is_refused(hf_run):
+    """train.lora's rank, targets and experts are the checkpoint's: loading takes the new model's keys, so
+    fewer targets would silently drop trained adapters; refused in one line before anything starts."""
+    _, _, ref = hf_run
+    for change in ("train.lora={rank: 4, alpha: 8, targets: [wq, wk, wv, wo]}", "train.lora.rank=8", "train.lora=null"):
+        proc = cli(["resume", "--run", str(ref), "--ckpt", "step-2", "--set", change])
+        assert proc.returncode == 2 and f"step-2 holds rank 4 on {' '.join(ALL_LINEAR)}" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_hf_base_changed_is_refused(hf_run, tmp_path):

@@ -63,6 +63,29 @@ def pick_checkpoint(recipe, run_path: Path, ckpt: str) -> tuple[Path, dict, list
     return resolve(root, spec, require=RESUME_FIELDS, check_index=True)
 
 
+def check_same_adapters(recipe, meta: dict, path: Path) -> None:
+    """The checkpoint's adapters are the recipe's: ``train.lora``'s presence, rank, targets and ``experts``
+    as the checkpoint was trained. Loading takes the keys the new model has, so a narrower ``train.lora``
+    would silently drop trained adapters (measured: ``experts: false`` on a run with expert adapters
+    resumed and trained on without them) and another rank could not load; alpha and dropout may change."""
+    from llmtrain.recipe.schema import LoRAConfig
+
+    saved = (meta.get("recipe") or {}).get("train", {}).get("lora")
+    old = None if saved is None else LoRAConfig(**saved)
+    new = recipe.train.lora
+
+    def says(lora) -> str:
+        if lora is None:
+            return "no adapters (every weight trained)"
+        return f"rank {lora.rank} on {' '.join(lora.target_names)}{' and the routed experts' if lora.experts else ''}"
+
+    key = lambda lora: None if lora is None else (lora.rank, tuple(lora.target_names), lora.experts)  # noqa: E731
+    if key(old) != key(new):
+        raise LLMTrainError(f"train.lora: {path} holds {says(old)}, the recipe asks for {says(new)}",
+                            "resume with the checkpoint's train.lora (rank, targets, experts); other adapters "
+                            "are a new run (checkpoint.init_from_hf)", path="--set")
+
+
 @app.command()
 @report_errors
 @masked_errors
@@ -99,6 +122,7 @@ def resume(
     path, meta, warnings = pick_checkpoint(recipe, run_path, ckpt)
     for w in warnings:
         typer.echo(f"warning: {w}", err=True)
+    check_same_adapters(recipe, meta, path)
     if meta["step"] >= recipe.train.steps:
         raise LLMTrainError(f"checkpoint {path} is at step {meta['step']}, the run has {recipe.train.steps} steps",
                             "nothing to do; raise train.steps with --set to train further", path="--ckpt")
