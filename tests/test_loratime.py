@@ -31,7 +31,8 @@ def _model() -> ModelConfig:
 def _shape(m: ModelConfig, targets, tp=1, rank=8, recompute="none", first=False, seq=256) -> ops.BlockShape:
     return ops.BlockShape(b=2, s=seq, seq=seq, h=m.hidden, heads=m.heads, kv_heads=m.kv_heads, hd=m.head_dim,
                           ffn=m.ffn_hidden, vocab=m.vocab_size, tp=tp, sp=False, e=2, recompute=recompute,
-                          lora=(rank, tuple(t for t in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") if t in targets), False),
+                          lora=(rank, tuple(t for t in ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "e1", "e2", "e3")
+                                            if t in targets), False),
                           lora_first=first)
 
 
@@ -71,17 +72,19 @@ def test_priced_gemms_are_the_counted_gemm_flops(targets, first):
 
 
 @pytest.mark.parametrize("first", [False, True])
-@pytest.mark.parametrize("targets", [("wq", "wk", "wv", "wo", "w1", "w2", "w3"), ("wo",), ("w1",)])
+@pytest.mark.parametrize("targets", [("wq", "wk", "wv", "wo", "w1", "w2", "w3"), ("wo",), ("w1",),
+                                     ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "e1", "e2", "e3"), ("e2",), ("wo", "e1", "e3")])
 def test_moe_block_under_lora_prices_the_counted_gemm_flops(targets, first):
-    """An MoE block under LoRA (adapters on its attention only; router, routed and shared experts frozen:
-    their forward, and their input gradients where the MLP input needs one): the priced GEMMs equal
-    flops.py's count, as for a dense block (``("w1",)``: no adapter at all in an MoE block)."""
+    """An MoE block under LoRA (adapters on its attention; router and shared experts frozen: their forward,
+    and their input gradients where the MLP input needs one; the routed experts too, unless
+    ``train.lora.experts`` adapts them, ``e1 e2 e3`` in the key): the priced GEMMs equal flops.py's count,
+    as for a dense block (``("w1",)``: no adapter at all in an MoE block)."""
     m = ModelConfig(layers=4, hidden=512, heads=8, kv_heads=2, ffn_hidden=1536, vocab_size=1000, max_seq_len=256,
                     rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False,
                     moe={"num_experts": 8, "top_k": 2, "shared_experts": 1, "expert_ffn_hidden": 256})
     x = dataclasses.replace(_shape(m, targets, first=first), experts=8, top_k=2, shared=1, expert_ffn=256)
     tok, h, seq = x.b * x.s, m.hidden, x.seq
-    fwd, bwd, attn_grad, _, needs = loratime.block_gemms(x, first, moe=True)
+    fwd, bwd, attn_grad, again, needs = loratime.block_gemms(x, first, moe=True)
     assert set(needs) == {"wq", "wk", "wv", "wo"}
     attn_t = tuple(t for t in targets if t in needs)
     q, k, v, r_grad = _needs(attn_t, first)
@@ -92,7 +95,11 @@ def test_moe_block_under_lora_prices_the_counted_gemm_flops(targets, first):
     attention = 4 * h * seq + 2 * h * seq * (v + (q or k) + q + k)
     assert _flops(fwd) + _flops(bwd) == pytest.approx(tok * (split + rep - norms - attention), rel=1e-12)
     assert attn_grad == (q or k or v)
-    assert (not bwd) == (first and not attn_t)  # block 0 with no attention adapter runs no backward GEMM
+    experts = any(t in ("e1", "e2", "e3") for t in targets)  # block 0 with no adapter runs no backward GEMM
+    assert (not bwd) == (first and not attn_t and not experts)
+    # full recomputation re-runs the MoE block's forward whole: flops.py's count less the norms and scores
+    r_split, r_rep = flops.recompute_flops_per_token(m, 0 if first else 1, seq, "full", (8, tuple(targets)))
+    assert _flops(again) == pytest.approx(tok * (r_split + r_rep - 2 * 2 * h - 4 * h * seq), rel=1e-12)
 
 
 def test_tp_splits_the_base_and_one_adapter_matrix():

@@ -108,7 +108,8 @@ def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
                 pf, pb = lora_projection(per, n, k, rank, experts[name], grad)
                 fwd.extend(pf)
                 bwd.extend(pb)
-        return BlockGemms(fwd, bwd, attn, tuple(fwd[:-1]), needs)
+        # full recomputation runs an MoE block's forward again whole (flops.recompute_flops_per_token)
+        return BlockGemms(fwd, bwd, attn, tuple(fwd), needs)
     g, u = proj("w1", f, x.h, r_grad), proj("w3", f, x.h, r_grad)
     proj("w2", x.h, f, g or u)
     # full recomputation stops before the block's last GEMM: w2's B with an adapter, else w2's
@@ -116,9 +117,10 @@ def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
     return BlockGemms(fwd, bwd, attn, tuple(fwd[:-1]), needs)
 
 
-def adapter_bytes(x, input_grad: dict[str, bool]) -> tuple[float, float]:
+def adapter_bytes(x, input_grad: dict[str, bool], moe: bool = False) -> tuple[float, float]:
     """(forward, backward) HBM bytes of the adapters' element-wise ops (scale, add, dropout) per rank
-    and micro batch (``input_grad``: :attr:`BlockGemms.input_grad`: the projections the block has)."""
+    and micro batch (``input_grad``: :attr:`BlockGemms.input_grad`: the projections the block has;
+    ``moe``: an MoE block, whose routed experts' adapters act per routed slot)."""
     rank, targets, dropout = x.lora
     targets = tuple(name for name in targets if name in input_grad)
     tok, t, e = x.b * x.s, x.tp, x.e
@@ -132,6 +134,11 @@ def adapter_bytes(x, input_grad: dict[str, bool]) -> tuple[float, float]:
         if dropout:
             fwd += tok * k * (2 * e + 1)
             bwd += tok * k * (2 * e + 1) if input_grad[name] else 0.0
+    if moe:  # the routed experts' adapters (train.lora.experts, no dropout): scale and add per routed slot
+        widths = {"e1": x.expert_ffn / t, "e3": x.expert_ffn / t, "e2": x.h}
+        n = sum(w for name, w in widths.items() if name in x.lora[1])
+        fwd += tok * x.top_k * n * 5 * e
+        bwd += tok * x.top_k * n * 2 * e
     return fwd, bwd
 
 
@@ -147,7 +154,7 @@ def lora_pass_seconds(x, gpu: GPUSpec, first: bool, attention: tuple[float, floa
     fwd_g, bwd_g, attn_grad, again, input_grad = block_gemms(x, first, moe)
     af, ab = attention
     ef, eb = elementwise
-    lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, input_grad))
+    lf, lb = (membound_seconds(v, gpu) for v in adapter_bytes(x, input_grad, moe))
     fwd = gemm_list_seconds(fwd_g, gpu, sms) + af + ef + lf
     bwd = gemm_list_seconds(bwd_g, gpu, sms) + (ab if attn_grad else 0.0) + eb + lb
     return fwd, bwd, gemm_list_seconds(again, gpu, sms) + af + ef + lf
