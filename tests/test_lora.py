@@ -60,11 +60,11 @@ MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.expert_ffn_hid
        "model.moe.shared_experts=1"]
 # the same with train.lora.experts: layer 1's routed experts get stacked adapters on w1/w2/w3 too
 EXPERTS = [*MOE, "train.lora={rank: 4, alpha: 8, experts: true}"]
-# CP splits each sequence, and the auxiliary balance loss is per rank by design (tests/test_engine_5d.py): the CP
-# case balances with the bias instead, layout-independent; and 2 experts (top 1) over 4 FSDP ranks: the stacked
+# CP splits each sequence, and the auxiliary balance loss is per rank by design (tests/test_engine_5d.py): these
+# cases balance with the bias instead, layout-independent; 2 experts (top 1), so that over 4 FSDP ranks the stacked
 # adapters' dim 0 is split unevenly (FSDP2 pads)
-BIAS = [*EXPERTS, "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
-UNEVEN = [*EXPERTS, "model.moe.num_experts=2", "model.moe.top_k=1"]
+BIAS = [*EXPERTS, "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01",
+        "model.moe.num_experts=2", "model.moe.top_k=1"]
 CASES = {
     "ddp": ["parallel.tp=1", "parallel.zero=0"],
     "zero1": ["parallel.tp=1", "parallel.zero=1"],
@@ -82,7 +82,7 @@ CASES = {
                                  *EXPERTS],  # EP x expert-TP, FSDP on the edp mesh
     "experts_pp2": ["parallel.tp=1", "parallel.pp=2", "parallel.zero=1", *EXPERTS],
     "bias_cp2_tp2": ["parallel.tp=2", "parallel.zero=1", "parallel.cp=2", *BIAS],
-    "uneven_zero3": ["parallel.tp=1", "parallel.zero=3", *UNEVEN],
+    "bias_zero3": ["parallel.tp=1", "parallel.zero=3", *BIAS],  # 2 experts' adapters over 4 FSDP ranks: uneven
 }
 SAVED = ("zero1", "tp2_sp_zero3", "pp2_zero1", "experts_ep2_zero1")  # checkpoint at the end: which parameters have AdamW state
 
@@ -205,8 +205,7 @@ def parity(tmp_path_factory):
                                "subset": ["parallel.tp=1", "parallel.zero=0", *SUBSET],
                                "moe": ["parallel.tp=1", "parallel.zero=0", *MOE],
                                "experts": ["parallel.tp=1", "parallel.zero=0", *EXPERTS],
-                               "bias": ["parallel.tp=1", "parallel.zero=0", *BIAS],
-                               "uneven": ["parallel.tp=1", "parallel.zero=0", *UNEVEN]})
+                               "bias": ["parallel.tp=1", "parallel.zero=0", *BIAS]})
     return tmp, refs, run_worker(tmp, 4, CASES, saved=SAVED)
 
 
@@ -215,7 +214,7 @@ def test_lora_layout_matches_single_process(parity, case):
     from llmtrain.engine.finetune.lora import is_adapter_key
 
     tmp, refs, layouts = parity
-    kind = case.split("_")[0] if case.startswith(("subset", "moe", "experts", "bias", "uneven")) else "all"
+    kind = case.split("_")[0] if case.startswith(("subset", "moe", "experts", "bias")) else "all"
     ref, got = refs[kind], layouts[case]
     assert got["layout_errors"] == []
     loss_diff = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"]))
@@ -228,7 +227,7 @@ def test_lora_layout_matches_single_process(parity, case):
     worst = max((got["state"][k] - ref["state"][k]).abs().max().item() for k in adapters)
     assert worst <= WEIGHT_TOL, worst
     print(f"{case}: loss diff {loss_diff:.2e}, adapter weight diff {worst:.2e}")
-    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE, "experts": EXPERTS, "bias": BIAS, "uneven": UNEVEN}[kind])
+    init = fresh_init({"all": [], "subset": SUBSET, "moe": MOE, "experts": EXPERTS, "bias": BIAS}[kind])
     # the bias balancing's expert_bias is learned state, not a weight: it moves, as in the reference
     moved = [k for k in ref["state"] if not is_adapter_key(k) and not k.endswith("expert_bias")
              and not torch.equal(got["state"][k], init[k])]
