@@ -72,7 +72,8 @@ from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_te
 from llmtrain.plan.rope_activations import layer_rope_terms, stage_rope_terms
 from llmtrain.plan.loss_activations import last_stage_terms, logits_bytes, loss_backward_bytes  # noqa: F401
 from llmtrain.plan.losschunk import loss_chunk_tokens
-from llmtrain.plan.mlp_activations import EXPERT_TARGETS, expert_lora_terms, frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401,E501 (re-exported)
+from llmtrain.plan.mlp_activations import expert_lora_terms, frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401 (re-exported)
+from llmtrain.plan.shards import block_targets
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
@@ -238,11 +239,7 @@ def lora_layer_terms(x: ActShape, recompute: str, first: bool, cp_index: int | N
     """A block's saved tensors under LoRA (module docstring), following ``requires_grad``; an MoE block
     (``moe``) has adapters on its attention only, its router and experts frozen (:func:`frozen_moe_terms`)."""
     rank, targets, dropout = x.lora
-    experts = tuple(name for name in targets if name in EXPERT_TARGETS) if moe else ()  # train.lora.experts
-    if moe:
-        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
-    else:
-        targets = tuple(name for name in targets if name not in EXPERT_TARGETS)
+    targets, experts = block_targets(targets, moe)  # experts: train.lora.experts's adapted w1 / w2 / w3
     bs, e, t = x.b * x.s, x.e, x.tp
     q, kv, f = bs * x.heads * x.head_dim // t, bs * x.kv_heads * x.head_dim // t, bs * x.ffn // t
     ax = e * bs * rank * len(targets)  # A x of every adapter, saved for lora_b's weight gradient

@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
+from llmtrain.plan.shards import block_targets, lora_key
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -149,8 +150,6 @@ def forward_flops_per_token(model: ModelConfig, layer: int, seq_len: int, lora) 
 
 
 def _key(lora) -> tuple[int, tuple[str, ...]]:
-    from llmtrain.plan.shards import lora_key
-
     return lora if isinstance(lora, tuple) else lora_key(lora)
 
 
@@ -178,9 +177,8 @@ def _lora_block_cached(shape: tuple, first: bool, seq_len: int, lora: tuple[int,
     three GEMMs count as the dense MLP's, with its adapters."""
     h, heads, kv, hd, f, qkv_bias, qk_norm = shape
     rank, targets = lora
-    if moe is not None:
-        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo")) + \
-            tuple({"e1": "w1", "e2": "w2", "e3": "w3"}[name] for name in targets if name in ("e1", "e2", "e3"))
+    own, experts = block_targets(targets, moe is not None)
+    targets = own + experts  # an MoE block's routed experts adapt as w1 / w2 / w3, its dense names do not occur
     bwd = 0.0 if forward_only else 1.0
     split = rep = 0.0
 

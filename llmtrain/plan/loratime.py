@@ -35,6 +35,7 @@ from typing import NamedTuple
 from llmtrain.recipe.gpus import GPUSpec
 
 from llmtrain.plan.gemmtime import gemm_seconds, membound_seconds
+from llmtrain.plan.shards import block_targets
 
 # Kernels one adapted projection launches (forward: A, B, the scale, the add; backward: B's and A's
 # weight and input gradients, the scale's gradient); dropout adds one each way
@@ -69,11 +70,8 @@ def block_gemms(x, first: bool, moe: bool = False) -> BlockGemms:
     frozen: their forward GEMMs (as ops.block_gemms, balanced routing) and, where the MLP input needs
     a gradient, their input gradients; each routed expert's three as the dense MLP's, per local expert."""
     rank, targets, _ = x.lora
-    experts = {"w1": "e1" in targets, "w2": "e2" in targets, "w3": "e3" in targets}
-    if moe:
-        targets = tuple(name for name in targets if name in ("wq", "wk", "wv", "wo"))
-    else:
-        targets = tuple(name for name in targets if name not in ("e1", "e2", "e3"))
+    targets, adapted = block_targets(targets, moe)
+    experts = {name: name in adapted for name in ("w1", "w2", "w3")}
     tok, t = x.b * x.s, x.tp
     q, kv, f = x.heads * x.hd / t, x.kv_heads * x.hd / t, x.ffn / t
     fwd: list[tuple] = []
@@ -135,8 +133,7 @@ def adapter_bytes(x, input_grad: dict[str, bool], moe: bool = False) -> tuple[fl
             fwd += tok * k * (2 * e + 1)
             bwd += tok * k * (2 * e + 1) if input_grad[name] else 0.0
     if moe:  # the routed experts' adapters (train.lora.experts, no dropout): scale and add per routed slot
-        widths = {"e1": x.expert_ffn / t, "e3": x.expert_ffn / t, "e2": x.h}
-        n = sum(w for name, w in widths.items() if name in x.lora[1])
+        n = sum(x.h if name == "w2" else x.expert_ffn / t for name in block_targets(x.lora[1], True)[1])
         fwd += tok * x.top_k * n * 5 * e
         bwd += tok * x.top_k * n * 2 * e
     return fwd, bwd

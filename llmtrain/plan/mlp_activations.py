@@ -1,6 +1,7 @@
 """Activation terms of a block's MLP: the dense SwiGLU MLP, the MoE block, the MoE block whose router
-and experts are frozen (LoRA), and what adapters on its routed experts add; split out of :mod:`llmtrain.plan.activations` (one concept: what the
-MLP half of a block keeps for backward), which re-exports them."""
+and experts are frozen (LoRA), and what adapters on its routed experts add; split out of
+:mod:`llmtrain.plan.activations` (one concept: what the MLP half of a block keeps for backward), which
+re-exports them."""
 
 from __future__ import annotations
 
@@ -62,16 +63,13 @@ def frozen_moe_terms(x: ActShape) -> dict[str, int]:
     return out
 
 
-EXPERT_TARGETS = {"e1": "w1", "e2": "w2", "e3": "w3"}  # plan/shards.py lora_key's pseudo-targets
-
-
-def expert_lora_terms(x: ActShape, targets: tuple[str, ...], recompute: str) -> dict[str, int]:
+def expert_lora_terms(x: ActShape, names: tuple[str, ...], recompute: str) -> dict[str, int]:
     """What LoRA on the routed experts (``train.lora.experts``, engine/finetune/lora_experts.py) adds to
     :func:`frozen_moe_terms`: each adapter's ``A x`` per routed slot ``[slots, r]`` (kept for ``B``'s weight
     gradient), the dispatched tokens when ``w1`` or ``w3`` is adapted (``A``'s weight gradient) and w2's
     input when ``w2`` is (the frozen GEMMs keep neither). Under selective recomputation the policy keeps
-    the adapters' matmul outputs instead: ``A x`` and ``B A x`` (``[slots, out]``)."""
-    names = [EXPERT_TARGETS[t] for t in targets if t in EXPERT_TARGETS]
+    the adapters' matmul outputs instead: ``A x`` and ``B A x`` (``[slots, out]``). ``names``: the adapted
+    experts' projections, ``w1 w2 w3`` (plan/shards.py ``block_targets``)."""
     if not names:
         return {}
     slots, e, h, rank = x.b * x.s * x.top_k, x.e, x.h, x.lora[0]

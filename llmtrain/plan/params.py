@@ -73,7 +73,7 @@ def lora_adapter_params(m: ModelConfig, lora) -> int:
     mlp = sum(sizes[t] for t in lora.target_names if t in ("w1", "w2", "w3"))
     n_moe = moe_layer_count(m)
     experts = 0
-    if getattr(lora, "experts", False) and n_moe:
+    if lora.experts and n_moe:
         ef = m.expert_ffn
         experts = m.moe.num_experts * sum(h + ef for t in lora.target_names if t in ("w1", "w2", "w3"))
     return lora.rank * (m.layers * attention + (m.layers - n_moe) * mlp + n_moe * experts)

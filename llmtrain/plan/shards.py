@@ -45,7 +45,11 @@ from math import prod
 from llmtrain.recipe.schema import ModelConfig
 
 V_SHAPED = ("zbv", "dualpipev")
-EXPERT_NAMES = ("e1", "e2", "e3")  # lora_key's pseudo-targets for the routed experts' adapters
+ATTENTION_TARGETS = ("wq", "wk", "wv", "wo")
+# ``train.lora.experts``: the routed experts' adapters ride in the LoRA key as pseudo-targets e1 / e2 / e3
+# (the experts' w1 / w2 / w3), so every consumer that filters targets by name sees them apart
+EXPERT_KEYS = {"w1": "e1", "w2": "e2", "w3": "e3"}
+EXPERT_NAMES = tuple(EXPERT_KEYS.values())
 
 
 @dataclass(frozen=True, eq=False)  # identity hash: cheap keys for the per-stage caches below
@@ -108,20 +112,24 @@ def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]
 LoRAKey = tuple[int, tuple[str, ...]] | None
 
 
-# ``train.lora.experts``: the routed experts' adapters ride in the key as pseudo-targets e1 / e2 / e3
-# (the experts' w1 / w2 / w3), so every consumer that filters targets by name sees them apart
-EXPERT_KEYS = {"w1": "e1", "w2": "e2", "w3": "e3"}
-
-
 def lora_key(lora) -> LoRAKey:
     """The hashable inventory key of a :class:`~llmtrain.recipe.schema.LoRAConfig` (None: no LoRA):
     (rank, target names, then ``e1 e2 e3`` for the MLP targets adapted in the routed experts)."""
     if lora is None:
         return None
     names = tuple(lora.target_names)
-    if getattr(lora, "experts", False):
+    if lora.experts:
         names += tuple(EXPERT_KEYS[t] for t in names if t in EXPERT_KEYS)
     return (lora.rank, names)
+
+
+def block_targets(targets: tuple[str, ...], moe: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A key's targets for one block: (its own projections' -- an MoE block's attention, a dense block's
+    attention and MLP --, its routed experts' as ``w1 w2 w3``: an MoE block's with ``train.lora.experts``)."""
+    if not moe:
+        return tuple(t for t in targets if t not in EXPERT_NAMES), ()
+    return (tuple(t for t in targets if t in ATTENTION_TARGETS),
+            tuple(w for w, e in EXPERT_KEYS.items() if e in targets))
 
 
 def expert_lora_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAKey) -> list[ParamShape]:
@@ -131,7 +139,7 @@ def expert_lora_params(m: ModelConfig, layer: int, tp: int, ep: int, lora: LoRAK
     if lora is None or not m.is_moe_layer(layer):
         return []
     rank, targets = lora
-    names = [t for t in ("w1", "w2", "w3") if EXPERT_KEYS[t] in targets]
+    names = block_targets(targets, True)[1]
     e, h, ft = m.moe.num_experts // ep, m.hidden, m.expert_ffn // tp
     kind = "expert" if ep > 1 else "matmul"
     shapes = {"w1": ((e, rank, h), (e, ft, rank)), "w3": ((e, rank, h), (e, ft, rank)), "w2": ((e, rank, ft), (e, h, rank))}
@@ -160,7 +168,7 @@ def lora_params(m: ModelConfig, layer: int, tp: int, lora: LoRAKey) -> list[Para
     rank, targets = lora
     bases = _lora_bases(m)
     out = []
-    for t in (t for t in layer_targets(m, layer, targets) if t not in EXPERT_NAMES):
+    for t in block_targets(targets, m.is_moe_layer(layer))[0]:
         module, rows, cols, column_wise = bases[t]
         a, b = ((rank, cols), (rows // tp, rank)) if column_wise else ((rank, cols // tp), (rows, rank))
         name = f"layers.{layer}.{module}.{t}."
@@ -172,9 +180,8 @@ def layer_targets(m: ModelConfig, layer: int, targets: tuple[str, ...]) -> tuple
     """The targets block ``layer`` has adapters on: an MoE block's attention and its routed experts' (``e1
     e2 e3`` with ``train.lora.experts``; the router and shared experts stay frozen, engine/finetune/lora.py),
     a dense block's attention and MLP."""
-    if m.is_moe_layer(layer):
-        return tuple(t for t in targets if t in ("wq", "wk", "wv", "wo") or t in EXPERT_NAMES)
-    return tuple(t for t in targets if t not in EXPERT_NAMES)
+    own, experts = block_targets(targets, m.is_moe_layer(layer))
+    return own + tuple(EXPERT_KEYS[w] for w in experts)
 
 
 def _lora_bases(m: ModelConfig) -> dict[str, tuple[str, int, int, bool]]:
@@ -194,9 +201,8 @@ def lora_replicated_numel(m: ModelConfig, layers, tp: int, lora: LoRAKey) -> int
         return 0
     rank, targets = lora
     bases = _lora_bases(m)
-    return sum(rank * (cols if column_wise else rows) for layer in layers  # experts': expert_lora_replicated_numel
-               for _, rows, cols, column_wise in (bases[t] for t in layer_targets(m, layer, targets)
-                                                  if t not in EXPERT_NAMES))
+    return sum(rank * (cols if column_wise else rows) for layer in layers  # the experts': expert_lora_tp
+               for _, rows, cols, column_wise in map(bases.get, block_targets(targets, m.is_moe_layer(layer))[0]))
 
 
 def _frozen(params: list[ParamShape]) -> list[ParamShape]:

@@ -148,7 +148,8 @@ def adapter_keys(base_key: str) -> tuple[str, str]:
 
 def merge_one(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``W + scale * B @ A`` computed in fp64, returned in ``W``'s dtype or fp32 if that is narrower
-    (a bf16 base keeps the update's precision until the export's own ``--dtype`` cast)."""
+    (a bf16 base keeps the update's precision until the export's own ``--dtype`` cast). Stacked routed
+    experts (``W`` ``[E, out, in]``, ``A`` ``[E, r, in]``, ``B`` ``[E, out, r]``) merge per expert: ``@`` batches."""
     out = weight.double() + scale * (b.double() @ a.double())
     return out.to(torch.promote_types(weight.dtype, torch.float32))
 
@@ -158,17 +159,10 @@ def merge_lora(state: dict[str, torch.Tensor], cfg: LoRAConfig) -> dict[str, tor
 
     Every ``X.lora_a.weight`` needs its ``X.lora_b.weight`` and ``X.weight``, every expert
     ``X.lora_a.t`` its ``X.lora_b.t`` and ``X.t``; a lone adapter is an error."""
-    from llmtrain.engine.finetune.lora_experts import merge_expert
-
     out = {k: v for k, v in state.items() if not is_adapter_key(k)}
-    for key in [k for k in state if ".experts.lora_a." in k]:  # layers.N.moe.experts.lora_a.w1 -> ...experts.w1
-        stem, target = key.rsplit(".lora_a.", 1)
-        base, b_key = f"{stem}.{target}", f"{stem}.lora_b.{target}"
-        if base not in state or b_key not in state:
-            raise KeyError(f"merge_lora: {key} without {base if base not in state else b_key}")
-        out[base] = merge_expert(state[base], state[key], state[b_key], cfg.scale)
-    for key in [k for k in state if k.endswith(".lora_a.weight")]:
-        base = key.removesuffix(".lora_a.weight") + ".weight"
+    for key in [k for k in state if ".lora_a." in k]:
+        stem, leaf = key.rsplit(".lora_a.", 1)  # X.lora_a.weight -> X.weight; ...experts.lora_a.w1 -> ...experts.w1
+        base = f"{stem}.{leaf}"
         b_key = adapter_keys(base)[1]
         if base not in state or b_key not in state:
             raise KeyError(f"merge_lora: {key} without {base if base not in state else b_key}")

@@ -43,7 +43,7 @@ def expert_targets(cfg: LoRAConfig) -> tuple[str, ...]:
     return tuple(t for t in cfg.target_names if t in EXPERT_TARGETS) if cfg.experts else ()
 
 
-def stacked_shapes(target: str, base_shape: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def stacked_shapes(base_shape: tuple[int, ...], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Global ``(A, B)`` shapes for a stacked base ``[E, out, in]``."""
     e, out_f, in_f = base_shape
     return (e, rank, in_f), (e, out_f, rank)
@@ -53,17 +53,13 @@ def _placements(target: str, kind: str, base_placements, dim_names) -> list:
     """The adapter factor's placements on the base's mesh (module docstring)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    out = []
-    for name, placement in zip(dim_names, base_placements):
-        if name == "tp":
-            column_wise = target != "w2"
-            if column_wise:  # base Shard(1) (F); A [E, r, H] replicated, B [E, F, r] Shard(1)
-                out.append(Replicate() if kind == "a" else Shard(1))
-            else:  # base Shard(2) (F); A [E, r, F] Shard(2), B [E, H, r] replicated
-                out.append(Shard(2) if kind == "a" else Replicate())
-        else:  # ep: the rank's experts
-            out.append(placement)
-    return out
+    from llmtrain.engine.models.grouped_experts import TP_REPLICATED
+
+    # tp: the factor's F dim is split like its base's (B [E, F, r] of w1 / w3: 1; A [E, r, F] of w2: 2), the
+    # other factor is whole; ep: the rank's experts, as the base
+    split = Shard(1 if kind == "b" else 2)
+    return [(Replicate() if (kind, target) in TP_REPLICATED else split) if name == "tp" else placement
+            for name, placement in zip(dim_names, base_placements)]
 
 
 def _factor(shape: tuple[int, ...], base: torch.Tensor, target: str, kind: str) -> nn.Parameter:
@@ -90,7 +86,7 @@ def add_expert_adapters(moe: nn.Module, cfg: LoRAConfig) -> list[str]:
     lora_a, lora_b = nn.ParameterDict(), nn.ParameterDict()
     for t in targets:
         base = getattr(experts, t)
-        a_shape, b_shape = stacked_shapes(t, tuple(base.shape), cfg.rank)
+        a_shape, b_shape = stacked_shapes(tuple(base.shape), cfg.rank)
         lora_a[t] = _factor(a_shape, base, t, "a")
         lora_b[t] = _factor(b_shape, base, t, "b")
     experts.lora_a, experts.lora_b = lora_a, lora_b
@@ -98,12 +94,4 @@ def add_expert_adapters(moe: nn.Module, cfg: LoRAConfig) -> list[str]:
     region = getattr(moe, "tp_region", None)
     if region is not None:
         experts.lora_tp_sum = region.replicated
-        experts.lora_replicated = tuple(("b", t) if t == "w2" else ("a", t) for t in targets)
     return [f"moe.experts.{t}" for t in targets]
-
-
-def merge_expert(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``W_e + scale * B_e @ A_e`` for every expert, in fp64, returned in ``W``'s dtype or fp32
-    if that is narrower (as :func:`~llmtrain.engine.finetune.lora.merge_one`)."""
-    out = weight.double() + scale * torch.bmm(b.double(), a.double())
-    return out.to(torch.promote_types(weight.dtype, torch.float32))

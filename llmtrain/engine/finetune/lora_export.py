@@ -108,15 +108,13 @@ def base_tensor(entry, state: dict, spec: LoRAExport, reader: HFTensorReader | N
     ``spec.merge``. ``state``: what was loaded from the checkpoint (keys without ``model.``);
     ``reader``: the HF base's files (adapters-only checkpoints)."""
     from llmtrain.engine.finetune.lora import adapter_keys, merge_one
-    from llmtrain.engine.finetune.lora_experts import merge_expert
     from llmtrain.engine.hf.families import to_ours
 
     name = entry.key.removeprefix("model.")
     ours = state.pop(name) if spec.base_in_checkpoint else to_ours(entry.src, [reader.get(n) for n in entry.src.hf])
     a_key, b_key = adapter_keys(name)
     if spec.merge and a_key in state:
-        merge = merge_expert if ours.dim() == 3 else merge_one  # stacked routed experts [E, out, in]
-        ours = merge(ours, state.pop(a_key), state.pop(b_key), spec.scale)
+        ours = merge_one(ours, state.pop(a_key), state.pop(b_key), spec.scale)
     return ours
 
 

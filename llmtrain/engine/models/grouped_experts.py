@@ -36,6 +36,11 @@ def grouped_mm_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None
 
 
+# LoRA factors of the routed experts that expert-TP leaves whole on every TP rank: A of the column-wise w1 / w3
+# (their F rows split), B of the row-wise w2 (its F columns split); their gradients are partial sums over TP
+TP_REPLICATED = (("a", "w1"), ("a", "w3"), ("b", "w2"))
+
+
 class ExpertAdapters:
     """The routed experts' LoRA factors on this rank: ``pairs[target] = (A [E_local, r, in], B
     [E_local, out, r])`` (local tensors, gradient hooks applied) and the update's ``scale``."""
@@ -166,10 +171,9 @@ class GroupedExperts(nn.Module):
         self.grad_scale = 1.0  # set by expert parallelism, see GradScale
         # LoRA on the experts (engine/finetune/lora_experts.py) registers ParameterDicts ``lora_a`` /
         # ``lora_b`` keyed by target and sets these: the update's scale, and with expert-TP the
-        # hook that sums a TP-replicated adapter's gradient over TP, and which (kind, target) those are
+        # hook that sums a TP-replicated factor's gradient over TP (:data:`TP_REPLICATED`)
         self.lora_scale = 0.0
         self.lora_tp_sum = None
-        self.lora_replicated: tuple[tuple[str, str], ...] = ()
 
     def _local(self, w: torch.Tensor, replicated: bool = False) -> torch.Tensor:
         w = w.to_local() if hasattr(w, "to_local") else w
@@ -182,8 +186,8 @@ class GroupedExperts(nn.Module):
         lora_a, lora_b = getattr(self, "lora_a", None), getattr(self, "lora_b", None)
         if lora_a is None:
             return None
-        pairs = {t: (self._local(lora_a[t], ("a", t) in self.lora_replicated),
-                     self._local(lora_b[t], ("b", t) in self.lora_replicated)) for t in lora_a.keys()}
+        pairs = {t: (self._local(lora_a[t], ("a", t) in TP_REPLICATED),
+                     self._local(lora_b[t], ("b", t) in TP_REPLICATED)) for t in lora_a.keys()}
         return ExpertAdapters(pairs, self.lora_scale)
 
     def local_forward(self, x_grouped: torch.Tensor, counts: list[int]) -> torch.Tensor:
