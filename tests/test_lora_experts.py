@@ -12,7 +12,8 @@ import json
 import pytest
 
 from tests.hf_tiny import save_tiny
-from tests.test_lora import STEPS, assert_peft_equals_merged, cli, index_keys, launch_run
+from tests.test_lora import STEPS, assert_peft_equals_merged, cli, index_keys
+from tests.test_lora_hf import launch_run
 
 SETS = ["train.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", f"train.steps={STEPS}",
         "train.optimizer.lr=0.02", "train.optimizer.eps=1e-6", "train.schedule.warmup_steps=0",
