@@ -68,11 +68,9 @@ def check_same_adapters(recipe, meta: dict, path: Path) -> None:
     as the checkpoint was trained. Loading takes the keys the new model has, so a narrower ``train.lora``
     would silently drop trained adapters (measured: ``experts: false`` on a run with expert adapters
     resumed and trained on without them) and another rank could not load; alpha and dropout may change."""
-    from llmtrain.recipe.schema import LoRAConfig
+    from llmtrain.engine.finetune.lora_export import checkpoint_lora
 
-    saved = (meta.get("recipe") or {}).get("train", {}).get("lora")
-    old = None if saved is None else LoRAConfig(**saved)
-    new = recipe.train.lora
+    old, new = checkpoint_lora(path, meta), recipe.train.lora  # (a damaged recipe.train.lora: one line there)
 
     def says(lora) -> str:
         if lora is None:
