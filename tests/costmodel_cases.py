@@ -66,6 +66,11 @@ CASES = {
     "gemma_cp2_allgather": GEMMA + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero=1"],
     "softcap_cp2_allgather_selective": GEMMA + ["model.attention_softcap=50", "model.logit_softcap=30", "parallel.cp=2",
                                                 "parallel.cp_method=allgather", "train.activation_checkpointing=selective"],
+    # ring CP with masks (forty-first session): the rank's rows of each mask, keys in ring order; the ring's own saved
+    # tensors (each block masked on a view); Gemma 2's soft-capped blocks under selective (the op's outputs kept)
+    "window_cp2_ring": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ring"],
+    "softcap_cp2_ring_selective": GEMMA + ["model.attention_softcap=50", "model.logit_softcap=30", "parallel.cp=2",
+                                           "parallel.cp_method=ring", "train.activation_checkpointing=selective"],
     # OLMo 2's block: post norms only (wq/wk/wv and w1/w3 keep the residual stream itself), q/k norms over all heads
     "olmo_zero1": ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all",
                    "parallel.zero=1"],

@@ -11,9 +11,10 @@ of the shared prefix in bf16) next to plain bf16 SDPA's error, all against fp64.
 ring and allgather at CP 4 and CP 2): the same q against K/V of half the heads, which these methods
 take un-repeated and exchange so (engine/parallel/context.py); the reference is SDPA on the K/V
 repeated to the query heads, whose K/V gradients are summed over each KV head's copies. Masked
-(``masked_*``, all-gather and Ulysses at CP 4 and CP 2, on the first 512 tokens, GQA): packed
+(``masked_*``, all-gather, Ulysses and ring at CP 4 and CP 2, on the first 512 tokens, GQA): packed
 rows' document mask, a sliding window of 150, Gemma 2's soft-cap alone and with both, each rank's
-mask built by the model's own ``models/masks.forward_masks`` (all-gather: its zigzag rows); the
+mask built by the model's own ``models/masks.forward_masks`` (all-gather: its zigzag rows; ring: the
+same rows against the keys in ring order, whose blocks then hold rows that see no key); the
 reference is the model's attention without CP over the whole row (masked SDPA or the soft-capped
 kernel).
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.engine.models.masks import forward_masks, zigzag_rows
+from llmtrain.engine.models.masks import forward_masks, ring_keys, zigzag_rows
 from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context import cp_positions, make_cp_attention
 
@@ -92,8 +93,9 @@ def _masked_errors(method, group, cp, cp_rank, inputs, kind) -> float:
         ref_out = F.scaled_dot_product_attention(ref_in[0], kr, vr, attn_mask=whole)
     ref_out.backward(dout)
     pos = cp_positions(seq, cp, cp_rank, method)
-    rows = zigzag_rows(seq, cp, cp_rank) if method == "allgather" else None
-    mask, banded = forward_masks(pos, segments, window, seq, cp, rows, cap is not None, q.dtype)
+    rows = zigzag_rows(seq, cp, cp_rank) if method in ("allgather", "ring") else None
+    keys = ring_keys(seq, cp) if method == "ring" else None  # the ring's mask columns: K/V in rank order
+    mask, banded = forward_masks(pos, segments, window, seq, cp, rows, cap is not None, q.dtype, keys)
     local = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
     fn = make_cp_attention(method, group, cp, cp_rank, seq)
     out = fn(*local, banded if window is not None else mask, softcap=cap)
@@ -130,7 +132,7 @@ def report(seq: int) -> dict[str, float]:
         for method in ("ring", "allgather"):
             found[f"gqa_cp{cp}_{method}"] = _worst(_errors(method, group, cp, cp_rank, seq, gqa, *gqa_ref))
     for cp, (group, cp_rank) in sorted(groups.items(), reverse=True):
-        for method in ("allgather", "ulysses"):
+        for method in ("allgather", "ulysses", "ring"):
             for kind in MASKS:
                 found[f"masked_{kind}_cp{cp}_{method}"] = _worst(_masked_errors(method, group, cp, cp_rank, gqa, kind))
     group, cp_rank = groups[world]

@@ -334,9 +334,8 @@ def layouts_of(family: str) -> list[str]:
     if family == "phi3_longrope":  # its RoPE at CP's non-contiguous positions and under TP; the rest is phi3's
         return ["tp2", "cp2"]
     if family in ("mistral_swa", "gemma3", "gemma2"):  # the window (8 of 32 tokens) as a band mask, in Ulysses'
-        # attention and in all-gather's rows of it (Gemma 2: its soft-capped kernel there too)
-        return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "ulysses2", "allgather2"]  # (ring
-        # CP refuses it: test_validate.py)
+        # attention, in all-gather's rows of it and in the ring's blocks (Gemma 2: its soft-capped kernel there too)
+        return ["tp2", "pp2" if family == "mistral_swa" else "pp2_21", "fsdp2", "cp2", "ulysses2", "allgather2"]
     if family == "olmo2":  # its q/k norms span the heads TP splits (engine/models/norm.py SplitRMSNorm)
         return ["tp2", "pp2", "cp2", "fsdp2", "ulysses2"]
     extra = (["ep2"] if family in MOE else []) + (["ulysses2"] if family in ("qwen3", "qwen3_moe") else [])

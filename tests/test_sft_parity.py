@@ -49,6 +49,8 @@ CASES = {
     "packed_cp2_ulysses": PACKED + ["parallel.cp=2", "parallel.cp_method=ulysses", "parallel.zero=3"],
     # under all-gather: each rank's zigzag rows of the whole row's sample mask, against the gathered K/V
     "packed_cp2_allgather": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.zero=1"],
+    # under the ring: the same rows with the keys in ring order, a view per block (rows with no key in a block)
+    "packed_cp2_ring": PACKED + ["parallel.cp=2", "parallel.cp_method=ring", "parallel.zero=2"],
     # ... with the heads split over TP 2 (+SP), and under a pipeline (the sample ids travel as the schedule's kwargs)
     "packed_cp2_allgather_tp2": PACKED + ["parallel.cp=2", "parallel.cp_method=allgather", "parallel.tp=2",
                                           "parallel.zero=0"],

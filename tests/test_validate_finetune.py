@@ -29,17 +29,14 @@ def test_chat_needs_a_tokenizer_with_a_chat_template():
     assert plan_of(debug({"data": {"source": "instruction", "path": "i.jsonl", "tokenizer": "byte"}})).valid
 
 
-def test_packing_needs_samples_and_masked_context_parallelism():
-    """Packed rows need samples; under CP Ulysses' attention (whole rows) and all-gather's (its rows of
-    the whole row's mask) take their mask, the ring's blocks do not."""
+def test_packing_needs_samples_and_runs_under_every_cp_method():
+    """Packed rows need samples; under CP Ulysses' attention (whole rows), all-gather's (its rows of the
+    whole row's mask) and the ring's blocks (views of those rows) take their mask."""
     p = find(errors(debug({"data": {"packing": True}})), "data.packing", "source synthetic already yields full")
     assert "data.packing: false" in p.hint
     find(errors(debug({"data": {"source": "memmap", "path": "m", "packing": True}})), "data.packing", "source memmap")
-    data = debug({"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": "ring"}})
-    p = find(errors(data), "parallel.cp_method", "packing with ring context parallelism", "no per-sample mask")
-    assert "cp_method: allgather or ulysses" in p.hint and "data.packing: false" in p.hint
     assert plan_of(debug({"data": {"source": "text", "path": "t.txt", "packing": True}})).valid
-    for method in ("ulysses", "allgather"):
+    for method in ("ulysses", "allgather", "ring"):
         fine = {"data": {"source": "text", "path": "t.txt", "packing": True}, "parallel": {"cp": 2, "cp_method": method}}
         assert not [e for e in errors(debug(fine)) if e.path in ("data.packing", "parallel.cp_method")]
 
@@ -77,7 +74,7 @@ def test_lora_experts_needs_moe_mlp_targets_and_no_dropout():
 
 
 def test_finetune_problems_are_reported_together():
-    data = debug({"data": {"source": "chat", "packing": True}, "parallel": {"cp": 2},
+    data = debug({"data": {"source": "chat", "packing": True},
                   "model": {"moe": {"first_dense_layers": 0}}, "train": {"lora": {"targets": ["w1"]}}}, preset="debug-moe")
     got = paths(errors(data))
-    assert {"data.path", "data.tokenizer", "parallel.cp_method", "train.lora.targets"} <= set(got)
+    assert {"data.path", "data.tokenizer", "train.lora.targets"} <= set(got)

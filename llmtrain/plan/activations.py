@@ -351,16 +351,17 @@ def first_stage_terms(x: ActShape) -> dict[str, int]:
 def stage_terms(x: ActShape, recompute: str = "none") -> dict[str, int]:
     """Per micro batch on every stage: RoPE cos/sin where they are held (plan/rope_activations.py)
     and, when a sliding window is shorter than the sequence ``S`` (``s x cp``: Ulysses' attention
-    holds the whole sequence; the ring refuses windows), the additive band mask
+    holds the whole sequence), the additive band mask
     ``[S, S]`` in the compute dtype that every layer's attention saves (models/llama.py
     ``attention_bias``: one tensor per forward, not one per layer). Packed rows (``data.packing``)
     hold their block-diagonal sample mask ``[b, 1, S, S]`` instead, one per kind of layer in use:
-    the windowed layers' (samples and band) and the full-attention layers'. All-gather CP holds the
-    rank's rows of each, ``[s, S]`` (models/masks.py), and with Gemma 2's soft-cap a causal mask of
-    those rows for the layers without a band (its kernel's implicit one is square)."""
+    the windowed layers' (samples and band) and the full-attention layers'. All-gather and ring CP hold
+    the rank's rows of each, ``[s, S]`` (models/masks.py; the ring's keys in ring order), and with Gemma
+    2's soft-cap a causal mask of those rows for the layers without a band (its kernel's implicit one is
+    square)."""
     out = stage_rope_terms(x, recompute)
     full = x.s * x.cp
-    rows = x.s if x.cp > 1 and x.cp_method == "allgather" else full
+    rows = x.s if x.cp > 1 and x.cp_method in ("allgather", "ring") else full
     band = bool(x.window) and full > x.window
     unbanded = not band or x.full_layers  # some layers attend to the whole prefix
     if x.packed:

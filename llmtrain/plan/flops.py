@@ -241,7 +241,8 @@ def attention_counted(cp: int, method: str, masked: float = 0.0) -> float:
     the remaining gap is that path's backward recomputing each block's scores, which the
     counter's SDPA formula (the CUDA kernels') does not count. ``masked``: the share of layers whose
     all-gather attention is one masked call of the rank's rows against the whole row
-    (:func:`allgather_masked`): counted whole, 1, as without CP."""
+    (:func:`allgather_masked`): counted whole, 1, as without CP. The ring's masked blocks (packed rows,
+    a window, the soft-cap) are the same blocks as its causal ones: the same count."""
     if cp == 1 or method == "ulysses":
         return 1.0
     if method == "ring":
@@ -275,15 +276,6 @@ def allgather_masked(recipe) -> float:
     return windowed(recipe.model, recipe.train.seq_len)
 
 
-def no_ring(recipe) -> bool:
-    """Whether context parallelism cannot be the ring: the attention takes a mask (a sliding window shorter
-    than the sequence, packed rows) or runs the soft-capped kernel, which the ring's blocks do not
-    (plan/validate.py refuses it, each in its own words); Ulysses and all-gather take them (plan/search.py
-    picks one of those)."""
-    return (windowed(recipe.model, recipe.train.seq_len) > 0 or recipe.model.attention_softcap is not None
-            or recipe.data.packing)
-
-
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     """Share of the full (unmasked) attention-score FLOPs the engine's kernels execute on the
     slowest context-parallel rank (time, not the FLOP convention of MFU): 1/2 for every method.
@@ -303,7 +295,12 @@ def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     over its heads), and kernels given a mask execute every score block, visible or not (CUDA's
     memory-efficient kernel, CPU's flash kernel); the FLOP convention of MFU still counts the
     unmasked attention, as for any causal model. A block-sparse kernel (FlexAttention) would run
-    about ``window / seq_len`` of them: not what the engine does."""
-    if cp == 1 or method in ("ulysses", "ring", "allgather"):
+    about ``window / seq_len`` of them: not what the engine does. The ring's masked blocks are its
+    unmasked ones with a mask (context_ring.py): only the diagonal block runs whole instead of half,
+    ``(2c)^2 / 2`` more of the ``4 cp c^2`` per rank: ``1/2 + masked / (2 cp)``. (Blocks whose every
+    score is masked still run: skipping them would make the work depend on the data.)"""
+    if method == "ring" and cp > 1:
+        return 0.5 + 0.5 * masked / cp
+    if cp == 1 or method in ("ulysses", "allgather"):
         return 0.5 + 0.5 * masked
     raise ValueError(f"attention_executed: unknown cp_method {method!r}")

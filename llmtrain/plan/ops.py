@@ -115,7 +115,10 @@ def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None)
     """(forward, backward) seconds of one block's attention on one rank, one micro batch: its kernels,
     and under ring / all-gather CP the merges, copies and accumulators between them (plan/cpmerge.py)."""
     heads = max(1, x.heads // x.tp)
-    f, b = attention_seconds(x.b, x.s, x.seq, heads, x.hd, x.attn_executed, gpu, sms, x.attention, x.e, x.kv_len)
+    keys = x.seq  # the soft-capped kernel runs every score of its calls: the ring's blocks are (cp + 1) / (2 cp) of [s, S]
+    if x.attention == "softcap" and x.cp_method == "ring":
+        keys = x.seq * (x.cp + 1) // (2 * x.cp)
+    f, b = attention_seconds(x.b, x.s, keys, heads, x.hd, x.attn_executed, gpu, sms, x.attention, x.e, x.kv_len)
     if x.cp_method:
         kv = heads if x.cp_kv_repeated else max(1, x.kv_heads // x.tp)
         mf, mb = cp_attention_bytes(x.cp_method, x.cp, x.b, heads, kv, x.s, x.hd, x.e)
@@ -221,10 +224,10 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
     masked_calls = p.cp_method == "allgather" and allgather_masked(recipe) == 1.0
     blocks = dims.cp > 1 and p.cp_method != "ulysses" and not masked_calls
     attention = recipe.planner.attention_kernel
+    if attention == "engine" and m.attention_softcap is not None:  # Gemma 2: the engine's own kernel (softcap.py),
+        attention = "softcap"  # also as ring CP's blocks
     if attention == "engine" and blocks:  # the engine's CP blocks call FA2's op themselves (context_blocks.py)
         attention = "fa2"
-    if attention == "engine" and m.attention_softcap is not None:  # Gemma 2: the engine's own kernel (softcap.py)
-        attention = "softcap"
     return BlockShape(b=t.micro_batch_size, s=t.seq_len // dims.cp, seq=t.seq_len, h=m.hidden, heads=m.heads,
                       kv_heads=m.kv_heads, hd=m.head_dim, ffn=m.ffn_hidden, vocab=m.vocab_size, tp=dims.tp,
                       sp=p.sequence_parallel and dims.tp > 1, e=compute_bytes(t.precision), cp=dims.cp,

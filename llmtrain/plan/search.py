@@ -35,7 +35,6 @@ from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.bubble import bubble_fraction
 from llmtrain.plan.costmodel import CostModel, estimate, peak_bytes, probe_ranks
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import no_ring
 from llmtrain.plan.hier import shard_replicas
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.search_bounds import (
@@ -232,7 +231,6 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
                                        lambda mb: floor * (1 + bubble_fraction(schedule, pp, v, gbs // dp // mb)) >= kth(),
                                        keep)
 
-    masked = no_ring(recipe)  # a mask or the soft-capped kernel: CP as Ulysses or all-gather (flops.no_ring)
     for bound, tp, cp, pp, schedule, v, ep, dp, split in splits:
         if bound >= kth():
             break
@@ -244,13 +242,7 @@ def search(recipe: Recipe, placement: Placement, top: int = 5, dp_overlap: bool 
             sp = kept_sp
         base = dict(tp=tp, cp=cp, pp=pp, ep=ep, pp_schedule=schedule, pp_virtual_stages=v, pp_layers_per_stage=split,
                     sequence_parallel=sp if tp > 1 or kept_sp is not None else recipe.parallel.sequence_parallel)
-        methods: list[str | None] = [None]  # the recipe's cp_method
-        if cp > 1 and masked and recipe.parallel.cp_method == "ring":  # both methods that take masks, each ranked:
-            # Ulysses where the heads split over tp x cp, all-gather always
-            methods = [mth for mth in ("ulysses", "allgather") if allowed(keep, "parallel.cp_method", mth)
-                       and (mth == "allgather" or m.heads % (tp * cp) == 0)]
-        for method in methods:
-            explore_split(base if method is None else dict(base, cp_method=method), bound, dp)
+        explore_split(base, bound, dp)  # the recipe's cp_method: every method takes masks and the soft-cap
     _finalize(recipe, placement, found, result, top, dp_overlap)
     result.seconds = time.perf_counter() - t0
     result.cpu_seconds = time.process_time() - c0

@@ -238,8 +238,8 @@ def _check_compression(recipe: Recipe, dpcp: int, err, warn) -> None:
 
 def _check_data(recipe: Recipe, err) -> None:
     """Data-source rules: a path where one is read, a chat template where one is needed, packing
-    only where rows are built from samples (and under context parallelism, with Ulysses or all-gather)."""
-    d, cp = recipe.data, recipe.parallel.cp
+    only where rows are built from samples."""
+    d = recipe.data
     if d.source == "memmap" and not d.path:
         err(Problem("data.path", "source memmap needs a path", "set data.path to a directory written by `llmtrain data prepare`"))
     if d.source in FINETUNE_SOURCES and not d.path:
@@ -252,14 +252,9 @@ def _check_data(recipe: Recipe, err) -> None:
     if d.packing and d.source not in FINETUNE_SOURCES:
         err(Problem("data.packing", f"packing needs samples to pack, but source {d.source} already yields full "
                     "train.seq_len rows", "set data.packing: false, or use source chat, instruction or text"))
-    # Context parallelism splits each row's sequence over cp ranks. Ulysses' attention holds whole rows
-    # (of its heads), so the block-diagonal (per-sample) mask of a packed row applies there unchanged;
-    # all-gather holds the whole row's K/V and takes its rows of the mask (engine/models/masks.py); the
-    # ring's blocks have no masks.
-    if d.packing and cp > 1 and recipe.parallel.cp_method == "ring":
-        err(Problem("parallel.cp_method", "packing with ring context parallelism: its attention blocks have no "
-                    "per-sample mask; all-gather and Ulysses take it",
-                    "set parallel.cp_method: allgather or ulysses, or data.packing: false, or parallel.cp: 1"))
+    # Context parallelism splits each row's sequence over cp ranks; every method takes the packed rows'
+    # per-sample mask: Ulysses' attention holds whole rows (of its heads), all-gather and ring take this
+    # rank's rows of the mask (engine/models/masks.py; the ring a view per block, context_ring.py).
 
 
 def _check_lora(recipe: Recipe, err, warn) -> None:

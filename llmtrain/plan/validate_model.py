@@ -12,7 +12,7 @@ from llmtrain.recipe.schema import Recipe
 
 
 def check_model(recipe: Recipe, err, warn) -> None:
-    p, m, t = recipe.parallel, recipe.model, recipe.train
+    m, t = recipe.model, recipe.train
     if m.hidden % m.heads and not m.explicit_head_dim:
         err(Problem("model.hidden", f"hidden ({m.hidden}) not divisible by heads ({m.heads})",
                     f"use heads in {_choices(divisors(m.hidden))}, or set model.head_dim"))
@@ -22,7 +22,6 @@ def check_model(recipe: Recipe, err, warn) -> None:
     if m.head_dim % 2 and (m.hidden % m.heads == 0 or m.explicit_head_dim):
         err(Problem("model.head_dim", f"head_dim ({m.head_dim}) is odd; RoPE rotates pairs",
                     "choose an even head_dim (or hidden and heads with an even quotient)"))
-    windowed = bool(m.windowed_layers)
     for name in ("full_attention_layers", "nope_layers"):  # layer indices
         bad_layers = sorted({i for i in getattr(m, name) or () if not 0 <= i < m.layers})
         if bad_layers:
@@ -42,14 +41,6 @@ def check_model(recipe: Recipe, err, warn) -> None:
     if m.mlp_activation != "silu" and m.is_moe:
         err(Problem("model.mlp_activation", f"mlp_activation {m.mlp_activation} with MoE: the experts are SwiGLU "
                     "(engine/models/grouped_experts.py)", "use mlp_activation: silu, or a dense model"))
-    if windowed and t.seq_len > m.sliding_window and p.cp > 1 and p.cp_method == "ring":
-        err(Problem("parallel.cp_method", f"the sliding window ({m.sliding_window}) is shorter than seq_len "
-                    f"({t.seq_len}), and ring context parallelism has no windowed attention blocks "
-                    "(engine/parallel/context.py)", "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"))
-    if m.attention_softcap is not None and p.cp > 1 and p.cp_method == "ring":
-        err(Problem("parallel.cp_method", f"soft-capped attention (model.attention_softcap {m.attention_softcap:g}) has "
-                    "no ring context-parallel blocks; all-gather and Ulysses run the capped kernel after their "
-                    "exchange (engine/models/softcap.py)", "set parallel.cp_method: allgather or ulysses, or parallel.cp: 1"))
     if m.rotary_dim is not None and (m.rotary_dim > m.head_dim or m.rotary_dim % 2):
         err(Problem("model.rotary_dim", f"rotary_dim ({m.rotary_dim}) must be even and at most head_dim ({m.head_dim})",
                     f"use an even rotary_dim <= {m.head_dim}, or drop it (all of head_dim)"))

@@ -23,7 +23,7 @@ every family by construction:
   Where the sequence is longer than the window, :meth:`Transformer.forward` builds one additive
   band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
   parallelism it spans the whole sequence, which Ulysses' attention holds, under all-gather CP this
-  rank's rows of it (:mod:`.masks`; ring CP refuses a window the sequence exceeds).
+  rank's rows of it, under ring CP the same rows with the keys in ring order (:mod:`.masks`).
 * ``nope_layers`` (SmolLM3): layers whose attention applies no RoPE to q and k.
 * ``pre_norms`` false (OLMo 2): no norm on the branch inputs (``attention_norm`` / ``ffn_norm`` do not
   exist), only the post norms on their outputs; ``qk_norm_width: all``: q's norm over all its heads
@@ -70,7 +70,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.engine.models.masks import (attention_bias, forward_masks, longest_sample, masked_sdpa,  # noqa: F401
-                                          packed_mask, window_mask, zigzag_rows)  # (re-exported: tests)
+                                          packed_mask, ring_keys, window_mask, zigzag_rows)  # (re-exported: tests)
 from llmtrain.engine.models.moe import MoE, FeedForward
 from llmtrain.engine.models.norm import RMSNorm, SplitRMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
@@ -173,22 +173,20 @@ class Attention(nn.Module):
             out = self.attn_fn(q, k, v)
         elif self.attn_fn is causal_sdpa:
             out = masked_sdpa(q, k, v, mask)
-        elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses (the whole row), all-gather CP (its rows)
+        elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses (the whole row), all-gather / ring CP (its rows)
             out = self.attn_fn(q, k, v, mask)
-        else:  # ring CP; plan refuses packing and a window with it
-            raise ValueError("an attention mask (data.packing, a sliding window) cannot run with ring "
-                             "context-parallel attention")
+        else:
+            raise ValueError("an attention mask (data.packing, a sliding window) cannot run with this attn_fn")
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     def _softcapped(self, q, k, v, mask):
-        """Soft-capped attention (``model.attention_softcap``): our kernel, alone or inside Ulysses' or
-        all-gather CP's exchange (``takes_softcap``); ring CP has no capped blocks (refused by plan)."""
+        """Soft-capped attention (``model.attention_softcap``): our kernel, alone, inside Ulysses' or
+        all-gather CP's exchange, or as ring CP's blocks (``takes_softcap``)."""
         if self.attn_fn is causal_sdpa:
             return softcap_attention(q, k, v, mask, self.softcap)
         if getattr(self.attn_fn, "takes_softcap", False):
             return self.attn_fn(q, k, v, mask, softcap=self.softcap)
-        raise ValueError("attention soft-capping (model.attention_softcap) cannot run with ring "
-                         "context-parallel attention")
+        raise ValueError("attention soft-capping (model.attention_softcap) cannot run with this attn_fn")
 
 
 class TransformerBlock(nn.Module):
@@ -254,9 +252,11 @@ class Transformer(nn.Module):
         # the whole row) and longrope's regime (by the row's length, rope.py) need.
         self.window: int | None = cfg.sliding_window
         self.seq_shards = 1
-        # All-gather CP sets ``cp_rows`` to (cp, cp rank): masks (packed rows, a window, the soft-capped
-        # kernel's causal one) then span this rank's zigzag rows only (models/masks.py)
+        # All-gather and ring CP set ``cp_rows`` to (cp, cp rank): masks (packed rows, a window, the soft-capped
+        # kernel's causal one) then span this rank's zigzag rows only; ring CP sets ``cp_ring_keys`` too: the
+        # masks' columns in ring order (models/masks.py ``ring_keys``)
         self.cp_rows: tuple[int, int] | None = None
+        self.cp_ring_keys = False
         # Return the final norm's output instead of logits (the loss applies ``output`` itself,
         # chunked: engine/parallel/loss.py). The default of forward's ``return_hidden``; the trainer
         # sets it on a pipeline's last stage, whose forward the schedule calls without our kwargs.
@@ -322,13 +322,14 @@ class Transformer(nn.Module):
         if self.cfg.local_rope_theta is not None and windowed:
             local_rope = rope_cos_sin(positions, self.cfg.rope_dim, self.cfg.local_rope_theta, None)
         window = self.window if self.window is not None and full > self.window and windowed else None
-        rows = None  # all-gather CP: masks of this rank's zigzag rows against the whole row (models/masks.py)
+        rows = keys = None  # all-gather / ring CP: masks of this rank's zigzag rows against the whole row (masks.py)
         if self.cp_rows is not None and (segments is not None or window is not None
                                        or self.cfg.attention_softcap is not None):
             rows = zigzag_rows(full, *self.cp_rows, device=h.device)
+            keys = ring_keys(full, self.cp_rows[0], device=h.device) if self.cp_ring_keys else None
         # one additive mask per kind per forward, shared by the layers of that kind (attention_bias)
         mask, windowed_mask = forward_masks(positions, segments, window, full, self.seq_shards, rows,
-                                            self.cfg.attention_softcap is not None, h.dtype)
+                                            self.cfg.attention_softcap is not None, h.dtype, keys)
         for layer in self.layers.values():
             cos, sin = local_rope if layer.windowed else rope
             m = windowed_mask if layer.windowed else mask

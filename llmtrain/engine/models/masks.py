@@ -7,7 +7,9 @@ Under all-gather context parallelism a rank's queries are its two zigzag chunks 
 masks are those rows only, ``[s, S]`` / ``[b, 1, s, S]`` with ``s = S / cp`` (Llama 3's reason for
 all-gather CP: "support different types of attention masks, such as the document mask",
 arXiv:2407.21783, sec. 3.3.2); soft-capped attention (Gemma 2) there takes its causal mask as rows too,
-since its kernel's implicit causal mask assumes square scores. Ring CP has no masked blocks.
+since its kernel's implicit causal mask assumes square scores. Ring CP's masks are the same rows, with
+the keys in ring order (:func:`ring_keys`): each K/V block the ring passes around is then a contiguous
+range of columns, and each step's block mask a view (``engine/parallel/context_ring.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ def zigzag_rows(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tenso
     first, second = cp_rank, 2 * cp - 1 - cp_rank
     return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)])
+
+
+def ring_keys(seq_len: int, cp: int, device=None) -> torch.Tensor:
+    """Global positions of the keys in ring order: every cp rank's zigzag rows (:func:`zigzag_rows`) in
+    rank order, the K/V of rank ``j`` at columns ``j s_local ... (j + 1) s_local``."""
+    return torch.cat([zigzag_rows(seq_len, cp, j, device) for j in range(cp)])
 
 
 def packed_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -86,16 +94,17 @@ def masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 def forward_masks(positions: torch.Tensor, segments: torch.Tensor | None, window: int | None, full: int,
                   seq_shards: int, rows: torch.Tensor | None, causal_rows: bool,
-                  dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+                  dtype: torch.dtype, keys: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The additive masks of one forward: ``(full-attention layers', windowed layers')``, either None
     where those layers run plain causal attention (module docstring).
 
     ``positions``: this rank's RoPE positions (used for the band without CP); ``segments`` [b, S]: the
     whole row's sample ids of packed rows; ``window``: the window when it is shorter than the row
     ``full`` and this stage has windowed layers, else None; ``seq_shards``: cp (a band over the whole
-    row for Ulysses); ``rows``: this rank's query rows under all-gather CP (:func:`zigzag_rows`), else
-    None; ``causal_rows``: with ``rows``, give unmasked layers an explicit causal mask of those rows
-    (the soft-capped kernel)."""
+    row for Ulysses); ``rows``: this rank's query rows under all-gather or ring CP (:func:`zigzag_rows`),
+    else None; ``causal_rows``: with ``rows``, give unmasked layers an explicit causal mask of those rows
+    (the soft-capped kernel); ``keys``: with ``rows``, the key positions in the order of the mask's
+    columns (ring CP: :func:`ring_keys`), else the row in order."""
     if rows is None:
         base = None if segments is None else packed_mask(segments)  # boolean, True = may attend
         band = None
@@ -103,11 +112,12 @@ def forward_masks(positions: torch.Tensor, segments: torch.Tensor | None, window
             band = window_mask(positions if seq_shards == 1 else torch.arange(full, device=positions.device), window)
             band = band if base is None else base.logical_and(band)
     else:
-        d = rows.unsqueeze(-1) - torch.arange(full, device=rows.device).unsqueeze(0)  # [s, S]: query - key position
+        keys = torch.arange(full, device=rows.device) if keys is None else keys
+        d = rows.unsqueeze(-1) - keys.unsqueeze(0)  # [s, S]: query - key position
         causal = d >= 0
         base = causal if causal_rows else None
-        if segments is not None:  # the rows' sample ids against the whole row's
-            same = segments.index_select(1, rows).unsqueeze(-1) == segments.unsqueeze(-2)
+        if segments is not None:  # the rows' sample ids against the whole row's keys
+            same = segments.index_select(1, rows).unsqueeze(-1) == segments.index_select(1, keys).unsqueeze(-2)
             base = same.logical_and(causal).unsqueeze(1)
         band = None
         if window is not None:

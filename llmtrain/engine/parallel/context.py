@@ -41,7 +41,9 @@ computes exactly the full-sequence attention.
   sends K/V around again together with the accumulating dK/dV (kv_heads: each block's repeated
   heads' gradients summed first), which end at their owner. Every block is a fused SDPA kernel call that returns its lse
   (``context_blocks.py``), unmasked or ``is_causal`` on the diagonal: working memory O(s_local d),
-  never an ``[s_local, s_local]`` score block.
+  never an ``[s_local, s_local]`` score block. With a mask (packed rows, a window) or the soft-cap,
+  the model's mask of this rank's rows with the keys in ring order, and each block a masked kernel
+  call on its view of it (``context_ring.py``).
 """
 
 from __future__ import annotations
@@ -233,7 +235,7 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
 def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
-    Ulysses takes them too; Ulysses and all-gather take the model's mask (``takes_mask``: a sliding
+    Ulysses takes them too; every method takes the model's mask (``takes_mask``: a sliding
     window, packed rows) and Gemma 2's soft-cap (``takes_softcap``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
@@ -241,9 +243,9 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
         ulysses.takes_mask = ulysses.takes_softcap = ulysses.takes_kv_heads = True
         return ulysses
     if method == "ring":
-        def ring(q, k, v):
-            return ring_attention(q, k, v, group, cp)
-        ring.takes_kv_heads = True
+        def ring(q, k, v, mask=None, softcap=None):
+            return ring_attention(q, k, v, group, cp, mask, softcap)
+        ring.takes_mask = ring.takes_softcap = ring.takes_kv_heads = True
         return ring
 
     def allgather(q, k, v, mask=None, softcap=None):
@@ -255,14 +257,9 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
 def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
     """Swap every block's core attention for the CP one (before AC/compile/FSDP wrap blocks)."""
     cp, cp_rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
-    windowed = any(block.windowed for block in model.layers.values())
-    if windowed and model.window is not None and model.window < seq_len and method == "ring":  # validated first
-        raise ValueError(f"a sliding window ({model.window}) shorter than seq_len ({seq_len}) needs cp_method "
-                         "allgather or ulysses, not ring: the ring has no windowed blocks")
-    if model.cfg.attention_softcap is not None and method == "ring":  # validated first
-        raise ValueError("soft-capped attention (model.attention_softcap) needs cp_method allgather or ulysses, not ring")
     model.seq_shards = cp  # a row is cp shards: the window's band (Ulysses) and longrope's regime use its length
-    if method == "allgather":  # masks of this rank's zigzag rows (models/masks.py)
+    if method in ("allgather", "ring"):  # masks of this rank's zigzag rows (models/masks.py), keys in ring order
         model.cp_rows = (cp, cp_rank)
+        model.cp_ring_keys = method == "ring"
     for block in model.layers.values():
         block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len)

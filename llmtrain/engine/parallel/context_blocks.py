@@ -40,6 +40,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from llmtrain.engine.models.softcap import softcap_attention_backward, softcap_attention_op
+
 aten = torch.ops.aten
 
 
@@ -62,10 +64,14 @@ def backend(q: torch.Tensor) -> str:
     return "math"
 
 
-def block_forward(q, k, v, causal: bool, scale: float, kind: str | None = None):
+def block_forward(q, k, v, causal: bool, scale: float, kind: str | None = None,
+                  mask: torch.Tensor | None = None, softcap: float | None = None):
     """One block: ``(out [b, h, s_q, d] in q's dtype, lse [b, h, s_q] in acc dtype, aux)``;
     ``aux`` is what this block's backward needs besides the tensors. ``kind`` overrides
-    :func:`backend` (tests run the math path on CPU)."""
+    :func:`backend` (tests run the math path on CPU). ``mask`` / ``softcap``: a masked block
+    (:func:`masked_block_forward`)."""
+    if mask is not None or softcap is not None:
+        return masked_block_forward(q, k, v, mask, softcap, scale, kind)
     kind = kind or backend(q)
     if kind == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -84,11 +90,13 @@ def block_forward(q, k, v, causal: bool, scale: float, kind: str | None = None):
     return out, lse, (kind,)
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux, mask: torch.Tensor | None = None):
     """Gradients of the block's q, k, v (in their dtype), given the merged ``out``/``lse`` of the
-    block's query rows (module docstring)."""
+    block's query rows (module docstring); ``mask``: the forward's, for a masked block."""
     kind = aux[0]
     dout, out = dout.to(q.dtype), out.to(q.dtype)
+    if kind in MASKED_KINDS:
+        return masked_block_backward(dout, q, k, v, out, lse, mask, scale, aux)
     if kind == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, causal,
                                                                          scale=scale)
@@ -102,9 +110,102 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float, aux):
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
+    probs = torch.exp(_math_scores(q, k, causal, scale) - lse[..., None])
+    return _math_grads(dout, q, k, v, out, probs, lse.dtype, scale)
+
+
+# -- masked blocks (ring CP with packed rows, a sliding window or Gemma 2's soft-cap) --------------------------
+MASKED_KINDS = ("cpu_masked", "efficient_masked", "math_masked", "softcap")
+EFFICIENT_ALIGN = 16  # the memory-efficient kernel's bias rows start on 16-element boundaries (SDPA pads so too)
+
+
+def masked_backend(q: torch.Tensor, softcap: float | None) -> str:
+    """The kernel of a masked block: the soft-capped kernel for Gemma 2 (models/softcap.py); else CPU's
+    flash kernel (it takes a mask), on CUDA the memory-efficient one (flash takes no mask), else math."""
+    if softcap is not None:
+        return "softcap"
+    kind = backend(q)
+    return {"cpu": "cpu_masked", "flash": "efficient_masked", "efficient": "efficient_masked"}.get(kind, "math_masked")
+
+
+def masked_block_forward(q, k, v, mask: torch.Tensor, softcap: float | None, scale: float, kind: str | None = None):
+    """A block under an additive ``mask`` of its rows and keys (0 / -inf, ``[s_q, s_k]`` or ``[b, 1, s_q,
+    s_k]``, a view of the model's mask: ``models/masks.py``), soft-capped when ``softcap`` (the mask then
+    holds the causal part too): ``(out, lse, aux)`` as :func:`block_forward`.
+
+    Rows that see no key of this block (another sample, outside the window, later positions) come
+    back with ``lse = -inf`` and a zero output whatever the kernel returns for them (CPU's flash kernel
+    returns lse 0 and output 0, so its output is kept; the soft-capped one NaN; the others are zeroed
+    too), so :func:`merge_` adds nothing for them. Which rows: the mask's row maxima (no ``[s_q, s_k]``
+    temporary). The
+    caller starts from a block that gives every row a key (the ring's own K/V hold each row's
+    diagonal), so merged rows are never empty and every backward gets a finite lse."""
+    if mask is None:
+        raise ValueError("a soft-capped block needs its mask (the causal part as rows of keys)")
+    kind = "math_masked" if kind == "math" else kind or masked_backend(q, softcap)
+    if kind == "softcap":
+        out, lse = softcap_attention_op(q, k, v, mask, float(softcap))
+        aux = (kind, float(softcap))
+    elif kind == "cpu_masked":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+        aux = (kind,)
+    elif kind == "efficient_masked":
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, efficient_bias(mask, q, k), True, 0.0, False, scale=scale)
+        aux = (kind, lse.shape[-1], seed, offset)
+        lse = lse[..., :q.shape[2]]
+    else:
+        scores = _math_scores(q, k, False, scale) + mask
+        lse = torch.logsumexp(scores, dim=-1)
+        out = (torch.exp(scores - lse[..., None]) @ v.to(scores.dtype)).to(q.dtype)
+        aux = ("math_masked",)
+    empty = mask.amax(-1).isneginf()  # rows with no visible key here: [s_q] or [b, 1, s_q]
+    # out of place: selective recomputation caches the kernels' outputs (start_accumulators' reason)
+    lse = lse.to(acc_dtype(q.dtype)).masked_fill(empty, float("-inf"))
+    if kind != "cpu_masked":
+        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
+    return out, lse, aux
+
+
+def masked_block_backward(dout, q, k, v, out, lse, mask: torch.Tensor, scale: float, aux):
+    """Gradients of a :func:`masked_block_forward` block given the merged ``out`` / ``lse`` (finite: every
+    merged row saw a key), the same mask: masked keys get probability ``exp(-inf) = 0``."""
+    kind = aux[0]
+    if kind == "softcap":
+        return softcap_attention_backward(dout.contiguous(), q, k, v, mask, out, lse.contiguous(), aux[1])
+    if kind == "cpu_masked":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, False,
+                                                                         attn_mask=mask, scale=scale)
+    if kind == "efficient_masked":
+        _, padded, seed, offset = aux
+        lse = F.pad(lse, (0, padded - lse.shape[-1])).contiguous()
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, efficient_bias(mask, q, k), out, lse, seed, offset, 0.0, [True, True, True, False],
+            False, scale=scale)
+        return dq, dk, dv
     acc = lse.dtype
-    scores = _math_scores(q, k, causal, scale)
-    probs = torch.exp(scores - lse[..., None])
+    probs = torch.exp(_math_scores(q, k, False, scale) + mask - lse[..., None])
+    return _math_grads(dout, q, k, v, out, probs, acc, scale)
+
+
+def efficient_bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` as the memory-efficient kernel's bias: q's dtype, rows starting on
+    :data:`EFFICIENT_ALIGN`-element boundaries (copied into a padded buffer otherwise, as SDPA's own
+    ``preprocess_mask`` pads), expanded to ``[b, heads, s_q, s_k]`` (a view). Not yet run on a GPU
+    (benchmarks/gpu_check_steps/kernels.py checks it there)."""
+    bias = mask.to(q.dtype)
+    if bias.stride(-1) != 1 or bias.stride(-2) % EFFICIENT_ALIGN:
+        sk = bias.shape[-1]
+        wide = -(-sk // EFFICIENT_ALIGN) * EFFICIENT_ALIGN
+        padded = torch.zeros(*bias.shape[:-1], wide, dtype=bias.dtype, device=bias.device)
+        padded[..., :sk].copy_(bias)
+        bias = padded[..., :sk]
+    while bias.dim() < 4:
+        bias = bias.unsqueeze(0)
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _math_grads(dout, q, k, v, out, probs, acc, scale):
     dout_a = dout.to(acc)
     dv = probs.transpose(-1, -2) @ dout_a
     dscores = probs * (dout_a @ v.to(acc).transpose(-1, -2) - (dout_a * out.to(acc)).sum(-1, keepdim=True))
@@ -134,8 +235,9 @@ def start_accumulators(blk_out: torch.Tensor, blk_lse: torch.Tensor) -> tuple[to
 def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
     """Fold one block into the running (``out``, ``lse``) of the same query rows, in place.
 
-    ``out``/``lse`` are acc-dtype accumulators (or views of their rows). No row is ever empty
-    (every caller starts from a block that gives each row at least one key), so no -inf guards."""
+    ``out``/``lse`` are acc-dtype accumulators (or views of their rows). No merged row is ever
+    empty (every caller starts from a block that gives each row at least one key), so no -inf
+    guards: a masked block's empty rows (``blk_lse = -inf``, output 0) add nothing."""
     new = torch.logaddexp(lse, blk_lse.to(lse.dtype))
     out.mul_(torch.exp(lse - new).unsqueeze(-1))
     out.add_(blk_out * torch.exp(blk_lse - new).unsqueeze(-1))

@@ -19,6 +19,20 @@ structure, so no mask is ever built and every block is a plain kernel call:
 Both later kinds are unmasked and half the work of a full block, which keeps zigzag balanced: each
 rank does one diagonal block and ``cp - 1`` half blocks.
 
+Masks (packed rows' samples, a sliding window, Gemma 2's soft-cap; since the forty-first session,
+before refused for all-gather or Ulysses): the model hands the ring this rank's rows of its additive
+mask with the keys in ring order (``models/masks.py`` ``ring_keys``: rank ``j``'s K/V are columns
+``j s_local ...``), so every step's block mask is a view of it, the same rows and keys the block
+already uses (:func:`_block_mask`), and the causal structure above still holds (the mask has the causal
+part in it; the diagonal block runs whole instead of ``is_causal``). Each block is a masked kernel
+call (``context_blocks.masked_block_forward``: CPU's flash kernel with its mask, CUDA's
+memory-efficient kernel with a bias, or the soft-capped kernel) whose rows that see no key of the
+block (another sample, outside the window) come back with ``lse = -inf`` and add nothing to the
+merge; the diagonal block holds every row's own position, so merged rows are never empty. Blocks
+whose every score is masked still run (a window far shorter than the sequence wastes them; skipping
+would make the work depend on the data, which the planner prices exactly now). The mask is saved
+for backward by reference: the model's one tensor per forward, shared by its layers.
+
 GQA: K/V travel with their local kv_heads (``[b, kv_heads, s_local, d]``, not repeated by the
 model: ``context.make_cp_attention``); each step repeats the block it uses to the query heads
 (``context_blocks.repeat_kv``) just for its kernel call, so the ring moves ``heads / kv_heads``
@@ -88,12 +102,26 @@ def _step_kind(step: int, src: int, rank: int) -> str:
     return "kv_half" if src < rank else "q_half"
 
 
+def _block_mask(mask: torch.Tensor | None, kind: str, src: int, s_local: int) -> torch.Tensor | None:
+    """The view of ``mask`` (this rank's rows against the whole row's keys in ring order: rank ``j``'s
+    K/V are columns ``j s_local ...``, ``masks.ring_keys``) that a step's block uses (module docstring)."""
+    if mask is None:
+        return None
+    half, lo = s_local // 2, src * s_local
+    if kind == "kv_half":
+        return mask[..., lo:lo + half]
+    if kind == "q_half":
+        return mask[..., half:, lo:lo + s_local]
+    return mask[..., lo:lo + s_local]
+
+
 class RingAttention(torch.autograd.Function):
     """Causal ring attention on this rank's zigzag shard: q ``[b, heads, s_local, d]``, k and v
-    ``[b, kv_heads, s_local, d]`` (GQA: not repeated; module docstring)."""
+    ``[b, kv_heads, s_local, d]`` (GQA: not repeated; module docstring); ``mask`` / ``softcap``:
+    masked blocks (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp: int):
+    def forward(ctx, q, k, v, group, cp: int, mask=None, softcap=None):
         rank, scale, half = dist.get_rank(group), default_scale(q), q.shape[2] // 2
         n_rep = q.shape[1] // k.shape[1]
         out = lse = None
@@ -106,27 +134,30 @@ class RingAttention(torch.autograd.Function):
             pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(*kv, keys, n_rep)  # GQA: repeated after the exchange
+            bm = _block_mask(mask, kind, src, q.shape[2])
+            causal = kind == "diag" and bm is None  # a mask holds the causal part itself
             if kind == "diag":
-                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, True, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, causal, scale, mask=bm, softcap=softcap)
                 out, lse = start_accumulators(blk_out, blk_lse)
             elif kind == "kv_half":
-                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, False, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q, kr, vr, False, scale, mask=bm, softcap=softcap)
                 merge_(out, lse, blk_out, blk_lse)
             else:
-                blk_out, blk_lse, aux[kind] = block_forward(q[:, :, half:], kr, vr, False, scale)
+                blk_out, blk_lse, aux[kind] = block_forward(q[:, :, half:], kr, vr, False, scale, mask=bm,
+                                                            softcap=softcap)
                 merge_(out[:, :, half:], lse[:, :, half:], blk_out, blk_lse)
             del blk_out, blk_lse, kr, vr
             if pending is not None:
                 kv, pending = finish_rotate(pending), None
         del kv
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
         ctx.group, ctx.cp, ctx.scale, ctx.aux = group, cp, scale, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, mask = ctx.saved_tensors
         group, cp, scale, aux = ctx.group, ctx.cp, ctx.scale, ctx.aux
         rank, half = dist.get_rank(group), q.shape[2] // 2
         n_rep = q.shape[1] // k.shape[1]
@@ -146,12 +177,14 @@ class RingAttention(torch.autograd.Function):
             kv_pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(kb, vb, keys, n_rep)  # GQA (forward's)
+            bm = _block_mask(mask, kind, src, q.shape[2])
             if kind == "q_half":
                 dqb, dkb, dvb = block_backward(dout[:, :, half:], q[:, :, half:], kr, vr, out[:, :, half:],
-                                               lse[:, :, half:], False, scale, aux[kind])
+                                               lse[:, :, half:], False, scale, aux[kind], bm)
                 dq[:, :, half:].add_(dqb)
             else:
-                dqb, dkb, dvb = block_backward(dout, q, kr, vr, out, lse, kind == "diag", scale, aux[kind])
+                causal = kind == "diag" and bm is None
+                dqb, dkb, dvb = block_backward(dout, q, kr, vr, out, lse, causal, scale, aux[kind], bm)
                 dq.add_(dqb)
             del kr, vr, dqb
             # this block's dK/dV accumulators (sent by the previous rank after its own block's
@@ -169,8 +202,9 @@ class RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv, kv_pending = finish_rotate(kv_pending), None  # frees the copies sent
         dk, dv = finish_rotate(grads_pending)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, group: dist.ProcessGroup, cp: int):
-    return RingAttention.apply(q, k, v, group, cp)
+def ring_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None,
+                   softcap: float | None = None):
+    return RingAttention.apply(q, k, v, group, cp, mask, None if softcap is None else float(softcap))
