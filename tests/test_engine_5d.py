@@ -183,7 +183,8 @@ def test_cp4_ring_long_sequence_matches_full_attention(results):
     ring 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails. ``gqa_*``: ring and
 all-gather with 2 KV heads for 4 query heads, K/V exchanged un-repeated (same 1e-10). ``masked_*``:
 all-gather (each rank its rows of the model's mask), ring (the same rows, keys in ring order, a view
-per block) and Ulysses with packed rows' document mask, a sliding window, the soft-cap, and all three,
+per block; with the narrow window of 40 it skips the blocks outside it, plan/ringwindow.py) and Ulysses with
+packed rows' document mask, a sliding window, the soft-cap, and all three,
 against the model's own attention without CP (same 1e-10; measured <= 7.6e-15 all-gather, <= 5.6e-15
 ring, 0 Ulysses, whose kernel sees the same rows; the ring with its blocks' empty rows left at the CPU
 kernel's lse 0 is 2.7 off on the document mask)."""
@@ -191,7 +192,7 @@ kernel's lse 0 is 2.7 off on the document mask)."""
     fp64 = {f"cp{cp}_{m}" for cp in (2, 4) for m in ("ring", "ulysses", "allgather")}
     fp64 |= {f"gqa_cp{cp}_{m}" for cp in (2, 4) for m in ("ring", "allgather")}  # K/V exchanged with kv_heads only
     fp64 |= {f"masked_{kind}_cp{cp}_{m}" for cp in (2, 4) for m in ("allgather", "ulysses", "ring")
-             for kind in ("doc", "window", "softcap", "softcap_doc_window")}
+             for kind in ("doc", "window", "softcap", "softcap_doc_window", "narrow_window", "softcap_doc_narrow")}
     assert set(report) == fp64 | {"bf16_ring", "bf16_allgather", "bf16_sdpa"}
     for case in fp64:
         assert report[case] < 1e-10, f"{case}: max error {report[case]:.2e}"

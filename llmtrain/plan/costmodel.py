@@ -31,8 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    allgather_masked, attention_counted, attention_executed, masked_layers,
-    block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    cp_attention_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import split_backwards
@@ -124,7 +123,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # The causal kernels never execute the masked score blocks: of the 12 h s attention FLOPs per
     # token only flops.attention_executed's share runs (1/2 for every method: causal SDPA, Ulysses,
     # the zigzag ring and the zigzag all-gather)
-    executed = attention_executed(dims.cp, p.cp_method, masked_layers(recipe))  # a mask (window, packing): all of them
+    # a mask (window, packing): all of them; the ring's windowed layers: the blocks it runs (flops.cp_attention_shares)
+    counted, executed = cp_attention_shares(recipe, dims.cp)
     skipped_attention = 12.0 * m.hidden * seq * (1.0 - executed)
     v2 = v2_priced(recipe)
     shape = ops.shape_of(recipe, dims, gpu, executed) if v2 else None
@@ -209,7 +209,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last, first)
     # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
     # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
-    counted = attention_counted(dims.cp, p.cp_method, allgather_masked(recipe))  # all-gather's masked calls: whole
+    # (counted above: all-gather's masked calls whole, the ring's skipped blocks not at all)
     uncounted = (1.0 - counted) * score_flops_per_token(m.heads * m.head_dim, seq)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recomputed, lk, dims.tp, whole):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + again_attention))

@@ -26,6 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
+from llmtrain.plan.ringwindow import ring_window_work
 from llmtrain.plan.shards import block_targets, lora_key
 from llmtrain.recipe.schema import ModelConfig
 
@@ -274,6 +275,22 @@ def allgather_masked(recipe) -> float:
     if recipe.data.packing or recipe.model.attention_softcap is not None:
         return 1.0
     return windowed(recipe.model, recipe.train.seq_len)
+
+
+def cp_attention_shares(recipe, cp: int) -> tuple[float, float]:
+    """``(counted, executed)``: :func:`attention_counted` and :func:`attention_executed` of a recipe at ``cp``,
+    with ring CP's windowed layers (a window shorter than the sequence) by the blocks the ring runs: it
+    skips those outside the window (plan/ringwindow.py), which the FLOP count and the time then lack;
+    its other layers as before (masked when packed)."""
+    p, m, seq = recipe.parallel, recipe.model, recipe.train.seq_len
+    counted = attention_counted(cp, p.cp_method, allgather_masked(recipe))
+    executed = attention_executed(cp, p.cp_method, masked_layers(recipe))
+    w = windowed(m, seq)
+    if cp > 1 and p.cp_method == "ring" and w:
+        window_counted, window_executed, _ = ring_window_work(cp, seq, m.sliding_window)
+        counted = w * window_counted + (1.0 - w) * counted
+        executed = w * window_executed + (1.0 - w) * attention_executed(cp, "ring", float(recipe.data.packing))
+    return counted, executed
 
 
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:

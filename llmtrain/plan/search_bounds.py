@@ -95,10 +95,10 @@ def state_lower_bound(recipe: Recipe, tp: int, pp: int, ep: int, dpcp: int) -> f
 
 def skipped_attention(recipe: Recipe, cp: int) -> float:
     """Attention FLOPs per token that causal SDPA never executes (see costmodel.estimate)."""
-    from llmtrain.plan.flops import attention_executed, masked_layers  # noqa: PLC0415
+    from llmtrain.plan.flops import cp_attention_shares  # noqa: PLC0415
 
-    m, p, seq = recipe.model, recipe.parallel, recipe.train.seq_len
-    return 12.0 * m.hidden * seq * m.layers * (1.0 - attention_executed(cp, p.cp_method, masked_layers(recipe)))
+    m, seq = recipe.model, recipe.train.seq_len
+    return 12.0 * m.hidden * seq * m.layers * (1.0 - cp_attention_shares(recipe, cp)[1])
 
 
 def recompute_tok(recipe: Recipe, tp: int, cp: int) -> float:

@@ -232,11 +232,13 @@ def _heads_to_seq(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return recv.permute(1, 0, 2, 3, 4).reshape(b, cp * hc, s, d)
 
 
-def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int):
+def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: int, seq_len: int,
+                      window: int | None = None):
     """The ``attn_fn`` for this rank's blocks. Ring and all-gather take K/V with their local
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
     Ulysses takes them too; every method takes the model's mask (``takes_mask``: a sliding
-    window, packed rows) and Gemma 2's soft-cap (``takes_softcap``)."""
+    window, packed rows) and Gemma 2's soft-cap (``takes_softcap``). ``window``: a windowed layer's
+    sliding window, whose empty blocks the ring skips (``plan/ringwindow.py``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
@@ -244,7 +246,7 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
         return ulysses
     if method == "ring":
         def ring(q, k, v, mask=None, softcap=None):
-            return ring_attention(q, k, v, group, cp, mask, softcap)
+            return ring_attention(q, k, v, group, cp, mask, softcap, window)
         ring.takes_mask = ring.takes_softcap = ring.takes_kv_heads = True
         return ring
 
@@ -262,4 +264,5 @@ def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
         model.cp_rows = (cp, cp_rank)
         model.cp_ring_keys = method == "ring"
     for block in model.layers.values():
-        block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len)
+        window = model.window if block.windowed else None  # the ring skips the blocks outside it
+        block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len, window)
