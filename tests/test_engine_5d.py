@@ -46,6 +46,7 @@ COMMON = ["train.seq_len=64", "train.micro_batch_size=2", "train.global_batch_si
 MOE = ["model.preset=debug-moe", "model.moe.balance=bias", "model.moe.router=sigmoid", "model.moe.bias_update_rate=0.01"]
 DEEP = ["model.layers=8"]  # 8 stages for pp 4 interleaved
 OLMO = ["model.pre_norms=false", "model.post_norms=true", "model.qk_norm=true", "model.qk_norm_width=all"]
+WINDOW = ["model.sliding_window=8"]
 LOSS_TOL, WEIGHT_TOL = 2e-5, 2e-4
 
 
@@ -62,6 +63,10 @@ CASES = {
     # then weight pass); selective cannot (torch's cache is consumed once: plan/validate.py refuses it)
     "pp2_zero-bubble_full": (2, "dense", pp("zero-bubble") + ["train.activation_checkpointing=full"]),
     **{f"cp2_{m}": (2, "dense", ["parallel.cp=2", f"parallel.cp_method={m}"]) for m in ("ring", "ulysses", "allgather")},
+    # ring CP 4 with a window of one 8-token chunk: masked blocks, the blocks outside the window skipped
+    # (plan/ringwindow.py), under selective recomputation (the kernels' outputs it caches are those that ran)
+    "cp4_ring_window": (4, "window", WINDOW + ["parallel.cp=4", "parallel.cp_method=ring",
+                                               "train.activation_checkpointing=selective"]),
     "ep2_dp2_moe": (2, "moe", MOE + ["parallel.ep=2", "parallel.zero=3"]),
     # fewer local experts than FSDP ranks: the stacked experts are sharded on H (data_parallel.expert_placement),
     # in their own unit on the edp mesh (ep 2: 1 expert over edp 2) and in the block's unit (2 experts over 4)
@@ -114,7 +119,7 @@ CASES = {
                                                                "parallel.zero=3", "train.micro_batch_size=1"]),
 }
 REFS = {"dense": [], "moe": MOE, "deep": DEEP, "moe_aux": ["model.preset=debug-moe"], "olmo": OLMO,
-        "moe_e2": MOE + ["model.moe.num_experts=2"]}
+        "moe_e2": MOE + ["model.moe.num_experts=2"], "window": WINDOW}
 # checks run inside the same jobs (dist_worker "check" cases): world size -> cases
 CHECKS = {2: [{"name": "pp_bf16_kernels", "check": "tests.pp_precision_check:stage_matmul_dtypes"}],
           4: [{"name": "cp_attention", "check": "tests.cp_attention_worker:long_sequence"}]}
