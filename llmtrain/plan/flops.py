@@ -314,8 +314,9 @@ def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     unmasked attention, as for any causal model. A block-sparse kernel (FlexAttention) would run
     about ``window / seq_len`` of them: not what the engine does. The ring's masked blocks are its
     unmasked ones with a mask (context_ring.py): only the diagonal block runs whole instead of half,
-    ``(2c)^2 / 2`` more of the ``4 cp c^2`` per rank: ``1/2 + masked / (2 cp)``. (Blocks whose every
-    score is masked still run: skipping them would make the work depend on the data.)"""
+    ``(2c)^2 / 2`` more of the ``4 cp c^2`` per rank: ``1/2 + masked / (2 cp)``. (Blocks that packed
+    rows' samples leave empty still run: skipping them would make the work depend on the data; a
+    windowed layer's blocks outside the window are skipped, :func:`cp_attention_shares`.)"""
     if method == "ring" and cp > 1:
         return 0.5 + 0.5 * masked / cp
     if cp == 1 or method in ("ulysses", "allgather"):
