@@ -34,7 +34,7 @@ every family by construction:
   chunked loss sees it); with ``attention_scale`` as the softmax scale.
 * ``attention_softcap`` / ``logit_softcap`` (Gemma 2): attention scores and final logits bounded by
   ``cap * tanh(x / cap)``; the scores need our own kernel (:mod:`.softcap`), which Ulysses and
-  all-gather context parallelism run after their exchange (ring refuses it).
+  all-gather context parallelism run after their exchange and ring CP as its blocks.
 
 Names are a contract with the parallel code (TP plans, PP splitting, FSDP wrapping,
 checkpoints, init), so they are fixed and layout-independent:
