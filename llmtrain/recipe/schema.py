@@ -254,7 +254,7 @@ class DataConfig(Strict):
                     "(text also .txt) or a directory of them.")
     packing: bool = Field(
         False, description="chat/instruction/text: pack several samples into each train.seq_len row (attention and RoPE "
-                           "positions restart per sample; with parallel.cp > 1 under cp_method allgather or ulysses); false pads "
+                           "positions restart per sample; with parallel.cp > 1 under every cp_method); false pads "
                            "every sample to its own row.")
     overlong: Literal["truncate", "drop"] = Field(
         "truncate", description="chat/instruction/text samples longer than train.seq_len + 1 tokens: truncate them or "
