@@ -249,14 +249,37 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
     return out
 
 
+# What transformers' config classes (5.x) take for keys a config.json omits, so that a file is read as
+# transformers reads it: SmolLM3-3B's own config.json has no tie_word_embeddings, and SmolLM3Config ties by
+# default (untied, the model had 262M parameters more and no lm_head.weight to load); the other keys were
+# refused as missing before. Gemma's families: recipe/hf_gemma.py. tests/test_hf_config_defaults.py checks
+# these against the installed transformers.
+HF_DEFAULTS: dict[str, dict] = {
+    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072),
+    "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen3_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "phi3": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "olmo2": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048),
+    "olmoe": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "granite": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "granitemoe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "smollm3": dict(rope_theta=2000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
+}
+
+
 def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:
     """Recipe ``model`` fields (a dict for ``ModelConfig``) of an HF ``config.json``; a wrong type or
-    an unsupported model_type / field raises :class:`LLMTrainError` (one problem per finding)."""
+    an unsupported model_type / field raises :class:`LLMTrainError` (one problem per finding). Keys the
+    file omits take transformers' defaults (:data:`HF_DEFAULTS`)."""
     conf = text_part(conf)  # a multimodal Gemma 3: its language model (recipe/hf_gemma.py)
     problems = _type_problems(conf, where) or unsupported_problems(conf, where)
     if problems:
         raise LLMTrainError(problems)
     mt = conf["model_type"]
+    conf = {**HF_DEFAULTS.get(mt, {}), **conf}  # (a base in rope_parameters still wins: _hf_theta)
     heads, hidden = conf.get("num_attention_heads"), conf.get("hidden_size")
     out = {
         "family": mt, "layers": conf.get("num_hidden_layers"), "hidden": hidden, "heads": heads,
