@@ -263,6 +263,8 @@ PUBLISHED = {  # (total, active) of the HF architectures: the exact integers of 
     "gemma-2b": (2_506_172_416, None), "gemma-7b": (8_537_680_896, None), "mistral-nemo-12b": (12_247_782_400, None),
     "qwen2.5-0.5b": (494_032_768, None), "qwen2.5-1.5b": (1_543_714_304, None), "qwen2.5-3b": (3_085_938_688, None),
     "qwen2.5-14b": (14_770_033_664, None), "qwen2.5-32b": (32_763_876_352, None), "qwen2.5-72b": (72_706_203_648, None),
+    "olmo2-1b": (1_484_916_736, None), "olmo2-7b": (7_298_617_344, None), "olmo2-13b": (13_716_198_400, None),
+    "smollm3-3b": (3_075_098_624, None), "granitemoe-1b-a400m": (1_334_628_352, 428_658_688),
 }
 
 
@@ -272,7 +274,8 @@ def test_preset_counts_are_the_published_architectures(preset):
     made, AutoModelForCausalLM on the meta device) and is the published size (8.03B, 70.6B, 405.9B,
     1.24B, 3.21B, 7.62B, 8.19B, 32.8B, 30.5B/3.3B active, 7.25B, 46.7B/12.9B active, 3.82B, 14.7B, 7.24B, 1.0B,
     the Gemma 3 4B / 12B / 27B language models 3.88B, 11.8B, 27.0B, Gemma 2 2.61B, 9.24B, 27.2B and
-    Gemma 1 2.51B, 8.54B, Mistral NeMo 12.2B and Qwen2.5 0.49B-72.7B)."""
+    Gemma 1 2.51B, 8.54B, Mistral NeMo 12.2B, Qwen2.5 0.49B-72.7B, OLMo 2 1.48B, 7.3B, 13.7B, SmolLM3 3.08B and
+    GraniteMoE 1.33B / 0.43B active)."""
     total, active = PUBLISHED[preset]
     cfg = ModelConfig(preset=preset)
     counts = count_params(cfg)
@@ -286,7 +289,8 @@ def test_preset_count_equals_transformers_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for preset in ("qwen3-8b", "llama3.2-1b", "qwen2.5-7b", "phi4-14b", "mistral-7b-v0.1", "gemma3-1b", "gemma3-27b",
-                   "gemma2-9b", "gemma2-27b", "gemma-2b", "gemma-7b", "mistral-nemo-12b", "qwen2.5-0.5b", "qwen2.5-72b"):
+                   "gemma2-9b", "gemma2-27b", "gemma-2b", "gemma-7b", "mistral-nemo-12b", "qwen2.5-0.5b", "qwen2.5-72b",
+                   "olmo2-1b", "olmo2-13b", "smollm3-3b", "granitemoe-1b-a400m"):
         conf = hf_config(ModelConfig(preset=preset))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**{k: v for k, v in conf.items()

@@ -74,6 +74,19 @@ Sources (the ``config.json`` of the official Hugging Face release, and the paper
   (12.5B vs 11.4B over 61 layers) and gives 672B total / 38B active parameters against the
   published 671B / 37B (the 14B multi-token-prediction module is not modelled). It has no
   ``family``: it cannot be exported to or loaded from Hugging Face.
+- OLMo 2 1B / 7B / 13B: allenai/OLMo-2-0425-1B, OLMo-2-1124-7B and OLMo-2-1124-13B/config.json (olmo2:
+  1B 16 layers, hidden 2048, 16 heads, ffn 8192; 7B 32, 4096, 32, 11008; 13B 40, 5120, 40, 13824; no GQA,
+  vocab 100352, rope_theta 500000, rms_norm_eps 1e-6, 4096 positions, untied; 13B's file in full in a
+  public repository, 1B's and 7B's as NVIDIA Megatron-Bridge's tests mirror them). 1,484,916,736,
+  7,298,617,344 and 13,716,198,400 parameters (transformers' own count; the cards' 1.48B, 7.3B, 13.7B).
+- SmolLM3-3B: HuggingFaceTB/SmolLM3-3B/config.json (36 layers, hidden 2048, 16 heads, 4 KV heads, ffn
+  11008, vocab 128256, rope_theta 5e6, rms_norm_eps 1e-6, 65536 positions, no RoPE in every 4th layer
+  (3, 7, ..., 35); tied: the file has no tie_word_embeddings and SmolLM3Config ties by default);
+  3,075,098,624 parameters.
+- GraniteMoE 1B-A400M: ibm-granite/granite-3.1-1b-a400m-instruct/config.json (granitemoe: 24 layers,
+  hidden 1024, 16 heads, 8 KV heads, 32 experts of 512, top-8, vocab 49155, rope_theta 1.5e6,
+  rms_norm_eps 1e-6, 131072 positions, tied; embedding 12, residual 0.22, attention 0.015625,
+  logits_scaling 6; router_aux_loss_coef 0). 1,334,628,352 parameters, 428,658,688 active.
 - ``debug-dense`` / ``debug-moe``: tiny CPU models for tests and the README's main job.
 
 Every preset with a Hugging Face counterpart sets ``family`` (the model_type that
@@ -111,6 +124,11 @@ _GEMMA2 = dict(  # what Gemma 2 2B, 9B and 27B share (their config.json)
     vocab_size=256000, max_seq_len=8192, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=True, sliding_window=4096,
     attention_scale=0.0625, attention_softcap=50.0, logit_softcap=30.0, norm_offset=True, post_norms=True,
     embed_scale=True, mlp_activation="gelu_tanh", family="gemma2",
+)
+
+_OLMO2 = dict(  # what OLMo 2 1B, 7B and 13B share (their config.json): post norms only, q/k norms over all heads
+    vocab_size=100352, max_seq_len=4096, rope_theta=500000.0, norm_eps=1e-6, tie_embeddings=False, qk_norm=True,
+    qk_norm_width="all", pre_norms=False, post_norms=True, family="olmo2",
 )
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -234,6 +252,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         layers=62, hidden=5376, heads=32, kv_heads=16, head_dim=128, ffn_hidden=21504, vocab_size=262208,
         full_attention_layers=list(range(5, 62, 6)), rope_scaling=dict(type="linear", factor=8.0),
         **{**_GEMMA3, "attention_scale": 168**-0.5},
+    ),
+    "olmo2-1b": dict(layers=16, hidden=2048, heads=16, kv_heads=16, ffn_hidden=8192, **_OLMO2),
+    "olmo2-7b": dict(layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, **_OLMO2),
+    "olmo2-13b": dict(layers=40, hidden=5120, heads=40, kv_heads=40, ffn_hidden=13824, **_OLMO2),
+    "smollm3-3b": dict(
+        layers=36, hidden=2048, heads=16, kv_heads=4, ffn_hidden=11008, vocab_size=128256, max_seq_len=65536,
+        rope_theta=5000000.0, norm_eps=1e-6, tie_embeddings=True, nope_layers=list(range(3, 36, 4)), family="smollm3",
+    ),
+    "granitemoe-1b-a400m": dict(
+        layers=24, hidden=1024, heads=16, kv_heads=8, ffn_hidden=512, vocab_size=49155, max_seq_len=131072,
+        rope_theta=1500000.0, norm_eps=1e-6, tie_embeddings=True, embed_multiplier=12.0, residual_multiplier=0.22,
+        logit_divisor=6.0, attention_scale=0.015625, family="granitemoe",
+        moe=dict(num_experts=32, top_k=8, expert_ffn_hidden=512, first_dense_layers=0, router="softmax",
+                 balance="aux_loss", aux_loss_coef=0.0),
     ),
     "deepseek-v3": dict(
         layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432, vocab_size=129280,
