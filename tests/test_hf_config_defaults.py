@@ -54,3 +54,6 @@ def test_omitted_base_norm_eps_and_length_take_the_family_defaults():
              "num_hidden_layers": 2, "vocab_size": 100}
     cfg = ModelConfig(**model_from_hf_config(llama))
     assert (cfg.rope_theta, cfg.norm_eps, cfg.max_seq_len, cfg.tie_embeddings) == (10000.0, 1e-6, 2048, False)
+    mistral = {**llama, "model_type": "mistral"}  # MistralConfig: a 4096-token window unless the file says null
+    assert ModelConfig(**model_from_hf_config(mistral)).sliding_window == 4096
+    assert ModelConfig(**model_from_hf_config({**mistral, "sliding_window": None})).sliding_window is None

@@ -251,12 +251,12 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
 
 # What transformers' config classes (5.x) take for keys a config.json omits, so that a file is read as
 # transformers reads it: SmolLM3-3B's own config.json has no tie_word_embeddings, and SmolLM3Config ties by
-# default (untied, the model had 262M parameters more and no lm_head.weight to load); the other keys were
-# refused as missing before. Gemma's families: recipe/hf_gemma.py. tests/test_hf_config_defaults.py checks
+# default (untied, the model had 262M parameters more and no lm_head.weight to load); MistralConfig's window
+# is 4096 unless the file says null (we read an omitted one as none); the other keys were refused as missing. Gemma's families: recipe/hf_gemma.py. tests/test_hf_config_defaults.py checks
 # these against the installed transformers.
 HF_DEFAULTS: dict[str, dict] = {
     "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072, sliding_window=4096),
     "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=131072),
     "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
     "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
