@@ -57,3 +57,6 @@ def test_omitted_base_norm_eps_and_length_take_the_family_defaults():
     mistral = {**llama, "model_type": "mistral"}  # MistralConfig: a 4096-token window unless the file says null
     assert ModelConfig(**model_from_hf_config(mistral)).sliding_window == 4096
     assert ModelConfig(**model_from_hf_config({**mistral, "sliding_window": None})).sliding_window is None
+    gemma = {"model_type": "gemma", "hidden_size": 3072, "intermediate_size": 24576, "num_attention_heads": 16,
+             "num_hidden_layers": 2, "vocab_size": 1000, "rope_theta": 10000.0}  # Gemma 7B's width: 256-wide heads
+    assert ModelConfig(**model_from_hf_config(gemma)).head_dim == 256

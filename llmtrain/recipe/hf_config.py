@@ -267,6 +267,10 @@ HF_DEFAULTS: dict[str, dict] = {
     "granite": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
     "granitemoe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
     "smollm3": dict(rope_theta=2000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
+    # Gemma's bases, windows and caps: recipe/hf_gemma.py's own defaults; head_dim is 256 unless given (not hidden / heads)
+    "gemma": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True),
 }
 
 
