@@ -72,7 +72,7 @@ CASES = {
     # a window shorter than the sequence: all-gather's one masked call per layer over the rank's rows (models/masks.py)
     "cp 2 (all-gather, window 16) x dp 2": ["model.sliding_window=16", "parallel.cp=2", "parallel.cp_method=allgather"],
     # ... and the ring's masked blocks (views of the same rows, keys in ring order; the diagonal block runs whole),
-    # at cp 4 with a window of one 8-token chunk: the blocks outside it skipped (plan/ringwindow.py)
+    # at cp 4 with a window of one 8-token chunk: only the chunk pairs inside it run (plan/ringwindow.py)
     "cp 4 (ring, window 8)": ["model.sliding_window=8", "parallel.cp=4", "parallel.cp_method=ring"],
     # the selective policy keeps every CP kernel block's output: rank 0 runs fewer (plan/activations.py)
     "cp 2 (ring) x dp 2, selective": ["parallel.cp=2", "parallel.cp_method=ring", "train.activation_checkpointing=selective"],

@@ -69,7 +69,7 @@ CASES = {
     # ring CP with masks (forty-first session): the rank's rows of each mask, keys in ring order; the ring's own saved
     # tensors (each block masked on a view); Gemma 2's soft-capped blocks under selective (the op's outputs kept)
     "window_cp2_ring": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ring"],
-    # cp 4: the blocks outside the window skipped, so selective keeps fewer blocks' outputs, rank by rank
+    # cp 4: only the chunk pairs inside the window run, so selective keeps fewer kernel outputs, rank by rank
     "window_cp4_ring_selective": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=4", "parallel.cp_method=ring",
                                   "train.activation_checkpointing=selective"],
     "softcap_cp2_ring_selective": GEMMA + ["model.attention_softcap=50", "model.logit_softcap=30", "parallel.cp=2",

@@ -12,8 +12,8 @@ ring and allgather at CP 4 and CP 2): the same q against K/V of half the heads, 
 take un-repeated and exchange so (engine/parallel/context.py); the reference is SDPA on the K/V
 repeated to the query heads, whose K/V gradients are summed over each KV head's copies. Masked
 (``masked_*``, all-gather, Ulysses and ring at CP 4 and CP 2, on the first 512 tokens, GQA): packed
-rows' document mask, a sliding window of 150 and of 40 (the ring then skips the blocks outside it:
-plan/ringwindow.py), Gemma 2's soft-cap alone and with both, each rank's
+rows' document mask, a sliding window of 150 and of 40 (the ring runs only the chunk pairs inside the
+window: plan/ringwindow.py), Gemma 2's soft-cap alone and with both, each rank's
 mask built by the model's own ``models/masks.forward_masks`` (all-gather: its zigzag rows; ring: the
 same rows against the keys in ring order, whose blocks then hold rows that see no key); the
 reference is the model's attention without CP over the whole row (masked SDPA or the soft-capped
@@ -66,7 +66,7 @@ def _errors(method, group, cp, cp_rank, seq, inputs, ref_out, ref_grads, dtype=N
 MASKED_SEQ = 512
 MASKS = {"doc": (True, None, None), "window": (False, 150, None), "softcap": (False, None, 50.0),
          "softcap_doc_window": (True, 150, 50.0),
-         # a window under one chunk pair's reach (64 tokens per chunk at CP 4): the ring skips blocks
+         # a window under one chunk pair's reach (64 tokens per chunk at CP 4): the ring runs fewer pairs
          "narrow_window": (False, 40, None), "softcap_doc_narrow": (True, 40, 50.0)}  # (packed rows, window, soft-cap)
 
 
@@ -100,7 +100,7 @@ def _masked_errors(method, group, cp, cp_rank, inputs, kind) -> float:
     keys = ring_keys(seq, cp) if method == "ring" else None  # the ring's mask columns: K/V in rank order
     mask, banded = forward_masks(pos, segments, window, seq, cp, rows, cap is not None, q.dtype, keys)
     local = [t.index_select(2, pos).requires_grad_() for t in (q, k, v)]
-    fn = make_cp_attention(method, group, cp, cp_rank, seq, window)  # the ring skips blocks outside the window
+    fn = make_cp_attention(method, group, cp, cp_rank, seq, window)  # the ring runs the chunk pairs inside the window
     out = fn(*local, banded if window is not None else mask, softcap=cap)
     out.backward(dout.index_select(2, pos))
     errors = [(out - ref_out.detach().index_select(2, pos)).abs().max().item()]

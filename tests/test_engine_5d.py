@@ -63,7 +63,7 @@ CASES = {
     # then weight pass); selective cannot (torch's cache is consumed once: plan/validate.py refuses it)
     "pp2_zero-bubble_full": (2, "dense", pp("zero-bubble") + ["train.activation_checkpointing=full"]),
     **{f"cp2_{m}": (2, "dense", ["parallel.cp=2", f"parallel.cp_method={m}"]) for m in ("ring", "ulysses", "allgather")},
-    # ring CP 4 with a window of one 8-token chunk: masked blocks, the blocks outside the window skipped
+    # ring CP 4 with a window of one 8-token chunk: only the masked chunk pairs inside the window run
     # (plan/ringwindow.py), under selective recomputation (the kernels' outputs it caches are those that ran)
     "cp4_ring_window": (4, "window", WINDOW + ["parallel.cp=4", "parallel.cp_method=ring",
                                                "train.activation_checkpointing=selective"]),
@@ -188,7 +188,7 @@ def test_cp4_ring_long_sequence_matches_full_attention(results):
     ring 0.025 vs 0.030), so a wrong block or merge (errors of O(1)) fails. ``gqa_*``: ring and
 all-gather with 2 KV heads for 4 query heads, K/V exchanged un-repeated (same 1e-10). ``masked_*``:
 all-gather (each rank its rows of the model's mask), ring (the same rows, keys in ring order, a view
-per block; with the narrow window of 40 it skips the blocks outside it, plan/ringwindow.py) and Ulysses with
+per block; windowed, only the chunk pairs inside the window, plan/ringwindow.py) and Ulysses with
 packed rows' document mask, a sliding window, the soft-cap, and all three,
 against the model's own attention without CP (same 1e-10; measured <= 7.6e-15 all-gather, <= 5.6e-15
 ring, 0 Ulysses, whose kernel sees the same rows; the ring with its blocks' empty rows left at the CPU

@@ -57,8 +57,8 @@ def test_llama3_405b_on_16384_gpus_is_fast_valid_and_fits():
 def test_a_windowed_model_searches_ring_context_parallel_layouts():
     """Mistral-7B v0.1 (window 4,096) at 32,768 tokens: the recipe's ring CP takes the band (its blocks
     views of the rank's rows, since the forty-first session; before, the search swapped in Ulysses and
-    all-gather); its CP layouts are valid, fit, and win: the ring skips the blocks outside the window
-    (plan/ringwindow.py; without the skip the first CP layout was #18)."""
+    all-gather); its CP layouts are valid, fit, and win: the ring runs only the chunk pairs inside the
+    window (plan/ringwindow.py; running all its blocks, the first CP layout was #18)."""
     plan = make_plan(REPO / "recipes/llama3-8b.yaml", overrides=["model.preset=mistral-7b-v0.1", "train.seq_len=32768",
                                                                   "train.global_batch_size=64"])
     result = search(plan.recipe, plan.placement, top=5)

@@ -135,7 +135,7 @@ class ActShape:
     # window's band per layer: rankmem): all-gather CP then runs one masked call over the gathered K/V
     masked: bool = False
     softcap: bool = False  # model.attention_softcap: under all-gather CP a causal mask of the rank's rows (stage_terms)
-    ring_window: int = 0  # a windowed layer under ring CP: its sliding window, outside which blocks are skipped (rankmem)
+    ring_window: int = 0  # a windowed layer under ring CP: its sliding window, the chunk pairs inside it run (rankmem)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -189,7 +189,7 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
             del out["attn_out"]
             i = x.cp - 1 if cp_index is None else cp_index
             halves = x.cp + 1 + i
-            if x.ring_window:  # a windowed layer: the blocks outside the window are skipped (plan/ringwindow.py)
+            if x.ring_window:  # a windowed layer: only the chunk pairs inside the window run (plan/ringwindow.py)
                 saved = ring_window_work(x.cp, x.s * x.cp, x.ring_window)[2]
                 halves = round(2 * (max(saved) if cp_index is None else saved[cp_index]))
             out["ring_saved_blocks"] = halves * (e * q + lse) // 2

@@ -209,7 +209,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             works[-1].overlap_slowdown = ops.overlap_slowdown(shape, gpu, dense, moe, inv.last, first)
     # context parallelism runs kernel blocks, not the whole causal square (flops.attention_counted): the
     # score FLOPs forward and backward, and forward again where full recomputation re-runs attention
-    # (counted above: all-gather's masked calls whole, the ring's skipped blocks not at all)
+    # (counted above: all-gather's masked calls whole, the ring's windowed layers by the chunk pairs they run)
     uncounted = (1.0 - counted) * score_flops_per_token(m.heads * m.head_dim, seq)
     for n, (split, rep, rs, rr), _ in _layer_groups(m, tuple(range(m.layers)), seq, recomputed, lk, dims.tp, whole):
         hw_tok += n * (split + rs + (rep + rr) * dims.tp - uncounted * (3 + again_attention))

@@ -280,7 +280,7 @@ def allgather_masked(recipe) -> float:
 def cp_attention_shares(recipe, cp: int) -> tuple[float, float]:
     """``(counted, executed)``: :func:`attention_counted` and :func:`attention_executed` of a recipe at ``cp``,
     with ring CP's windowed layers (a window shorter than the sequence) by the blocks the ring runs: it
-    skips those outside the window (plan/ringwindow.py), which the FLOP count and the time then lack;
+    runs only the chunk pairs inside the window (plan/ringwindow.py), which the FLOP count and the time count;
     its other layers as before (masked when packed)."""
     p, m, seq = recipe.parallel, recipe.model, recipe.train.seq_len
     counted = attention_counted(cp, p.cp_method, allgather_masked(recipe))
@@ -316,7 +316,7 @@ def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
     unmasked ones with a mask (context_ring.py): only the diagonal block runs whole instead of half,
     ``(2c)^2 / 2`` more of the ``4 cp c^2`` per rank: ``1/2 + masked / (2 cp)``. (Blocks that packed
     rows' samples leave empty still run: skipping them would make the work depend on the data; a
-    windowed layer's blocks outside the window are skipped, :func:`cp_attention_shares`.)"""
+    windowed layer runs only the chunk pairs inside the window, :func:`cp_attention_shares`.)"""
     if method == "ring" and cp > 1:
         return 0.5 + 0.5 * masked / cp
     if cp == 1 or method in ("ulysses", "allgather"):

@@ -120,7 +120,7 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     if banded:
         rep = act.layer_terms(replace(x, gqa_native=False, masked=True), False, recompute, cp_index=cp_index)
         per_layer.append((banded, {k: rep.get(k, 0) - kinds[False].get(k, 0) for k in rep.keys() | kinds[False].keys()}))
-    # ring CP skips a windowed layer's blocks outside the window: selective keeps fewer blocks' outputs there
+    # ring CP runs a windowed layer's chunk pairs inside the window only: selective keeps fewer kernel outputs there
     if dims.cp > 1 and p.cp_method == "ring" and recompute in ("selective", "selective_mm") and repeating_layers(recipe):
         win = act.layer_terms(replace(x, ring_window=m.sliding_window), False, recompute, cp_index=cp_index)
         per_layer.append((repeating_layers(recipe),

@@ -59,7 +59,7 @@ class ParallelConfig(Strict):
         None, description="Explicit uneven split: transformer layers of each stage (pp x pp_virtual_stages entries, summing to model.layers)."
     )
     cp_method: Literal["ring", "ulysses", "allgather"] = Field(
-        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V gathered, zigzag balanced). Every method takes masks (packed rows, sliding windows) and soft-capping; the ring runs each block masked and skips a windowed layer's blocks outside the window."
+        "ring", description="Context-parallel attention: ring (P2P K/V, zigzag balanced), ulysses (all-to-all heads), allgather (K/V gathered, zigzag balanced). Every method takes masks (packed rows, sliding windows) and soft-capping; the ring runs each block masked, and in a windowed layer only the chunk pairs inside the window."
     )
     dp_bucket_mb: float = Field(
         25.0, gt=0, le=65536,

@@ -238,7 +238,7 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
     Ulysses takes them too; every method takes the model's mask (``takes_mask``: a sliding
     window, packed rows) and Gemma 2's soft-cap (``takes_softcap``). ``window``: a windowed layer's
-    sliding window, whose empty blocks the ring skips (``plan/ringwindow.py``)."""
+    sliding window: the ring runs only the chunk pairs inside it (``context_ring_window.py``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
@@ -264,5 +264,5 @@ def apply_context_parallel(model, cp_mesh, method: str, seq_len: int) -> None:
         model.cp_rows = (cp, cp_rank)
         model.cp_ring_keys = method == "ring"
     for block in model.layers.values():
-        window = model.window if block.windowed else None  # the ring skips the blocks outside it
+        window = model.window if block.windowed else None  # the ring runs only the chunk pairs inside it
         block.attention.attn_fn = make_cp_attention(method, group, cp, cp_rank, seq_len, window)

@@ -29,11 +29,10 @@ call (``context_blocks.masked_block_forward``: CPU's flash kernel with its mask,
 memory-efficient kernel with a bias, or the soft-capped kernel) whose rows that see no key of the
 block (another sample, outside the window) come back with ``lse = -inf`` and add nothing to the
 merge; the diagonal block holds every row's own position, so merged rows are never empty. A
-windowed layer's blocks that lie wholly outside its window are skipped, forward and backward (the
-K/V and dK/dV still travel on: every rank posts the same P2P sequence), decided from the chunk
-positions alone (``plan/ringwindow.py``, which the planner counts with): no device sync, the same
-work for any data; blocks that packed rows' samples leave empty still run. The mask is saved for
-backward by reference: the model's one tensor per forward, shared by its layers.
+windowed layer runs only the chunk pairs inside its window instead of these blocks
+(``context_ring_window.py``, ``plan/ringwindow.py``); blocks that packed rows' samples leave empty
+still run. The mask is saved for backward by reference: the model's one tensor per forward, shared
+by its layers.
 
 GQA: K/V travel with their local kv_heads (``[b, kv_heads, s_local, d]``, not repeated by the
 model: ``context.make_cp_attention``); each step repeats the block it uses to the query heads
@@ -69,8 +68,6 @@ import torch.distributed as dist
 
 from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
                                                      default_scale, merge_, repeat_kv, start_accumulators)
-from llmtrain.plan.ringwindow import block_visible
-from llmtrain.plan.ringwindow import step_kind as _step_kind
 
 
 def start_rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> tuple[list[torch.Tensor], list, list]:
@@ -98,6 +95,14 @@ def rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> list[torch
     return finish_rotate(start_rotate(tensors, group, rank, cp))
 
 
+def _step_kind(step: int, src: int, rank: int) -> str:
+    """``diag`` (own K/V, causal), ``kv_half`` (all queries x first half of K/V) or ``q_half``
+    (second half of the queries x all K/V): the module docstring."""
+    if step == 0:
+        return "diag"
+    return "kv_half" if src < rank else "q_half"
+
+
 def _block_mask(mask: torch.Tensor | None, kind: str, src: int, s_local: int) -> torch.Tensor | None:
     """The view of ``mask`` (this rank's rows against the whole row's keys in ring order: rank ``j``'s
     K/V are columns ``j s_local ...``, ``masks.ring_keys``) that a step's block uses (module docstring)."""
@@ -117,7 +122,7 @@ class RingAttention(torch.autograd.Function):
     masked blocks (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp: int, mask=None, softcap=None, window=None):
+    def forward(ctx, q, k, v, group, cp: int, mask=None, softcap=None):
         rank, scale, half = dist.get_rank(group), default_scale(q), q.shape[2] // 2
         n_rep = q.shape[1] // k.shape[1]
         out = lse = None
@@ -128,10 +133,6 @@ class RingAttention(torch.autograd.Function):
             kind = _step_kind(step, src, rank)
             # the next block's K/V travel while this one is computed (read only: safe to send)
             pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
-            if not block_visible(kind, rank, src, cp, half, window):  # outside the window: nothing to add
-                if pending is not None:
-                    kv, pending = finish_rotate(pending), None
-                continue
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(*kv, keys, n_rep)  # GQA: repeated after the exchange
             bm = _block_mask(mask, kind, src, q.shape[2])
@@ -152,7 +153,7 @@ class RingAttention(torch.autograd.Function):
         del kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
-        ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window = group, cp, scale, aux, window
+        ctx.group, ctx.cp, ctx.scale, ctx.aux = group, cp, scale, aux
         return out
 
     @staticmethod
@@ -175,13 +176,6 @@ class RingAttention(torch.autograd.Function):
             kb, vb = kv
             # K/V of the next block travel while this block's backward runs
             kv_pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
-            if not block_visible(kind, rank, src, cp, half, ctx.window):  # skipped in forward: no gradient here,
-                # but the dK/dV accumulators still pass through on their way round
-                if grads_pending is not None:
-                    grads, grads_pending = finish_rotate(grads_pending), None
-                grads_pending = start_rotate(grads, group, rank, cp)
-                kv, kv_pending = (finish_rotate(kv_pending), None) if kv_pending is not None else (kv, None)
-                continue
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(kb, vb, keys, n_rep)  # GQA (forward's)
             bm = _block_mask(mask, kind, src, q.shape[2])
@@ -209,11 +203,16 @@ class RingAttention(torch.autograd.Function):
             if kv_pending is not None:
                 kv, kv_pending = finish_rotate(kv_pending), None  # frees the copies sent
         dk, dv = finish_rotate(grads_pending)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None,
                    softcap: float | None = None, window: int | None = None):
-    """``window``: the layer's sliding window when its mask has the band (a windowed layer): blocks
-    outside the band are skipped (``plan/ringwindow.py``)."""
-    return RingAttention.apply(q, k, v, group, cp, mask, None if softcap is None else float(softcap), window)
+    """``window``: a windowed layer's sliding window: only the chunk pairs inside it run
+    (``context_ring_window.py``); otherwise the ring's blocks."""
+    from llmtrain.engine.parallel.context_ring_window import WindowedRingAttention  # noqa: PLC0415 (imports us)
+
+    softcap = None if softcap is None else float(softcap)
+    if window is not None:
+        return WindowedRingAttention.apply(q, k, v, group, cp, mask, softcap, window)
+    return RingAttention.apply(q, k, v, group, cp, mask, softcap)

@@ -1,0 +1,113 @@
+"""Ring attention for a windowed layer: only the (query chunk, key chunk) pairs inside the window run.
+
+The ring (``context_ring.py``) groups each step's work into one block of up to four ``c x c`` chunk
+pairs (zigzag: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``). Under a sliding window shorter than
+the row most pairs see nothing, and the grouped blocks would run them anyway; here each step runs only
+its visible pairs (``plan/ringwindow.py`` ``step_pairs``: from chunk positions, no device sync, the rule
+the planner counts with), each one masked kernel call on its ``c x c`` view of the model's mask (this
+rank's rows, keys in ring order: ``models/masks.py``), merged into its query chunk's rows by their
+log-sum-exp. The rank's own diagonal pairs run first, so every row has a key before anything merges
+(rows of a later pair that see none of its keys get lse -inf: ``context_blocks.masked_block_forward``).
+
+Everything else is the ring's: K/V travel one hop per step while the step's pairs run, the backward
+walks the same steps with the merged output and lse (the flash trick), and the dK/dV accumulators follow
+one step behind and take one more hop home. A step with no visible pair still passes K/V (and in the
+backward the accumulators) on: every rank posts the same P2P sequence. Without a mask (a row no longer
+than the window: no band) the diagonal pairs run ``is_causal`` and the others unmasked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
+                                                     default_scale, merge_, repeat_kv)
+from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate
+from llmtrain.plan.ringwindow import step_pairs
+
+
+def _pair_mask(mask: torch.Tensor | None, i: int, j: int, src: int, chunk: int) -> torch.Tensor | None:
+    """Pair ``(i, j)``'s view of ``mask``: rows of local chunk ``i``, keys of src's local chunk ``j``
+    (columns ``src s_local + j c ...`` in ring order)."""
+    if mask is None:
+        return None
+    lo = src * 2 * chunk + j * chunk
+    return mask[..., i * chunk:(i + 1) * chunk, lo:lo + chunk]
+
+
+class WindowedRingAttention(torch.autograd.Function):
+    """q ``[b, heads, s_local, d]``, k and v ``[b, kv_heads, s_local, d]`` (GQA: not repeated), ``mask``
+    the model's (this rank's rows, keys in ring order) or None, ``window`` the layer's (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp: int, mask, softcap, window: int):
+        rank, scale, c = dist.get_rank(group), default_scale(q), q.shape[2] // 2
+        b, h, s, d = q.shape
+        n_rep = h // k.shape[1]
+        # fresh accumulators in the [b, s, h, d] layout the kernels return (wo's input stays a view)
+        out = torch.empty(b, s, h, d, dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
+        lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
+        aux, kv = {}, [k, v]
+        for step in range(cp):
+            src = (rank - step) % cp
+            pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
+            for i, j in step_pairs(rank, src, cp, c, window):
+                rows, keys = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                kr, vr = repeat_kv(*kv, keys, n_rep)
+                bm = _pair_mask(mask, i, j, src, c)
+                diagonal = step == 0 and i == j
+                blk_out, blk_lse, aux[step, i, j] = block_forward(q[:, :, rows], kr, vr, diagonal and bm is None, scale,
+                                                                  mask=bm, softcap=softcap)
+                if diagonal:  # first for its rows: every row sees itself
+                    out[:, :, rows].copy_(blk_out)
+                    lse[:, :, rows].copy_(blk_lse)
+                else:
+                    merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+                del blk_out, blk_lse, kr, vr
+            if pending is not None:
+                kv, pending = finish_rotate(pending), None
+        del kv
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
+        ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window, ctx.softcap = group, cp, scale, aux, window, softcap
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, cp, scale = ctx.group, ctx.cp, ctx.scale
+        rank, c = dist.get_rank(group), q.shape[2] // 2
+        n_rep = q.shape[1] // k.shape[1]
+        acc = acc_dtype(q.dtype)
+        dout = dout.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)  # contiguous: the accumulators travel uncopied
+        kv = [k, v]
+        grads = [torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)]
+        grads_pending = None
+        for step in range(cp):
+            src = (rank - step) % cp
+            kv_pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
+            computed = []
+            for i, j in step_pairs(rank, src, cp, c, ctx.window):
+                rows, keys = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                kr, vr = repeat_kv(*kv, keys, n_rep)
+                bm = _pair_mask(mask, i, j, src, c)
+                causal = step == 0 and i == j and bm is None
+                dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
+                                               causal, scale, ctx.aux[step, i, j], bm)
+                dq[:, :, rows].add_(dqb)
+                computed.append((keys, dkb, dvb))
+                del kr, vr, dqb
+            # this step's dK/dV accumulators, one step behind the K/V, arrive while the pairs ran
+            if grads_pending is not None:
+                grads, grads_pending = finish_rotate(grads_pending), None
+            for keys, dkb, dvb in computed:
+                add_kv_grad_(grads[0][:, :, keys], dkb, n_rep)
+                add_kv_grad_(grads[1][:, :, keys], dvb, n_rep)
+            del computed
+            grads_pending = start_rotate(grads, group, rank, cp)  # on to the next rank; after the last step, home
+            if kv_pending is not None:
+                kv, kv_pending = finish_rotate(kv_pending), None
+        dk, dv = finish_rotate(grads_pending)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
