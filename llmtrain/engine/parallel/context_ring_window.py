@@ -70,7 +70,7 @@ class WindowedRingAttention(torch.autograd.Function):
         del kv
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
-        ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window, ctx.softcap = group, cp, scale, aux, window, softcap
+        ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window = group, cp, scale, aux, window  # (the cap: in aux)
         return out
 
     @staticmethod
