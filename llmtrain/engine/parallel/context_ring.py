@@ -95,6 +95,17 @@ def rotate(tensors: list[torch.Tensor], group, rank: int, cp: int) -> list[torch
     return finish_rotate(start_rotate(tensors, group, rank, cp))
 
 
+def walk_ring(k: torch.Tensor, v: torch.Tensor, group, rank: int, cp: int):
+    """The forward's ``cp`` steps: yields ``(step, src, [k, v] of rank src)``, the next rank's K/V already
+    travelling while the caller computes with these (read only: safe to send); waits after each step."""
+    kv = [k, v]
+    for step in range(cp):
+        pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
+        yield step, (rank - step) % cp, kv
+        if pending is not None:
+            kv = finish_rotate(pending)
+
+
 def _step_kind(step: int, src: int, rank: int) -> str:
     """``diag`` (own K/V, causal), ``kv_half`` (all queries x first half of K/V) or ``q_half``
     (second half of the queries x all K/V): the module docstring."""
@@ -127,12 +138,8 @@ class RingAttention(torch.autograd.Function):
         n_rep = q.shape[1] // k.shape[1]
         out = lse = None
         aux = {}
-        kv = [k, v]
-        for step in range(cp):
-            src = (rank - step) % cp
+        for step, src, kv in walk_ring(k, v, group, rank, cp):  # the next block's K/V travel meanwhile
             kind = _step_kind(step, src, rank)
-            # the next block's K/V travel while this one is computed (read only: safe to send)
-            pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             keys = slice(None, half) if kind == "kv_half" else slice(None)
             kr, vr = repeat_kv(*kv, keys, n_rep)  # GQA: repeated after the exchange
             bm = _block_mask(mask, kind, src, q.shape[2])
@@ -148,9 +155,7 @@ class RingAttention(torch.autograd.Function):
                                                             softcap=softcap)
                 merge_(out[:, :, half:], lse[:, :, half:], blk_out, blk_lse)
             del blk_out, blk_lse, kr, vr
-            if pending is not None:
-                kv, pending = finish_rotate(pending), None
-        del kv
+        del kv  # the last K/V received: freed before the output's cast
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
         ctx.group, ctx.cp, ctx.scale, ctx.aux = group, cp, scale, aux

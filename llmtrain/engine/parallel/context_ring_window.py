@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
                                                      default_scale, merge_, repeat_kv)
-from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate
+from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate, walk_ring
 from llmtrain.plan.ringwindow import step_pairs
 
 
@@ -48,10 +48,8 @@ class WindowedRingAttention(torch.autograd.Function):
         # fresh accumulators in the [b, s, h, d] layout the kernels return (wo's input stays a view)
         out = torch.empty(b, s, h, d, dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
         lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
-        aux, kv = {}, [k, v]
-        for step in range(cp):
-            src = (rank - step) % cp
-            pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
+        aux = {}
+        for step, src, kv in walk_ring(k, v, group, rank, cp):  # the next K/V travel meanwhile
             for i, j in step_pairs(rank, src, cp, c, window):
                 rows, keys = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 kr, vr = repeat_kv(*kv, keys, n_rep)
@@ -65,9 +63,7 @@ class WindowedRingAttention(torch.autograd.Function):
                 else:
                     merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
                 del blk_out, blk_lse, kr, vr
-            if pending is not None:
-                kv, pending = finish_rotate(pending), None
-        del kv
+        del kv  # the last K/V received: freed before the output's cast
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
         ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window = group, cp, scale, aux, window  # (the cap: in aux)
