@@ -1,4 +1,4 @@
-"""Keys a config.json omits are read as transformers reads them (llmtrain/recipe/hf_config.py ``HF_DEFAULTS``).
+"""Keys a config.json omits are read as transformers reads them (llmtrain/recipe/hf_families.py ``HF_DEFAULTS``).
 
 Found with SmolLM3-3B's own config.json, which has no ``tie_word_embeddings``: SmolLM3Config ties by
 default, and we read it untied (3,337,766,912 parameters and an ``lm_head.weight`` the checkpoint does not

@@ -28,7 +28,7 @@ from llmtrain.recipe.schema import ModelConfig
 from llmtrain.safeio import printable
 
 from llmtrain.recipe.hf_moe import moe_config_json, moe_fields
-from llmtrain.recipe.hf_families import FAMILIES, SUPPORTED, family_of, require_hf_compatible
+from llmtrain.recipe.hf_families import FAMILIES, HF_DEFAULTS, SUPPORTED, family_of, require_hf_compatible
 from llmtrain.recipe.hf_gemma import gemma_config, gemma_fields, gemma_problems, text_part
 from llmtrain.recipe.hf_types import BOOL_KEYS, FLOAT_KEYS, HINT, INT_KEYS, _type_problems  # noqa: F401 (re-exported)
 
@@ -247,31 +247,6 @@ def unsupported_problems(conf: dict, where: str) -> list[Problem]:
         bad("layer_types", conf.get("layer_types"), "it must be a list of sliding_attention / full_attention per layer, "
             "the full ones first (max_window_layers)")
     return out
-
-
-# What transformers' config classes (5.x) take for keys a config.json omits, so that a file is read as
-# transformers reads it: SmolLM3-3B's own config.json has no tie_word_embeddings, and SmolLM3Config ties by
-# default (untied, the model had 262M parameters more and no lm_head.weight to load); MistralConfig's window
-# is 4096 unless the file says null (we read an omitted one as none); the other keys were refused as missing. Gemma's families: recipe/hf_gemma.py. tests/test_hf_config_defaults.py checks
-# these against the installed transformers.
-HF_DEFAULTS: dict[str, dict] = {
-    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072, sliding_window=4096),
-    "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=131072),
-    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "qwen3_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
-    "phi3": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
-    "olmo2": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048),
-    "olmoe": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
-    "granite": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "granitemoe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
-    "smollm3": dict(rope_theta=2000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
-    # Gemma's bases, windows and caps: recipe/hf_gemma.py's own defaults; head_dim is 256 unless given (not hidden / heads)
-    "gemma": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
-    "gemma2": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
-    "gemma3_text": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True),
-}
 
 
 def model_from_hf_config(conf: dict, where: str = "config.json") -> dict:

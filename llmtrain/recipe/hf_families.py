@@ -185,3 +185,29 @@ def require_hf_compatible(cfg: ModelConfig) -> None:
 
 
 require_dense = require_hf_compatible  # the pre-family name, kept for existing callers
+
+
+# What transformers' config classes (5.x) take for keys a config.json omits, so that a file is read as
+# transformers reads it: SmolLM3-3B's own config.json has no tie_word_embeddings, and SmolLM3Config ties by
+# default (untied, the model had 262M parameters more and no lm_head.weight to load); MistralConfig's window
+# is 4096 unless the file says null (we read an omitted one as none); the other keys were refused as missing.
+# Read by recipe/hf_config.py model_from_hf_config; Gemma's bases, windows and caps: recipe/hf_gemma.py.
+# tests/test_hf_config_defaults.py checks these against the installed transformers.
+HF_DEFAULTS: dict[str, dict] = {
+    "llama": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "mistral": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=131072, sliding_window=4096),
+    "mixtral": dict(rope_theta=1000000.0, rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "qwen2": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen3": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "qwen3_moe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=32768),
+    "phi3": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "olmo2": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048),
+    "olmoe": dict(rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "granite": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "granitemoe": dict(rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=2048),
+    "smollm3": dict(rope_theta=2000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=True),
+    # Gemma's bases, windows and caps: recipe/hf_gemma.py's own defaults; head_dim is 256 unless given (not hidden / heads)
+    "gemma": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma2": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma3_text": dict(head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True),
+}

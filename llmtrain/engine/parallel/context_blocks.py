@@ -137,9 +137,8 @@ def masked_block_forward(q, k, v, mask: torch.Tensor, softcap: float | None, sca
     back with ``lse = -inf`` and a zero output whatever the kernel returns for them (CPU's flash kernel
     returns lse 0 and output 0, so its output is kept; the soft-capped one NaN; the others are zeroed
     too), so :func:`merge_` adds nothing for them. Which rows: the mask's row maxima (no ``[s_q, s_k]``
-    temporary). The
-    caller starts from a block that gives every row a key (the ring's own K/V hold each row's
-    diagonal), so merged rows are never empty and every backward gets a finite lse."""
+    temporary). The caller starts from a block that gives every row a key (the ring's own K/V hold
+    each row's diagonal), so merged rows are never empty and every backward gets a finite lse."""
     if mask is None:
         raise ValueError("a soft-capped block needs its mask (the causal part as rows of keys)")
     kind = "math_masked" if kind == "math" else kind or masked_backend(q, softcap)
