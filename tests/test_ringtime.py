@@ -60,3 +60,18 @@ def test_ring_working_memory_counts_the_transfers_in_flight():
                      cp_method="ring")
         return cp_transient_bytes(x) / (1024 * 64)
     assert (q_bytes(2, 4), q_bytes(4, 4), q_bytes(4, 2)) == (40.0, 46.0, 33.0)
+
+
+def test_steps_without_work_hide_nothing():
+    """A windowed layer's chunk pairs (plan/ringwindow.py) leave ring steps with nothing to compute: their
+    hops are exposed whole, which equal steps (the zigzag blocks) would hide behind the average step."""
+    from llmtrain.plan.ringwindow import ring_window_steps
+
+    equal = ring_exposed_share(4, 1, 2, 1.0, 2.0, 6.0)
+    assert ring_exposed_share(4, 1, 2, 1.0, 2.0, 6.0, (0.25,) * 4) == pytest.approx(equal, rel=1e-12)
+    lopsided = ring_exposed_share(4, 1, 2, 1.0, 2.0, 6.0, (1.0, 0.0, 0.0, 0.0))
+    # forward: 3 hops, the first behind 2 s of work (0 exposed), two bare (1 each); backward: the first K/V
+    # hop behind 6 s (0), two K/V + dK/dV hops bare (3 each), the last dK/dV bare (2), the hop home (2): 12 of 14
+    assert lopsided == pytest.approx(12.0 / 14.0, rel=1e-12) and lopsided > equal
+    steps = ring_window_steps(8, 32768, 4096)  # Mistral's window at 32K on cp 8: the most loaded rank
+    assert sum(steps) == pytest.approx(1.0) and min(steps) == 0.0 and len(steps) == 8

@@ -26,7 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
-from llmtrain.plan.ringwindow import ring_window_work
+from llmtrain.plan.ringwindow import ring_window_steps, ring_window_work
 from llmtrain.plan.shards import block_targets, lora_key
 from llmtrain.recipe.schema import ModelConfig
 
@@ -291,6 +291,17 @@ def cp_attention_shares(recipe, cp: int) -> tuple[float, float]:
         counted = w * window_counted + (1.0 - w) * counted
         executed = w * window_executed + (1.0 - w) * attention_executed(cp, "ring", float(recipe.data.packing))
     return counted, executed
+
+
+def ring_step_shares(recipe, cp: int) -> tuple[float, ...] | None:
+    """Each ring step's share of a layer's attention time on the most loaded rank, averaged over the
+    layers: equal (None) but for the windowed layers' chunk pairs (plan/ringwindow.py), which leave
+    steps with little to hide the ring's hops behind (plan/ringtime.py)."""
+    m, seq = recipe.model, recipe.train.seq_len
+    w = windowed(m, seq)
+    if cp <= 1 or recipe.parallel.cp_method != "ring" or not w:
+        return None
+    return tuple(w * share + (1.0 - w) / cp for share in ring_window_steps(cp, seq, m.sliding_window))
 
 
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:

@@ -6,7 +6,8 @@ costs only what it takes beyond the block's compute. Per layer and micro batch, 
 time of one K/V-sized message (``comm.py``'s ``per_item_s``), ``g`` the dK/dV messages per hop
 (the accumulation dtype over the activation dtype: 2 in bf16, :func:`ring_grad_units`) and each
 step's share of the layer's attention, ``a_f / cp`` forward and ``a_b / cp`` backward (the zigzag
-steps are equal work: one diagonal block and ``cp - 1`` half blocks):
+steps are equal work: one diagonal block and ``cp - 1`` half blocks; a windowed layer's chunk pairs
+are not, ``steps`` in :func:`ring_exposed_share`, and a step without pairs hides nothing):
 
 - each forward pass (a second one when the forward is recomputed) sends ``cp - 1`` K/V blocks,
   each behind one step's kernels: ``(cp - 1) max(0, h - a_f / cp)``;
@@ -42,22 +43,28 @@ def ring_units(cp: int, passes: int, grad: int) -> int:
     return (cp - 1) * (passes + 1 + grad) + grad
 
 
-def ring_exposed_share(cp: int, passes: int, grad: int, hop_s: float, attn_fwd_s: float, attn_bwd_s: float) -> float:
+def ring_exposed_share(cp: int, passes: int, grad: int, hop_s: float, attn_fwd_s: float, attn_bwd_s: float,
+                       steps: tuple[float, ...] | None = None) -> float:
     """Share of the ring's P2P seconds on the critical path (module docstring): ``passes``
     forward passes, ``grad`` dK/dV messages per hop, ``hop_s`` one K/V message, ``attn_*_s`` the
-    layer's attention seconds per micro batch on this rank (forward, backward without recomputation)."""
+    layer's attention seconds per micro batch on this rank (forward, backward without recomputation),
+    ``steps`` each step's share of them (default equal, ``1 / cp``: the zigzag blocks; a windowed layer's
+    chunk pairs leave some steps with little or nothing to hide a hop behind, ``plan/ringwindow.py``)."""
     if cp <= 1 or hop_s <= 0:
         return 1.0
-    h, n = hop_s, cp - 1
-    fwd = passes * n * max(0.0, h - attn_fwd_s / cp)
-    c = attn_bwd_s / cp
-    bwd = max(0.0, h - c) + max(0, cp - 2) * max(0.0, (1 + grad) * h - c) + max(0.0, grad * h - c) + grad * h
+    steps = steps or (1.0 / cp,) * cp
+    h = hop_s
+    fwd = passes * sum(max(0.0, h - attn_fwd_s * share) for share in steps[:-1])  # hop t behind step t
+    c = [attn_bwd_s * share for share in steps]
+    bwd = (max(0.0, h - c[0]) + sum(max(0.0, (1 + grad) * h - ct) for ct in c[1:-1]) + max(0.0, grad * h - c[-1])
+           + grad * h)
     return min(1.0, (fwd + bwd) / (ring_units(cp, passes, grad) * h))
 
 
-def apply_ring_overlap(comms, cp: int, passes: int, grad: int, attn_fwd_s: float, attn_bwd_s: float) -> None:
+def apply_ring_overlap(comms, cp: int, passes: int, grad: int, attn_fwd_s: float, attn_bwd_s: float,
+                       steps: tuple[float, ...] | None = None) -> None:
     """Set the ring comm's ``exposed_share`` (:func:`ring_exposed_share`) and say so in its note."""
     for c in comms:
         if c.phase == "cp-ring":
-            c.exposed_share = ring_exposed_share(cp, passes, grad, c.per_item_s, attn_fwd_s, attn_bwd_s)
+            c.exposed_share = ring_exposed_share(cp, passes, grad, c.per_item_s, attn_fwd_s, attn_bwd_s, steps)
             c.note += "; each hop behind its block's attention, what exceeds it exposed"

@@ -42,6 +42,16 @@ def step_pairs(rank: int, src: int, cp: int, chunk: int, window: int | None) -> 
 
 
 @lru_cache(maxsize=256)
+def ring_window_steps(cp: int, seq: int, window: int) -> tuple[float, ...]:
+    """Each step's share of a windowed layer's attention on the most loaded rank (its pairs per step over
+    all its pairs): what the ring's hops can hide behind (``plan/ringtime.py``)."""
+    chunk = seq // (2 * cp)
+    counts = [[len(step_pairs(rank, (rank - t) % cp, cp, chunk, window)) for t in range(cp)] for rank in range(cp)]
+    worst = max(counts, key=sum)
+    return tuple(n / sum(worst) for n in worst)
+
+
+@lru_cache(maxsize=256)
 def ring_window_work(cp: int, seq: int, window: int) -> tuple[float, float, tuple[float, ...]]:
     """For a windowed layer under ring CP over ``seq`` tokens: ``(counted, executed, saved)``.
 
