@@ -58,6 +58,7 @@ from llmtrain.engine.models.masks import zigzag_rows
 from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
+from llmtrain.engine.parallel.context_ring_window import windowed_ring_attention
 from llmtrain.engine.parallel.funcol_names import all_gather_autograd
 
 
@@ -246,7 +247,9 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
         return ulysses
     if method == "ring":
         def ring(q, k, v, mask=None, softcap=None):
-            return ring_attention(q, k, v, group, cp, mask, softcap, window)
+            if window is not None:  # a windowed layer: only the chunk pairs inside the window
+                return windowed_ring_attention(q, k, v, group, cp, window, mask, softcap)
+            return ring_attention(q, k, v, group, cp, mask, softcap)
         ring.takes_mask = ring.takes_softcap = ring.takes_kv_heads = True
         return ring
 

@@ -212,12 +212,6 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None,
-                   softcap: float | None = None, window: int | None = None):
-    """``window``: a windowed layer's sliding window: only the chunk pairs inside it run
-    (``context_ring_window.py``); otherwise the ring's blocks."""
-    from llmtrain.engine.parallel.context_ring_window import WindowedRingAttention  # noqa: PLC0415 (imports us)
-
-    softcap = None if softcap is None else float(softcap)
-    if window is not None:
-        return WindowedRingAttention.apply(q, k, v, group, cp, mask, softcap, window)
-    return RingAttention.apply(q, k, v, group, cp, mask, softcap)
+                   softcap: float | None = None):
+    """The ring's blocks; a windowed layer's chunk pairs: ``context_ring_window.windowed_ring_attention``."""
+    return RingAttention.apply(q, k, v, group, cp, mask, None if softcap is None else float(softcap))

@@ -107,3 +107,8 @@ class WindowedRingAttention(torch.autograd.Function):
                 kv, kv_pending = finish_rotate(kv_pending), None
         dk, dv = finish_rotate(grads_pending)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def windowed_ring_attention(q, k, v, group: dist.ProcessGroup, cp: int, window: int, mask: torch.Tensor | None = None,
+                            softcap: float | None = None):
+    return WindowedRingAttention.apply(q, k, v, group, cp, mask, None if softcap is None else float(softcap), window)
