@@ -18,7 +18,7 @@ up to 4 ranks, in ONE torchrun job
   ``hardware_flops_per_step`` (recomputation included, attention without causal halving — the
   counter sees the math SDPA backend's full score matmuls);
 - communication: the message bytes of every collective in one full step, per dimension,
-  averaged over ranks (with PP, the ranks of the planner's slowest pipeline rank), against the
+  averaged over ranks (with PP, the ranks of the planner's slowest pipeline rank; CP: its busiest rank), against the
   planner's ``comm`` entries (``message_bytes x count`` per dimension, llmtrain/plan/comm.py) of
   the same recipe.
 """
@@ -189,6 +189,12 @@ def compare(name: str, ranks: list[dict], overrides: list[str]) -> list[dict]:
             d["bytes"] += val["bytes"] / len(same)
             d["count"] += val["count"] / len(same)
             d["kinds"].add(kind)
+    # CP: the busiest rank, as the planner counts it (a windowed layer's chunk exchange sends more from the
+    # middle ranks than from the ends: plan/ringwindow.py exchange_chunks; every other CP exchange is even)
+    cp_sent = [sum(val["bytes"] for key, val in r["comm"].items() if key.startswith("cp/") and not key.endswith("/recv"))
+               for r in same]
+    if "cp" in measured and cp_sent:
+        measured["cp"]["bytes"] = max(cp_sent)
     for dim in sorted(set(planned) | set(measured)):
         pc = planned.get(dim, [])
         pred = sum(c.message_bytes * c.count for c in pc) if dim != "other" else None
@@ -216,7 +222,7 @@ def main() -> None:
                 row[k] = int(round(row[k]))
     table = common.md_table(rows, [("layout", "layout"), ("quantity", "quantity"), ("predicted", "predicted"),
                                    ("measured", "measured"), ("error", "error %"), ("note", "note")])
-    notes = f"""Recipe recipes/debug.yaml with {', '.join(base)}, {world} ranks (`llmtrain plan` of the same recipe on 1 node x {world}); MoE: `model.preset=debug-moe`. Error % = (measured - predicted) / predicted. Model state: the rank whose numbers differ most (all ranks are compared; "exact on n/n"). Activations: bytes alive after one micro batch's forward, parameters excluded, against the planner's saved activations + logits (worst rank). FLOPs: `FlopCounterMode` over one full training step (all micro batches), summed over ranks, against `hardware_flops_per_step`. Communication: every `c10d` / `_c10d_functional` op of one full step (after one warm-up step) seen by a `TorchDispatchMode` that lets DTensor desugar first (as `CommDebugMode` does), attributed to a dimension by the code that issued it, message bytes in the planner's convention (all-reduce / broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the rank's input; P2P: sends only), averaged over ranks (with PP: over the ranks of the planner's slowest pipeline rank); predicted = the planner's `message_bytes x count` summed over the dimension's entries (llmtrain/plan/comm.py; for PP the entries of its slowest pipeline rank). Planned and measured *calls* are not comparable (planned: whole-model passes or all-reduce equivalents; measured: one call per FSDP unit, bucket, owner or tensor).
+    notes = f"""Recipe recipes/debug.yaml with {', '.join(base)}, {world} ranks (`llmtrain plan` of the same recipe on 1 node x {world}); MoE: `model.preset=debug-moe`. Error % = (measured - predicted) / predicted. Model state: the rank whose numbers differ most (all ranks are compared; "exact on n/n"). Activations: bytes alive after one micro batch's forward, parameters excluded, against the planner's saved activations + logits (worst rank). FLOPs: `FlopCounterMode` over one full training step (all micro batches), summed over ranks, against `hardware_flops_per_step`. Communication: every `c10d` / `_c10d_functional` op of one full step (after one warm-up step) seen by a `TorchDispatchMode` that lets DTensor desugar first (as `CommDebugMode` does), attributed to a dimension by the code that issued it, message bytes in the planner's convention (all-reduce / broadcast: the tensor; all-gather: the gathered output; reduce-scatter: the input; all-to-all: the rank's input; P2P: sends only), averaged over ranks (with PP: over the ranks of the planner's slowest pipeline rank; CP: the busiest rank, as planned); predicted = the planner's `message_bytes x count` summed over the dimension's entries (llmtrain/plan/comm.py; for PP the entries of its slowest pipeline rank). Planned and measured *calls* are not comparable (planned: whole-model passes or all-reduce equivalents; measured: one call per FSDP unit, bucket, owner or tensor).
 
 What this benchmark found, and what was done (the first full run, at git bbb8118, measured TP
 without SP +50 %, CP ring +33 %, TP with SP -9.8 %, DP with TP +7.5 %, ZeRO-3 -6 %):

@@ -78,6 +78,7 @@ FRAMES = [  # (path fragment, function or None, dimension), checked innermost fr
     ("llmtrain/engine/models/moe.py", "update_expert_bias", "other"),
     ("llmtrain/engine/parallel/context.py", None, "cp"),
     ("llmtrain/engine/parallel/context_ring.py", None, "cp"),  # the ring's P2P, backward's too
+    ("llmtrain/engine/parallel/context_exchange.py", None, "cp"),  # a windowed layer's chunk exchange
     ("llmtrain/engine/parallel/expert.py", None, "ep"),
     ("llmtrain/engine/parallel/data_parallel.py", None, "dp"),
     ("llmtrain/engine/parallel/grad_buckets.py", None, "dp"),  # the bucketed gradient all-reduce (zero 0/1)

@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    cp_attention_shares, ring_step_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    cp_attention_shares, cp_exchange, ring_step_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import split_backwards
@@ -170,7 +170,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         tp_bwd_overlap=tp_kind == "backward",
                         dist_opt=recipe.planner.dp_optimizer == "distributed",
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
-                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, pp_blocking=recipe.planner.pp_p2p == "blocking",
+                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, cp_exchange=cp_exchange(recipe, dims.cp, inv.layers), pp_blocking=recipe.planner.pp_p2p == "blocking",
                         recompute_whole=whole, v_shaped=p.pp_schedule in V_SHAPED_SCHEDULES)
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":

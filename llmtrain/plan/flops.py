@@ -26,7 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
-from llmtrain.plan.ringwindow import ring_window_steps, ring_window_work
+from llmtrain.plan.ringwindow import exchange_chunks, ring_window_steps, ring_window_work, use_exchange
 from llmtrain.plan.shards import block_targets, lora_key
 from llmtrain.recipe.schema import ModelConfig
 
@@ -299,9 +299,27 @@ def ring_step_shares(recipe, cp: int) -> tuple[float, ...] | None:
     steps with little to hide the ring's hops behind (plan/ringtime.py)."""
     m, seq = recipe.model, recipe.train.seq_len
     w = windowed(m, seq)
-    if cp <= 1 or recipe.parallel.cp_method != "ring" or not w:
-        return None
+    if cp <= 1 or recipe.parallel.cp_method != "ring" or not w or exchanged(recipe, cp):
+        return None  # (windowed layers that exchange their chunks are not on the ring: cp_exchange)
     return tuple(w * share + (1.0 - w) / cp for share in ring_window_steps(cp, seq, m.sliding_window))
+
+
+def exchanged(recipe, cp: int) -> bool:
+    """Whether ring CP's windowed layers fetch only their window's chunks from their owners instead of
+    walking the ring (plan/ringwindow.py ``use_exchange``, engine/parallel/context_exchange.py)."""
+    m, seq = recipe.model, recipe.train.seq_len
+    return (cp > 1 and recipe.parallel.cp_method == "ring" and windowed(m, seq) > 0
+            and use_exchange(cp, seq // (2 * cp), m.sliding_window))
+
+
+def cp_exchange(recipe, cp: int, layers) -> tuple[int, int, int]:
+    """comm.py's ``CommSpec.cp_exchange`` for a rank holding ``layers``: its windowed layers that exchange
+    (:func:`exchanged`) and the busiest rank's chunks sent and received per forward pass."""
+    if not exchanged(recipe, cp):
+        return 0, 0, 0
+    m, seq = recipe.model, recipe.train.seq_len
+    n = sum(1 for i in layers if m.is_windowed(i))
+    return (n, *exchange_chunks(cp, seq // (2 * cp), m.sliding_window)) if n else (0, 0, 0)
 
 
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:

@@ -69,3 +69,46 @@ def ring_window_work(cp: int, seq: int, window: int) -> tuple[float, float, tupl
         worst = max(worst, pairs * chunk * chunk)
         saved.append(pairs * chunk / s_local)
     return total / (seq * seq), worst / (s_local * seq), tuple(saved)
+
+
+@lru_cache(maxsize=256)
+def exchange_plan(cp: int, chunk: int, window: int) -> tuple[tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...], ...]:
+    """Per cp rank, the steps of a windowed layer's neighbour exchange (``engine/parallel/context_exchange.py``):
+    ``(t, recv, send)`` for each ``t`` in ``1 .. cp - 1`` where the rank receives anything from rank ``r - t``
+    (``recv``: that rank's local chunks some visible pair of this rank needs) or sends anything to rank
+    ``r + t`` (``send``: this rank's local chunks that rank needs at its step ``t``). Every rank computes
+    every rank's needs from chunk positions alone, so the sends and receives match without a handshake."""
+    def needs(rank: int, t: int) -> tuple[int, ...]:
+        return tuple(sorted({j for _, j in step_pairs(rank, (rank - t) % cp, cp, chunk, window)}))
+
+    plan = []
+    for rank in range(cp):
+        steps = []
+        for t in range(1, cp):
+            recv, send = needs(rank, t), needs((rank + t) % cp, t)
+            if recv or send:
+                steps.append((t, recv, send))
+        plan.append(tuple(steps))
+    return tuple(plan)
+
+
+@lru_cache(maxsize=256)
+def exchange_chunks(cp: int, chunk: int, window: int) -> tuple[int, int]:
+    """The busiest rank's ``(sent, received)`` chunks of K/V (each one ``c``-token chunk of K and of V) per
+    forward pass of a windowed layer's exchange; the busiest by the larger of the two."""
+    per_rank = [(sum(len(s) for _, _, s in steps), sum(len(r) for _, r, _ in steps))
+                for steps in exchange_plan(cp, chunk, window)]
+    return max(per_rank, key=lambda sr: (max(sr), sr))
+
+
+def use_exchange(cp: int, chunk: int, window: int | None) -> bool:
+    """Whether a windowed layer's ring CP fetches only the chunks its window needs, each straight from its
+    owner (``engine/parallel/context_exchange.py``), instead of walking the ring: when no rank receives
+    more than ``cp - 1`` chunks per forward, half of what every rank receives on the ring (``2 (cp - 1)``,
+    both of each other rank's chunks). The ring hides its hops behind each step's attention and the
+    exchange's backward does not (module docstring there), so the exchange is chosen only where it moves
+    at most half the bytes: a window of a few chunks, the local layers of Gemma 2/3 or Mistral at long
+    context. The same rule for engine and planner."""
+    if window is None or cp < 2 or window >= 2 * cp * chunk:
+        return False
+    return max(exchange_chunks(cp, chunk, window)) <= cp - 1

@@ -58,8 +58,10 @@ from llmtrain.engine.models.masks import zigzag_rows
 from llmtrain.engine.models.softcap import softcap_attention
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
+from llmtrain.engine.parallel.context_exchange import window_exchange_attention
 from llmtrain.engine.parallel.context_ring_window import windowed_ring_attention
 from llmtrain.engine.parallel.funcol_names import all_gather_autograd
+from llmtrain.plan.ringwindow import use_exchange
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, method: str) -> torch.Tensor:
@@ -239,7 +241,9 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
     ``kv_heads`` (``takes_kv_heads``: the model does not repeat them, ``models/llama.py``);
     Ulysses takes them too; every method takes the model's mask (``takes_mask``: a sliding
     window, packed rows) and Gemma 2's soft-cap (``takes_softcap``). ``window``: a windowed layer's
-    sliding window: the ring runs only the chunk pairs inside it (``context_ring_window.py``)."""
+    sliding window: the ring runs only the chunk pairs inside it (``context_ring_window.py``), and where
+    that window needs few chunks (``plan/ringwindow.py`` ``use_exchange``, decided from this call's chunk
+    length) each rank fetches just those from their owners instead (``context_exchange.py``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
             return ulysses_attention(q, k, v, group, cp, mask, softcap)
@@ -248,6 +252,8 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
     if method == "ring":
         def ring(q, k, v, mask=None, softcap=None):
             if window is not None:  # a windowed layer: only the chunk pairs inside the window
+                if use_exchange(cp, q.shape[2] // 2, window):  # ... and only the chunks they read
+                    return window_exchange_attention(q, k, v, group, cp, window, mask, softcap)
                 return windowed_ring_attention(q, k, v, group, cp, window, mask, softcap)
             return ring_attention(q, k, v, group, cp, mask, softcap)
         ring.takes_mask = ring.takes_softcap = ring.takes_kv_heads = True

@@ -30,7 +30,8 @@ memory-efficient kernel with a bias, or the soft-capped kernel) whose rows that 
 block (another sample, outside the window) come back with ``lse = -inf`` and add nothing to the
 merge; the diagonal block holds every row's own position, so merged rows are never empty. A
 windowed layer runs only the chunk pairs inside its window instead of these blocks
-(``context_ring_window.py``, ``plan/ringwindow.py``); blocks that packed rows' samples leave empty
+(``context_ring_window.py``, ``plan/ringwindow.py``), and a window of a few chunks fetches only those
+chunks from their owners instead of walking the ring (``context_exchange.py``); blocks that packed rows' samples leave empty
 still run. The mask is saved for backward by reference: the model's one tensor per forward, shared
 by its layers.
 

@@ -13,7 +13,9 @@ Everything else is the ring's: K/V travel one hop per step while the step's pair
 walks the same steps with the merged output and lse (the flash trick), and the dK/dV accumulators follow
 one step behind and take one more hop home. A step with no visible pair still passes K/V (and in the
 backward the accumulators) on: every rank posts the same P2P sequence. Without a mask (a row no longer
-than the window: no band) the diagonal pairs run ``is_causal`` and the others unmasked.
+than the window: no band) the diagonal pairs run ``is_causal`` and the others unmasked. A window that
+reaches only a few chunks does not walk the ring at all: each rank fetches just the chunks its pairs read
+(``context_exchange.py``, chosen by ``plan/ringwindow.py`` ``use_exchange``); this walk is for wider windows.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""A windowed layer's context parallelism by neighbour exchange: each rank fetches only the K/V chunks its
+window needs, straight from their owners.
+
+On the ring (``context_ring.py``, ``context_ring_window.py``) every rank's K/V visit every other rank, one hop
+per step, whatever the layer needs: ``2 (cp - 1)`` chunks received per forward pass. Under a sliding window of
+a few chunks (the local layers of Gemma 2/3 and Mistral at long context) a query chunk sees only itself and
+the chunks just before it, so most of those hops carry keys nobody reads. Here each rank exchanges, at each
+step ``t`` of ``1 .. cp - 1`` where anything is needed, directly with ranks ``r - t`` (receive) and ``r + t``
+(send), and only the local chunks a visible pair reads (``plan/ringwindow.py`` ``exchange_plan``: from chunk
+positions alone, so every rank knows every rank's needs and the P2P calls match without a handshake). With a
+window no longer than a chunk a middle rank receives 2 chunks instead of ``2 (cp - 1)``. The pairs run as in
+the windowed ring: one masked kernel call each on its ``c x c`` view of the model's mask (keys in ring order,
+``models/masks.py``), the rank's own diagonal pairs first, merged by log-sum-exp. Used where no rank receives
+more than ``cp - 1`` chunks (``ringwindow.use_exchange``, the planner's rule too); wider windows walk the ring.
+
+Order of the P2P calls (matching on NCCL's one stream per group as on gloo): every rank posts its steps in
+increasing ``t``; in the forward the next step's exchange is posted before this step's pairs run (it travels
+meanwhile); in the backward each step posts its K/V exchange, waits, runs its pairs and posts the step's
+gradients back to their owners (``dK/dV`` of the received chunks to ``r - t``, its own chunks' from ``r + t``),
+waited for one step later. So every rank's calls are ordered by (step, phase) and no two ranks wait on each
+other in opposite orders. The backward's K/V exchange is not overlapped (the ring's is): the exchange is chosen
+only where it moves at most half the ring's bytes.
+
+Memory: forward holds at most two steps' received chunks (in use and in flight, at most two chunks each: less
+than the ring's two K/V blocks); backward one step's received K/V, their fp32 gradients and the previous step's
+in flight. Saved for backward as the ring: q, k, v, the merged output and lse (the received chunks are fetched
+again in backward, as the ring sends its K/V again).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
+                                                     default_scale, merge_, repeat_kv)
+from llmtrain.engine.parallel.context_ring_window import _pair_mask
+from llmtrain.plan.ringwindow import exchange_plan, step_pairs
+
+
+def _chunk(t: torch.Tensor, j: int, c: int) -> torch.Tensor:
+    return t[:, :, j * c:(j + 1) * c]
+
+
+def _post(sends: list[torch.Tensor], dst: int, recv_like: list[torch.Tensor], src: int, group):
+    """One batched P2P: ``sends`` to cp rank ``dst``, fresh buffers shaped like ``recv_like`` from ``src``;
+    returns (received, requests, the contiguous copies sent, kept alive until the wait)."""
+    sends = [s.contiguous() for s in sends]
+    received = [torch.empty(r.shape, dtype=r.dtype, device=r.device) for r in recv_like]
+    ops = [dist.P2POp(dist.isend, s, dist.get_global_rank(group, dst), group) for s in sends]
+    ops += [dist.P2POp(dist.irecv, r, dist.get_global_rank(group, src), group) for r in received]
+    return received, (dist.batch_isend_irecv(ops) if ops else []), sends
+
+
+def _wait(pending) -> list[torch.Tensor]:
+    received, reqs, _sent = pending
+    for req in reqs:
+        req.wait()
+    return received
+
+
+def _post_kv(k, v, rank: int, cp: int, c: int, step, group):
+    """Step ``(t, recv, send)``'s K/V exchange: this rank's chunks ``send`` to ``r + t``, rank ``r - t``'s
+    chunks ``recv`` from it (K then V per chunk, chunks in increasing order on both sides)."""
+    t, recv, send = step
+    sends = [x for j in send for x in (_chunk(k, j, c), _chunk(v, j, c))]
+    like = [_chunk(x, 0, c) for _ in recv for x in (k, v)]
+    return _post(sends, (rank + t) % cp, like, (rank - t) % cp, group)
+
+
+def _received(recv: tuple[int, ...], tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    return {j: (tensors[2 * n], tensors[2 * n + 1]) for n, j in enumerate(recv)}
+
+
+class WindowExchangeAttention(torch.autograd.Function):
+    """q ``[b, heads, s_local, d]``, k and v ``[b, kv_heads, s_local, d]`` (GQA: not repeated), ``mask`` the
+    model's (this rank's rows, keys in ring order) or None, ``window`` the layer's (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp: int, mask, softcap, window: int):
+        rank, scale, c = dist.get_rank(group), default_scale(q), q.shape[2] // 2
+        b, h, s, d = q.shape
+        n_rep = h // k.shape[1]
+        steps = exchange_plan(cp, c, window)[rank]
+        out = torch.empty(b, s, h, d, dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
+        lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
+        aux = {}
+
+        def run(t: int, chunks: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+            src = (rank - t) % cp
+            for i, j in step_pairs(rank, src, cp, c, window):
+                rows = slice(i * c, (i + 1) * c)
+                kr, vr = repeat_kv(*chunks[j], slice(None), n_rep)
+                bm = _pair_mask(mask, i, j, src, c)
+                diagonal = t == 0 and i == j
+                blk_out, blk_lse, aux[t, i, j] = block_forward(q[:, :, rows], kr, vr, diagonal and bm is None, scale,
+                                                               mask=bm, softcap=softcap)
+                if diagonal:  # first for its rows: every row sees itself
+                    out[:, :, rows].copy_(blk_out)
+                    lse[:, :, rows].copy_(blk_lse)
+                else:
+                    merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+                del blk_out, blk_lse, kr, vr
+
+        pending = _post_kv(k, v, rank, cp, c, steps[0], group) if steps else None  # travels during step 0
+        run(0, {j: (_chunk(k, j, c), _chunk(v, j, c)) for j in range(2)})
+        for n, step in enumerate(steps):
+            got = _received(step[1], _wait(pending))
+            pending = _post_kv(k, v, rank, cp, c, steps[n + 1], group) if n + 1 < len(steps) else None
+            run(step[0], got)
+            del got
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
+        ctx.group, ctx.cp, ctx.scale, ctx.aux, ctx.window = group, cp, scale, aux, window
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, mask = ctx.saved_tensors
+        group, cp, scale, window = ctx.group, ctx.cp, ctx.scale, ctx.window
+        rank, c = dist.get_rank(group), q.shape[2] // 2
+        n_rep = q.shape[1] // k.shape[1]
+        acc = acc_dtype(q.dtype)
+        dout = dout.to(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+
+        def run(t: int, chunks: dict[int, tuple[torch.Tensor, torch.Tensor]], grads) -> None:
+            """Step ``t``'s pairs: dq into ``dq``, the chunks' dK/dV into ``grads[j]``."""
+            src = (rank - t) % cp
+            for i, j in step_pairs(rank, src, cp, c, window):
+                rows = slice(i * c, (i + 1) * c)
+                kr, vr = repeat_kv(*chunks[j], slice(None), n_rep)
+                bm = _pair_mask(mask, i, j, src, c)
+                causal = t == 0 and i == j and bm is None
+                dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
+                                               causal, scale, ctx.aux[t, i, j], bm)
+                dq[:, :, rows].add_(dqb)
+                add_kv_grad_(grads[j][0], dkb, n_rep)
+                add_kv_grad_(grads[j][1], dvb, n_rep)
+                del kr, vr, dqb, dkb, dvb
+
+        def land(pending, send: tuple[int, ...]) -> None:
+            """The previous step's gradients of this rank's chunks ``send``, from the ranks that used them."""
+            got = _wait(pending)
+            for n, j in enumerate(send):
+                _chunk(dk, j, c).add_(got[2 * n])
+                _chunk(dv, j, c).add_(got[2 * n + 1])
+
+        run(0, {j: (_chunk(k, j, c), _chunk(v, j, c)) for j in range(2)},
+            {j: (_chunk(dk, j, c), _chunk(dv, j, c)) for j in range(2)})
+        landing = None
+        for t, recv, send in exchange_plan(cp, c, window)[rank]:
+            got = _received(recv, _wait(_post_kv(k, v, rank, cp, c, (t, recv, send), group)))
+            grads = {j: (torch.zeros(got[j][0].shape, dtype=acc, device=k.device),
+                         torch.zeros(got[j][1].shape, dtype=acc, device=v.device)) for j in recv}
+            run(t, got, grads)
+            del got
+            # the received chunks' gradients home to rank r - t; this rank's chunks' from rank r + t
+            like = [_chunk(x, 0, c) for _ in send for x in (dk, dv)]
+            pending = _post([g for j in recv for g in grads[j]], (rank - t) % cp, like, (rank + t) % cp, group)
+            del grads
+            if landing is not None:
+                land(*landing)
+            landing = (pending, send)
+        if landing is not None:
+            land(*landing)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def window_exchange_attention(q, k, v, group: dist.ProcessGroup, cp: int, window: int, mask: torch.Tensor | None = None,
+                              softcap: float | None = None):
+    return WindowExchangeAttention.apply(q, k, v, group, cp, mask, None if softcap is None else float(softcap), window)
