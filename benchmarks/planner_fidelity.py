@@ -190,7 +190,7 @@ def compare(name: str, ranks: list[dict], overrides: list[str]) -> list[dict]:
             d["count"] += val["count"] / len(same)
             d["kinds"].add(kind)
     # CP: the busiest rank, as the planner counts it (a windowed layer's chunk exchange sends more from the
-    # middle ranks than from the ends: plan/ringwindow.py exchange_chunks; every other CP exchange is even)
+    # middle ranks than from the ends: plan/ringwindow.py exchange_tokens; every other CP exchange is even)
     cp_sent = [sum(val["bytes"] for key, val in r["comm"].items() if key.startswith("cp/") and not key.endswith("/recv"))
                for r in same]
     if "cp" in measured and cp_sent:

@@ -188,11 +188,11 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
             # loaded (engine/parallel/context_ring.py; measured rank 0 at cp 2: benchmarks/planner_fidelity.py)
             del out["attn_out"]
             i = x.cp - 1 if cp_index is None else cp_index
-            halves = x.cp + 1 + i
-            if x.ring_window:  # a windowed layer: only the chunk pairs inside the window run (plan/ringwindow.py)
+            blocks = (x.cp + 1 + i) / 2
+            if x.ring_window:  # a windowed layer: only the rows of the chunk pairs' boxes (plan/ringwindow.py)
                 saved = ring_window_work(x.cp, x.s * x.cp, x.ring_window)[2]
-                halves = round(2 * (max(saved) if cp_index is None else saved[cp_index]))
-            out["ring_saved_blocks"] = halves * (e * q + lse) // 2
+                blocks = max(saved) if cp_index is None else saved[cp_index]
+            out["ring_saved_blocks"] = round(blocks * (e * q + lse))
         elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the
             # queries): two kernel blocks, before it and the diagonal; rank 0's first chunk has no prefix: 3 of 4
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2

@@ -70,10 +70,11 @@ Volumes per step, as the engine communicates (``b`` micro batch, ``s`` tokens pe
 - CP ring: per layer, ``cp - 1`` passes of the local K and V blocks forward, K, V and their
   gradients backward, and one last pass of dK/dV back to their owner (the gradients in the
   accumulation dtype, fp32 at least: twice K/V's bytes in bf16); a windowed layer whose window needs
-  few chunks (``ringwindow.use_exchange``) instead sends, per forward pass, the chunks its neighbours
-  read (each ``c`` tokens of K and V, half the local K/V), in the backward the same again and the
-  received chunks' dK/dV back to their owners: the busiest rank's sends (``exchange_chunks``), phase
-  ``cp-exchange``, priced exposed (engine/parallel/context_exchange.py overlaps only the forward's); Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
+  few keys of other ranks (``ringwindow.use_exchange``) instead sends, per forward pass, the keys its
+  neighbours' boxes read (the last ``window - 1`` of a chunk under a window shorter than it), in the
+  backward the same again, and the received keys' dK/dV back to their owners: the busiest rank's sends
+  (``exchange_tokens``), phase ``cp-exchange``, priced exposed (engine/parallel/context_exchange.py
+  overlaps only the forward's); Ulysses: 4 all-to-alls (q, k, v, output) each way; all-gather: K and V
   gathered forward, their gradients reduce-scattered backward. Ring and all-gather move K/V (and
   dK/dV) with the rank's ``kv_heads / tp`` heads: the engine repeats them to the query heads only
   after the exchange (``engine/parallel/context.py``), as Megatron-Core and Llama 3 do;
@@ -152,9 +153,9 @@ class CommSpec:
     dist_opt: bool = False  # planner.dp_optimizer distributed: ZeRO-1 reduce-scatters gradients, all-gathers parameters
     fp8_gather_numel: int = 0  # parallel.fp8_all_gather: this rank's Float8-converted weight elements (1 byte each)
     kv_heads: int = 0  # model.kv_heads (GQA); 0 = heads
-    # ring CP's windowed layers that exchange only their window's chunks: (layers on this rank, chunks the
-    # busiest rank sends, receives per forward pass; plan/ringwindow.py exchange_chunks)
-    cp_exchange: tuple[int, int, int] = (0, 0, 0)
+    # ring CP's windowed layers that exchange only their window's keys: (layers on this rank, the busiest rank's
+    # K/V sent and received per forward pass as shares of its local K/V; plan/ringwindow.py exchange_tokens)
+    cp_exchange: tuple[int, float, float] = (0, 0.0, 0.0)
     cp_kv: str = "engine"  # planner.cp_kv: "repeated" prices ring / all-gather K/V repeated to the query heads
     pp_blocking: bool = False  # planner.pp_p2p blocking: Megatron's waiting sends, 1/tp of the activation per TP rank
     recompute_whole: bool = False  # planner.full_recompute whole_block: full AC re-runs w2 and its reduction too
@@ -344,10 +345,13 @@ def step_comms(c: CommSpec, gpu: GPUSpec, spans: dict[str, bool]) -> list[Comm]:
                 out.append(make("cp", "p2p", 2, kv, m * (c.layers - ex_layers) * ring_units(d.cp, fwd, grad), g,
                                 "cp-ring", "K/V blocks around the ring (backward: K, V and their gradients, then "
                                 "dK/dV home)"))
-            if ex_layers:  # windowed layers fetching only their window's chunks (plan/ringwindow.py use_exchange)
-                out.append(make("cp", "p2p", 2, kv / 2, m * ex_layers * ((fwd + 1) * sent + grad * received), g,
-                                "cp-exchange", "windowed layers: only the K/V chunks the window reads, from their "
-                                "owners (backward: again, and the received chunks' dK/dV back); not overlapped"))
+            if ex_layers and sent:  # windowed layers fetching only their window's keys (plan/ringwindow.py use_exchange)
+                out.append(make("cp", "p2p", 2, kv * sent, m * ex_layers * (fwd + 1), g, "cp-exchange",
+                                "windowed layers: only the K/V the window reads, from their owners (forward and "
+                                "again backward); not overlapped"))
+            if ex_layers and received:
+                out.append(make("cp", "p2p", 2, kv * received * grad, m * ex_layers, g, "cp-exchange",
+                                "windowed layers: the received keys' dK/dV back to their owners; not overlapped"))
         elif c.cp_method == "ulysses":
             one = c.e * c.tokens * (c.heads // d.tp) * c.head_dim  # the local q (or out) each rank re-shards
             if (kv_heads // d.tp) % d.cp == 0:  # K/V exchanged with their kv_heads (plan/gqa.py ulysses_kv_split)

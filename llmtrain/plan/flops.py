@@ -26,7 +26,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmtrain.plan.params import attention_params, count_params
-from llmtrain.plan.ringwindow import exchange_chunks, ring_window_steps, ring_window_work, use_exchange
+from llmtrain.plan.ringwindow import exchange_tokens, ring_window_steps, ring_window_work, use_exchange
 from llmtrain.plan.shards import block_targets, lora_key
 from llmtrain.recipe.schema import ModelConfig
 
@@ -312,14 +312,16 @@ def exchanged(recipe, cp: int) -> bool:
             and use_exchange(cp, seq // (2 * cp), m.sliding_window))
 
 
-def cp_exchange(recipe, cp: int, layers) -> tuple[int, int, int]:
+def cp_exchange(recipe, cp: int, layers) -> tuple[int, float, float]:
     """comm.py's ``CommSpec.cp_exchange`` for a rank holding ``layers``: its windowed layers that exchange
-    (:func:`exchanged`) and the busiest rank's chunks sent and received per forward pass."""
+    (:func:`exchanged`) and the busiest rank's K/V sent and received per forward pass, as shares of its
+    local K/V (key positions over ``seq / cp``)."""
     if not exchanged(recipe, cp):
-        return 0, 0, 0
+        return 0, 0.0, 0.0
     m, seq = recipe.model, recipe.train.seq_len
     n = sum(1 for i in layers if m.is_windowed(i))
-    return (n, *exchange_chunks(cp, seq // (2 * cp), m.sliding_window)) if n else (0, 0, 0)
+    sent, received = exchange_tokens(cp, seq // (2 * cp), m.sliding_window)
+    return (n, sent / (seq // cp), received / (seq // cp)) if n else (0, 0.0, 0.0)
 
 
 def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:

@@ -1,12 +1,14 @@
-"""Ring attention for a windowed layer: only the (query chunk, key chunk) pairs inside the window run.
+"""Ring attention for a windowed layer: only the (query chunk, key chunk) pairs inside the window run, each
+on the rows and keys of its visible scores' bounding box.
 
 The ring (``context_ring.py``) groups each step's work into one block of up to four ``c x c`` chunk
 pairs (zigzag: rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``). Under a sliding window shorter than
 the row most pairs see nothing, and the grouped blocks would run them anyway; here each step runs only
-its visible pairs (``plan/ringwindow.py`` ``step_pairs``: from chunk positions, no device sync, the rule
-the planner counts with), each one masked kernel call on its ``c x c`` view of the model's mask (this
-rank's rows, keys in ring order: ``models/masks.py``), merged into its query chunk's rows by their
-log-sum-exp. The rank's own diagonal pairs run first, so every row has a key before anything merges
+its visible pairs (``plan/ringwindow.py`` ``step_boxes``: from chunk positions, no device sync, the rule
+the planner counts with), each one masked kernel call on its box's view of the model's mask (this
+rank's rows, keys in ring order: ``models/masks.py``; a pair of different chunks under a window shorter
+than a chunk: the first ``window - 1`` rows against the last ``window - 1`` keys), merged into those rows by
+their log-sum-exp. The rank's own diagonal pairs run first, so every row has a key before anything merges
 (rows of a later pair that see none of its keys get lse -inf: ``context_blocks.masked_block_forward``).
 
 Everything else is the ring's: K/V travel one hop per step while the step's pairs run, the backward
@@ -26,16 +28,23 @@ import torch.distributed as dist
 from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
                                                      default_scale, merge_, repeat_kv)
 from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate, walk_ring
-from llmtrain.plan.ringwindow import step_pairs
+from llmtrain.plan.ringwindow import step_boxes
 
 
-def _pair_mask(mask: torch.Tensor | None, i: int, j: int, src: int, chunk: int) -> torch.Tensor | None:
-    """Pair ``(i, j)``'s view of ``mask``: rows of local chunk ``i``, keys of src's local chunk ``j``
-    (columns ``src s_local + j c ...`` in ring order)."""
+def _pair_mask(mask: torch.Tensor | None, box: tuple[int, ...], src: int, chunk: int) -> torch.Tensor | None:
+    """Box ``(i, j, r0, r1, k0, k1)``'s view of ``mask``: rows ``r0 .. r1`` of local chunk ``i``, keys ``k0 ..
+    k1`` of src's local chunk ``j`` (columns ``src s_local + j c ...`` in ring order)."""
     if mask is None:
         return None
+    i, j, r0, r1, k0, k1 = box
     lo = src * 2 * chunk + j * chunk
-    return mask[..., i * chunk:(i + 1) * chunk, lo:lo + chunk]
+    return mask[..., i * chunk + r0:i * chunk + r1, lo + k0:lo + k1]
+
+
+def box_slices(box: tuple[int, ...], chunk: int) -> tuple[slice, slice]:
+    """The local rows and key positions of box ``(i, j, r0, r1, k0, k1)`` (``plan/ringwindow.py`` ``pair_box``)."""
+    i, j, r0, r1, k0, k1 = box
+    return slice(i * chunk + r0, i * chunk + r1), slice(j * chunk + k0, j * chunk + k1)
 
 
 class WindowedRingAttention(torch.autograd.Function):
@@ -52,10 +61,11 @@ class WindowedRingAttention(torch.autograd.Function):
         lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
         aux = {}
         for step, src, kv in walk_ring(k, v, group, rank, cp):  # the next K/V travel meanwhile
-            for i, j in step_pairs(rank, src, cp, c, window):
-                rows, keys = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            for box in step_boxes(rank, src, cp, c, window):
+                i, j = box[:2]
+                rows, keys = box_slices(box, c)
                 kr, vr = repeat_kv(*kv, keys, n_rep)
-                bm = _pair_mask(mask, i, j, src, c)
+                bm = _pair_mask(mask, box, src, c)
                 diagonal = step == 0 and i == j
                 blk_out, blk_lse, aux[step, i, j] = block_forward(q[:, :, rows], kr, vr, diagonal and bm is None, scale,
                                                                   mask=bm, softcap=softcap)
@@ -87,10 +97,11 @@ class WindowedRingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             kv_pending = start_rotate(kv, group, rank, cp) if step < cp - 1 else None
             computed = []
-            for i, j in step_pairs(rank, src, cp, c, ctx.window):
-                rows, keys = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+            for box in step_boxes(rank, src, cp, c, ctx.window):
+                i, j = box[:2]
+                rows, keys = box_slices(box, c)
                 kr, vr = repeat_kv(*kv, keys, n_rep)
-                bm = _pair_mask(mask, i, j, src, c)
+                bm = _pair_mask(mask, box, src, c)
                 causal = step == 0 and i == j and bm is None
                 dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
                                                causal, scale, ctx.aux[step, i, j], bm)
