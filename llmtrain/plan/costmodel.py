@@ -18,7 +18,7 @@ every pipeline rank at its largest data-parallel shard and its smallest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmtrain.plan import commtime, fp8time, ops
 from llmtrain.plan.batch import BatchMath
@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    cp_attention_shares, cp_exchange, ring_step_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    cp_attention_shares, cp_exchange, ring_layers_executed, ring_step_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import split_backwards
@@ -176,10 +176,14 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         if recipe.cluster.time_model == "v2":
             commtime.retime(comms, gpu, dims, placement.nodes[0].slots)
         if dims.cp > 1 and p.cp_method == "ring":  # the engine's ring overlaps each hop with a block (ringtime.py)
+            # the layers on the ring: all, or the full-attention ones when the windowed ones exchange their keys
+            on_ring = ring_layers_executed(recipe, dims.cp)
+            ring_executed = executed if on_ring is None else on_ring
             if shape is not None:  # v2: the kernel's price, as in the block's time
-                a_f, a_b = (slow * a for a in ops.layer_attention_seconds(shape, gpu))
+                ring_shape = shape if on_ring is None else replace(shape, attn_executed=on_ring)
+                a_f, a_b = (slow * a for a in ops.layer_attention_seconds(ring_shape, gpu))
             else:  # v1: the executed score FLOPs at v1's rate; flash backward runs 2.5x its forward
-                a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * executed
+                a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * ring_executed
                        / (gpu.peak_flops_bf16 * efficiency(gpu)))
                 a_b = 2.5 * a_f
             apply_ring_overlap(comms, dims.cp, forward_passes(recompute), ring_grad_units(compute_bytes(t.precision)),

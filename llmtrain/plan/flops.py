@@ -312,6 +312,16 @@ def exchanged(recipe, cp: int) -> bool:
             and use_exchange(cp, seq // (2 * cp), m.sliding_window))
 
 
+def ring_layers_executed(recipe, cp: int) -> float | None:
+    """:func:`attention_executed` of the layers on the ring when the windowed ones exchange their keys
+    instead (:func:`exchanged`): the full-attention layers' blocks, whose kernels hide the ring's hops
+    (plan/ringtime.py); None when every layer is on the ring (the blended share of
+    :func:`cp_attention_shares` then)."""
+    if not exchanged(recipe, cp):
+        return None
+    return attention_executed(cp, "ring", float(recipe.data.packing))
+
+
 def cp_exchange(recipe, cp: int, layers) -> tuple[int, float, float]:
     """comm.py's ``CommSpec.cp_exchange`` for a rank holding ``layers``: its windowed layers that exchange
     (:func:`exchanged`) and the busiest rank's K/V sent and received per forward pass, as shares of its
