@@ -124,3 +124,30 @@ def test_the_ring_hides_behind_the_full_attention_layers_when_the_windowed_ones_
     assert ring.per_item_s == pytest.approx(alone.per_item_s)
     assert ring.exposed_share == pytest.approx(alone.exposed_share, rel=1e-9)
     assert 0.3 < ring.exposed_share < 0.5
+
+
+def test_soft_capped_ring_layers_are_priced_by_the_scores_their_calls_run():
+    """Gemma 2 9B at 32K on cp 8: the soft-capped kernel runs every score of its calls, the ring's blocks
+    (cp + 1) / (2 cp) of [s, S] in the full-attention layers (18,432 keys per query) and the pairs' boxes in
+    the windowed half (window 4,096: 0.1874 of [s, S]), 12,287 keys per query on average; the ring's hops hide
+    behind the full-attention layers' calls alone."""
+    from dataclasses import replace
+
+    from llmtrain.plan import ops
+    from llmtrain.plan.flops import softcap_ring_keys
+    from llmtrain.plan.ringwindow import ring_window_work
+    from llmtrain.recipe.gpus import GPUS
+
+    recipe = validate_recipe_dict(dict(
+        model=dict(preset="gemma2-9b", max_seq_len=32768), parallel=dict(tp=4, cp=8, cp_method="ring"),
+        train=dict(seq_len=32768, micro_batch_size=1, global_batch_size=8, activation_checkpointing="full"),
+        cluster=dict(nodes=8, gpus_per_node=8, gpu="h100-sxm")))
+    plan = plan_recipe(recipe)
+    gpu = GPUS["h100-sxm"]
+    shape = ops.shape_of(recipe, plan.validation.dims, gpu, 0.5)
+    window = ring_window_work(8, 32768, 4096)[1]
+    assert len(recipe.model.windowed_layers) * 2 == recipe.model.layers
+    assert shape.attention == "softcap" and shape.softcap_keys == round(32768 * (window + 9 / 16) / 2) == 12287
+    assert softcap_ring_keys(recipe, 8, ring_only=True) == 32768 * 9 // 16
+    blocks_only = ops.layer_attention_seconds(replace(shape, softcap_keys=0), gpu)  # every layer as the ring's blocks
+    assert ops.layer_attention_seconds(shape, gpu)[0] < 0.75 * blocks_only[0]

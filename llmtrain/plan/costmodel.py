@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    cp_attention_shares, cp_exchange, ring_layers_executed, ring_step_shares, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    cp_attention_shares, cp_exchange, ring_layers_executed, ring_step_shares, softcap_ring_keys, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import split_backwards
@@ -180,7 +180,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             on_ring = ring_layers_executed(recipe, dims.cp)
             ring_executed = executed if on_ring is None else on_ring
             if shape is not None:  # v2: the kernel's price, as in the block's time
-                ring_shape = shape if on_ring is None else replace(shape, attn_executed=on_ring)
+                ring_shape = shape if on_ring is None else replace(
+                    shape, attn_executed=on_ring, softcap_keys=shape.softcap_keys and softcap_ring_keys(recipe, dims.cp, True))
                 a_f, a_b = (slow * a for a in ops.layer_attention_seconds(ring_shape, gpu))
             else:  # v1: the executed score FLOPs at v1's rate; flash backward runs 2.5x its forward
                 a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * ring_executed

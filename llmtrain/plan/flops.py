@@ -322,6 +322,18 @@ def ring_layers_executed(recipe, cp: int) -> float | None:
     return attention_executed(cp, "ring", float(recipe.data.packing))
 
 
+def softcap_ring_keys(recipe, cp: int, ring_only: bool = False) -> int:
+    """Keys per query of the soft-capped kernel's calls under ring CP, averaged over the layers: it runs every
+    score of its calls, the ring's blocks ``(cp + 1) / (2 cp)`` of ``[s, S]`` (the diagonal block whole), a
+    windowed layer only its pairs' boxes (plan/ringwindow.py). ``ring_only``: the layers on the ring alone
+    (the full-attention ones when the windowed ones exchange their keys: :func:`ring_layers_executed`)."""
+    m, seq = recipe.model, recipe.train.seq_len
+    blocks = (cp + 1) / (2 * cp)
+    w = 0.0 if ring_only else windowed(m, seq)
+    window = ring_window_work(cp, seq, m.sliding_window)[1] if w else 0.0
+    return round(seq * (w * window + (1.0 - w) * blocks))
+
+
 def cp_exchange(recipe, cp: int, layers) -> tuple[int, float, float]:
     """comm.py's ``CommSpec.cp_exchange`` for a rank holding ``layers``: its windowed layers that exchange
     (:func:`exchanged`) and the busiest rank's K/V sent and received per forward pass, as shares of its
