@@ -305,3 +305,21 @@ def test_selective_mm_recompute_flops_by_tp_and_block_kind():
     assert recompute_flops_per_token(m, moe, 64, "selective_mm") == (2.0 * h * (kv + q), 0.0)
     assert recompute_flops_per_token(m, moe, 64, "selective_mm", tp=4) == (2.0 * h * kv, 0.0)
     assert recompute_flops_per_token(m, dense, 64, "selective") == (0.0, 0.0)
+
+
+def test_model_flops_count_a_windowed_layers_attention_over_its_window():
+    """MFU's model FLOPs: 12 h s per token and layer without causal halving, a windowed layer's 12 h
+    min(s, window) (MaxText's count for Gemma 2/3's local layers); the per-layer base of the hardware FLOPs
+    keeps 12 h s (the engine's kernels' executed shares are subtracted from it). Gemma 3 1B: 26 layers, a
+    window of 512 on all but every sixth."""
+    from llmtrain.plan.flops import flops_per_token, model_flops_per_token, window_uncounted
+    from llmtrain.recipe.load import validate_recipe_dict
+
+    m = validate_recipe_dict({"model": {"preset": "gemma3-1b"}, "train": {"seq_len": 8192}}).model
+    windowed = len(m.windowed_layers)
+    assert (windowed, m.layers) == (22, 26)
+    assert window_uncounted(m, 8192) == 12.0 * m.hidden * (8192 - 512) * 22
+    assert model_flops_per_token(m, 8192) == flops_per_token(m, 8192) - window_uncounted(m, 8192)
+    assert model_flops_per_token(m, 512) == flops_per_token(m, 512)  # the window covers the row
+    llama = validate_recipe_dict({"model": {"preset": "llama3-8b"}}).model
+    assert model_flops_per_token(llama, 8192) == flops_per_token(llama, 8192)  # no window

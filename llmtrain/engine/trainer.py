@@ -33,7 +33,7 @@ from llmtrain.engine.parallelize import ModelParts, build_parts, uses_fsdp
 from llmtrain.engine.step import StepLoss, accumulation_step, compute_context, pipelined_step
 from llmtrain.errors import LLMTrainError
 from llmtrain.plan.dims import ParallelDims
-from llmtrain.plan.flops import flops_per_token
+from llmtrain.plan.flops import model_flops_per_token
 from llmtrain.cluster.placement import Placement
 from llmtrain.plan.validate import validate
 from llmtrain.recipe.schema import Recipe, bf16_compute
@@ -122,7 +122,7 @@ def train(recipe: Recipe, device: torch.device, run_dir: str | None = None, step
             part.positions = positions
 
     total_steps = steps or t.steps
-    flops_token = flops_per_token(recipe.model, t.seq_len, t.lora)  # LoRA: the FLOPs actually executed
+    flops_token = model_flops_per_token(recipe.model, t.seq_len, t.lora)  # LoRA: executed; a window: its keys
     peak = peak_flops(device, t.precision)
     writer = MetricsWriter(run_dir, enabled=rank == 0)
     evaluator = PeriodicEval(recipe, dims, gbs) if t.eval_interval else None  # held-out loss (docs/eval.md)

@@ -31,7 +31,7 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    cp_attention_shares, cp_exchange, ring_layers_executed, ring_step_shares, softcap_ring_keys, block_flops_per_token, flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
+    cp_attention_shares, cp_exchange, model_flops_per_token, ring_layers_executed, ring_step_shares, softcap_ring_keys, block_flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
     recompute_flops_per_token, score_flops_per_token,
 )
 from llmtrain.plan.inflight import split_backwards
@@ -107,7 +107,7 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
     # -- FLOPs ---------------------------------------------------------------------------------------
     seq, tokens_step = t.seq_len, batch.tokens_per_step
     lk = lora_key(t.lora)
-    model_tok = flops_per_token(m, seq, lk)
+    model_tok = model_flops_per_token(m, seq, lk)  # a windowed layer's attention over its window (flops.py)
     recompute = t.activation_checkpointing
     whole = recipe.planner.full_recompute == "whole_block"  # another stack's checkpoint re-runs each block's last GEMM
     # what the recomputation re-runs, for the FLOPs (another stack's selective may re-run the attention instead)
@@ -231,7 +231,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
         "model_flops_per_gpu_per_step": model_tok * tokens_step / world,
         "hardware_flops_per_step": hw_tok * tokens_step, "hardware_flops_per_gpu_per_step": hw_tok * tokens_step / world,
         "recompute_overhead": hw_tok / model_tok - 1.0,
-        "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving); "
+        "convention": "model FLOPs = 6 x active matmul params + 12 L h s per token (attention without causal halving; "
+                      "a windowed layer's over its window, 12 h min(s, window)); "
                       "hardware FLOPs add recomputation and MoE routers replicated over TP; with ring or all-gather CP they count "
                       "the kernel blocks run, not the whole causal square"
                       + ("; LoRA: 4 x frozen + 6 x adapter params (executed: no weight gradients of the frozen base)"

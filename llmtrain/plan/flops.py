@@ -45,6 +45,24 @@ def flops_per_token(model: ModelConfig, seq_len: int, lora=None) -> float:
     return 6.0 * matmul_params + 12.0 * model.layers * model.hidden * seq_len
 
 
+def window_uncounted(model: ModelConfig, seq_len: int) -> float:
+    """Per token, the score FLOPs :func:`flops_per_token` counts beyond a sliding window: ``12 h (s - window)``
+    per windowed layer. The model-FLOP convention counts each query against the keys it can see without
+    causal halving (PaLM's ``12 h s``); a windowed layer's query sees ``min(s, window)`` of them, as MaxText
+    counts Gemma 2/3's local layers (``4 b s min(window, s) heads d`` forward, before its causal halving)."""
+    if model.sliding_window is None or seq_len <= model.sliding_window:
+        return 0.0
+    return 12.0 * model.hidden * (seq_len - model.sliding_window) * len(model.windowed_layers)
+
+
+def model_flops_per_token(model: ModelConfig, seq_len: int, lora=None) -> float:
+    """The model FLOPs per token MFU and TFLOP/s count (``plan``, the engine's metrics): :func:`flops_per_token`
+    with a windowed layer's attention over its window (:func:`window_uncounted`). The per-layer FLOPs below
+    keep every layer's whole ``12 h s``: they are the base the hardware FLOPs subtract the unexecuted scores from
+    (costmodel.py, by the kernels' executed shares), and a window is one of those."""
+    return flops_per_token(model, seq_len, lora) - window_uncounted(model, seq_len)
+
+
 # ---- per-layer FLOPs (same convention), for per-stage compute and hardware FLOPs ------------------
 # A transformer block's share of ``flops_per_token``: 6 x its parameters (norm weights included,
 # as above) + 12 h s for the attention scores and values. Summed over the blocks and the head

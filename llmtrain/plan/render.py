@@ -174,7 +174,8 @@ def _render_cost(d: dict[str, Any], console: Console) -> None:
     for rec in d.get("recommendations") or []:  # plan/hier.py
         console.print(f"  [bold]recommendation[/]: {escape(rec['message'])}", highlight=False)
     f = d["flops"]
-    extra = (f"; hardware FLOPs (recomputation, MoE routers replicated over TP, context-parallel kernel blocks) are "
+    extra = (f"; hardware FLOPs (recomputation, MoE routers replicated over TP, context-parallel kernel blocks, "
+             f"masked scores the kernels run) are "
              f"{f['recompute_overhead']:+.0%}" if abs(f["recompute_overhead"]) > 0.0005 else "")
     console.print(f"[bold]FLOPs[/] {f['model_flops_per_token']:.3g} per token, {f['model_flops_per_step']:.3g} per step "
                   f"({f['model_flops_per_gpu_per_step']:.3g} per GPU){extra}", highlight=False)
