@@ -69,6 +69,10 @@ CASES = {
     "cp 2 (ring) x dp 2": ["parallel.cp=2", "parallel.cp_method=ring"],
     "cp 2 (all-gather) x dp 2": ["parallel.cp=2", "parallel.cp_method=allgather"],
     "cp 2 (ulysses) x dp 2": ["parallel.cp=2", "parallel.cp_method=ulysses"],  # GQA K/V exchanged with their heads
+    # a window shorter than the sequence without CP: each layer's score boxes (plan/localwindow.py), not the
+    # dense band; selective keeps every box call's output
+    "dp 4 (window 16)": ["model.sliding_window=16"],
+    "dp 4 (window 16), selective": ["model.sliding_window=16", "train.activation_checkpointing=selective"],
     # a window shorter than the sequence: all-gather's one masked call per layer over the rank's rows (models/masks.py)
     "cp 2 (all-gather, window 16) x dp 2": ["model.sliding_window=16", "parallel.cp=2", "parallel.cp_method=allgather"],
     # ... and the ring's masked blocks (views of the same rows, keys in ring order; the diagonal block runs whole),

@@ -72,6 +72,7 @@ from llmtrain.plan.norm_activations import LSE, _norm, _norm_bytes, post_norm_te
 from llmtrain.plan.rope_activations import layer_rope_terms, stage_rope_terms
 from llmtrain.plan.loss_activations import last_stage_terms, logits_bytes, loss_backward_bytes  # noqa: F401
 from llmtrain.plan.losschunk import loss_chunk_tokens
+from llmtrain.plan.localwindow import local_window_work
 from llmtrain.plan.ringwindow import ring_window_work
 from llmtrain.plan.mlp_activations import expert_lora_terms, frozen_moe_terms, mlp_terms, moe_terms  # noqa: F401 (re-exported)
 from llmtrain.plan.shards import block_targets
@@ -136,6 +137,7 @@ class ActShape:
     masked: bool = False
     softcap: bool = False  # model.attention_softcap: under all-gather CP a causal mask of the rank's rows (stage_terms)
     ring_window: int = 0  # a windowed layer under ring CP: its sliding window, the chunk pairs inside it run (rankmem)
+    local_window: int = 0  # a windowed layer without CP running its score boxes: its window (plan/localwindow.py)
 
     def __hash__(self) -> int:  # computed once: the per-layer caches below are keyed on it
         h = self.__dict__.get("_hash")
@@ -193,6 +195,9 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
                 saved = ring_window_work(x.cp, x.s * x.cp, x.ring_window)[2]
                 blocks = max(saved) if cp_index is None else saved[cp_index]
             out["ring_saved_blocks"] = round(blocks * (e * q + lse))
+        elif x.cp == 1 and x.local_window:  # without CP, a windowed layer's score boxes: each call's output
+            # and lse kept, each box's rows (plan/localwindow.py; engine/models/window_attention.py)
+            out["attn_out"] = round(local_window_work(x.s, x.local_window)[1] * (e * q + lse))
         elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the
             # queries): two kernel blocks, before it and the diagonal; rank 0's first chunk has no prefix: 3 of 4
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2

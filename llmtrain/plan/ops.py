@@ -119,6 +119,8 @@ def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None)
     keys = x.seq  # the soft-capped kernel runs every score of its calls: the ring's blocks are (cp + 1) / (2 cp) of
     if x.attention == "softcap" and x.cp_method == "ring":  # [s, S], a windowed layer's boxes fewer
         keys = x.softcap_keys or x.seq * (x.cp + 1) // (2 * x.cp)
+    elif x.attention == "softcap" and x.softcap_keys:  # without CP: a windowed layer's boxes (flops.runs_local)
+        keys = x.softcap_keys
     f, b = attention_seconds(x.b, x.s, keys, heads, x.hd, x.attn_executed, gpu, sms, x.attention, x.e, x.kv_len)
     if x.cp_method:
         kv = heads if x.cp_kv_repeated else max(1, x.kv_heads // x.tp)
@@ -247,8 +249,8 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset,
                       # the whole block priced as its layers without a window band (plan/gqa.py)
                       gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp) and not repeating_layers(recipe),
-                      softcap_keys=(softcap_ring_keys(recipe, dims.cp) if attention == "softcap" and blocks
-                                    and p.cp_method == "ring" else 0))
+                      softcap_keys=(softcap_ring_keys(recipe, dims.cp) if attention == "softcap" and (
+                          blocks and p.cp_method == "ring" or dims.cp == 1) else 0))
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

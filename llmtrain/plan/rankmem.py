@@ -20,6 +20,7 @@ from llmtrain.plan import activations as act
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.gqa import native_gqa, repeating_layers
+from llmtrain.plan.flops import runs_local
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
     compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_params, master_weight_state,
@@ -123,6 +124,11 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     # ring CP runs a windowed layer's chunk pairs inside the window only: selective keeps fewer kernel outputs there
     if dims.cp > 1 and p.cp_method == "ring" and recompute in ("selective", "selective_mm") and repeating_layers(recipe):
         win = act.layer_terms(replace(x, ring_window=m.sliding_window), False, recompute, cp_index=cp_index)
+        per_layer.append((repeating_layers(recipe),
+                          {k: win.get(k, 0) - kinds[False].get(k, 0) for k in win.keys() | kinds[False].keys()}))
+    # without CP the windowed layers run their score boxes: selective keeps each box call's output and lse
+    if runs_local(recipe, dims.cp) and recompute in ("selective", "selective_mm"):
+        win = act.layer_terms(replace(x, local_window=m.sliding_window), False, recompute, cp_index=cp_index)
         per_layer.append((repeating_layers(recipe),
                           {k: win.get(k, 0) - kinds[False].get(k, 0) for k in win.keys() | kinds[False].keys()}))
     per_layer = [(layers, delta) for layers, delta in per_layer if any(delta.values())]

@@ -21,7 +21,8 @@ every family by construction:
 * ``sliding_window`` (Mistral v0.1, Phi-3-mini-4k, Qwen2 with ``use_sliding_window``): query ``i``
   sees keys ``i - window < j <= i``, transformers' rule (``masking_utils.sliding_window_overlay``).
   Where the sequence is longer than the window, :meth:`Transformer.forward` builds one additive
-  band mask (:func:`attention_bias`) per forward, shared by every layer; under Ulysses context
+  band mask (:func:`attention_bias`) per forward, shared by every layer (without CP a windowed layer runs
+  only the score boxes it sees, on views of it: :mod:`.window_attention`); under Ulysses context
   parallelism it spans the whole sequence, which Ulysses' attention holds, under all-gather CP this
   rank's rows of it, under ring CP the same rows with the keys in ring order (:mod:`.masks`).
 * ``nope_layers`` (SmolLM3): layers whose attention applies no RoPE to q and k.
@@ -75,6 +76,7 @@ from llmtrain.engine.models.moe import MoE, FeedForward
 from llmtrain.engine.models.norm import RMSNorm, SplitRMSNorm, make_norm  # noqa: F401 (RMSNorm re-exported)
 from llmtrain.engine.models.rope import apply_rope, rope_cos_sin
 from llmtrain.engine.models.softcap import softcap_attention, softcap_logits
+from llmtrain.engine.models.window_attention import local_window_attention, runs_local
 from llmtrain.recipe.schema import ModelConfig
 
 
@@ -141,6 +143,7 @@ class Attention(nn.Module):
         # every attention path (SDPA, the CP kernel blocks) keeps its default 1 / sqrt(head_dim)
         self.q_scale = None if cfg.attention_scale is None else cfg.attention_scale * self.head_dim**0.5
         self.softcap = cfg.attention_softcap  # Gemma 2: scores capped, our kernel instead of SDPA (models/softcap.py)
+        self.window = None  # a windowed layer's (set by its block): without CP, the boxes it sees (window_attention.py)
         self.attn_fn = causal_sdpa
         self.rope_fn = apply_rope  # a plain attribute like attn_fn (the benchmarks swap in the old form)
 
@@ -171,8 +174,9 @@ class Attention(nn.Module):
             out = self._softcapped(q, k, v, mask)
         elif mask is None:
             out = self.attn_fn(q, k, v)
-        elif self.attn_fn is causal_sdpa:
-            out = masked_sdpa(q, k, v, mask)
+        elif self.attn_fn is causal_sdpa:  # a window: only its boxes where the row's chunks fit (window_attention.py)
+            out = (local_window_attention(q, k, v, mask, self.window) if runs_local(q.shape[2], self.window)
+                   else masked_sdpa(q, k, v, mask))
         elif getattr(self.attn_fn, "takes_mask", False):  # Ulysses (the whole row), all-gather / ring CP (its rows)
             out = self.attn_fn(q, k, v, mask)
         else:
@@ -183,6 +187,8 @@ class Attention(nn.Module):
         """Soft-capped attention (``model.attention_softcap``): our kernel, alone, inside Ulysses' or
         all-gather CP's exchange, or as ring CP's blocks (``takes_softcap``)."""
         if self.attn_fn is causal_sdpa:
+            if mask is not None and runs_local(q.shape[2], self.window):  # a window: its boxes' soft-capped calls
+                return local_window_attention(q, k, v, mask, self.window, self.softcap)
             return softcap_attention(q, k, v, mask, self.softcap)
         if getattr(self.attn_fn, "takes_softcap", False):
             return self.attn_fn(q, k, v, mask, softcap=self.softcap)
@@ -205,6 +211,7 @@ class TransformerBlock(nn.Module):
         if cfg.pre_norms:  # OLMo 2 has none (only the post norms)
             self.attention_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         self.attention = Attention(cfg, rope=cfg.uses_rope(layer_id))
+        self.attention.window = cfg.sliding_window if self.windowed else None  # its boxes only (window_attention.py)
         if cfg.pre_norms:
             self.ffn_norm = make_norm(cfg.hidden, cfg.norm_eps, cfg.norm_offset)
         if cfg.post_norms:
