@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
-                                                     default_scale, merge_, repeat_kv)
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
+                                                     default_scale, repeat_kv)
 from llmtrain.plan.localwindow import local_boxes, local_chunk
 
 
@@ -40,17 +40,12 @@ class LocalWindowAttention(torch.autograd.Function):
         out = torch.empty(b, s, h, d, dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
         lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
         aux = {}
-        for box in local_boxes(s, window):
+        for box in local_boxes(s, window):  # each query chunk's diagonal first: every row sees itself
             rows, keys = _slices(box, c)
             kr, vr = repeat_kv(k, v, keys, n_rep)
-            blk_out, blk_lse, aux[box[:2]] = block_forward(q[:, :, rows], kr, vr, False, scale,
-                                                           mask=mask[..., rows, keys], softcap=softcap)
-            if box[0] == box[1]:  # the diagonal, first for its rows: every row sees itself
-                out[:, :, rows].copy_(blk_out)
-                lse[:, :, rows].copy_(blk_lse)
-            else:
-                merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-            del blk_out, blk_lse, kr, vr
+            aux[box[:2]] = box_forward_(out, lse, q, kr, vr, rows, mask[..., rows, keys], box[0] == box[1], scale,
+                                        softcap)
+            del kr, vr
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
         ctx.scale, ctx.aux, ctx.window = scale, aux, window
@@ -68,12 +63,11 @@ class LocalWindowAttention(torch.autograd.Function):
         for box in local_boxes(s, ctx.window):
             rows, keys = _slices(box, c)
             kr, vr = repeat_kv(k, v, keys, n_rep)
-            dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
-                                           False, ctx.scale, ctx.aux[box[:2]], mask[..., rows, keys])
-            dq[:, :, rows].add_(dqb)
+            dkb, dvb = box_backward_(dq, dout, q, kr, vr, out, lse, rows, mask[..., rows, keys], box[0] == box[1],
+                                     ctx.scale, ctx.aux[box[:2]])
             add_kv_grad_(dk[:, :, keys], dkb, n_rep)
             add_kv_grad_(dv[:, :, keys], dvb, n_rep)
-            del kr, vr, dqb, dkb, dvb
+            del kr, vr, dkb, dvb
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

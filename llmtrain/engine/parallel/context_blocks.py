@@ -243,6 +243,29 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
+def box_forward_(out, lse, q, k, v, rows: slice, mask, first: bool, scale: float, softcap):
+    """One box of a windowed layer (ring CP's pairs, the neighbour exchange's, or without CP): its kernel call
+    on q's ``rows`` against ``k``/``v`` (the box's keys, repeated for GQA), under ``mask`` (its view of the
+    model's, or None), folded into ``out``/``lse``'s rows: copied when ``first`` (a diagonal box, first for
+    its rows: every row sees itself; causal when unmasked), else merged. Returns the block's aux."""
+    blk_out, blk_lse, aux = block_forward(q[:, :, rows], k, v, first and mask is None, scale, mask=mask, softcap=softcap)
+    if first:
+        out[:, :, rows].copy_(blk_out)
+        lse[:, :, rows].copy_(blk_lse)
+    else:
+        merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
+    return aux
+
+
+def box_backward_(dq, dout, q, k, v, out, lse, rows: slice, mask, first: bool, scale: float, aux):
+    """:func:`box_forward_`'s backward with the merged ``out``/``lse``: the rows' dq added into ``dq``;
+    returns the box keys' (dK, dV) with the repeated heads (:func:`add_kv_grad_` sums them)."""
+    dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows],
+                                   first and mask is None, scale, aux, mask)
+    dq[:, :, rows].add_(dqb)
+    return dkb, dvb
+
+
 def repeat_kv(k: torch.Tensor, v: torch.Tensor, keys: slice, n_rep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """GQA: the key range ``keys`` of ``k`` and ``v`` (``[b, kv_heads, s, d]``) repeated to
     ``[b, kv_heads * n_rep, len, d]``, query head ``j`` reading KV head ``j // n_rep`` (the model's

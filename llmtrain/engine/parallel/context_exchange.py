@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
-                                                     default_scale, merge_, repeat_kv)
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
+                                                     default_scale, repeat_kv)
 from llmtrain.engine.parallel.context_ring_window import _pair_mask, box_slices
 from llmtrain.plan.ringwindow import exchange_plan, step_boxes
 
@@ -110,18 +110,10 @@ class WindowExchangeAttention(torch.autograd.Function):
             src = (rank - t) % cp
             for box in step_boxes(rank, src, cp, c, window):
                 i, j = box[:2]
-                rows = box_slices(box, c)[0]
                 kr, vr = _box_kv(chunks, box, c, n_rep)
-                bm = _pair_mask(mask, box, src, c)
-                diagonal = t == 0 and i == j
-                blk_out, blk_lse, aux[t, i, j] = block_forward(q[:, :, rows], kr, vr, diagonal and bm is None, scale,
-                                                               mask=bm, softcap=softcap)
-                if diagonal:  # first for its rows: every row sees itself
-                    out[:, :, rows].copy_(blk_out)
-                    lse[:, :, rows].copy_(blk_lse)
-                else:
-                    merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-                del blk_out, blk_lse, kr, vr
+                aux[t, i, j] = box_forward_(out, lse, q, kr, vr, box_slices(box, c)[0], _pair_mask(mask, box, src, c),
+                                            t == 0 and i == j, scale, softcap)
+                del kr, vr
 
         pending = _post_kv(k, v, rank, cp, c, steps[0], group) if steps else None  # travels during step 0
         run(0, _own(k, v, c))
@@ -152,17 +144,13 @@ class WindowExchangeAttention(torch.autograd.Function):
             src = (rank - t) % cp
             for box in step_boxes(rank, src, cp, c, window):
                 i, j = box[:2]
-                rows = box_slices(box, c)[0]
                 kr, vr = _box_kv(chunks, box, c, n_rep)
-                bm = _pair_mask(mask, box, src, c)
-                causal = t == 0 and i == j and bm is None
-                dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
-                                               causal, scale, ctx.aux[t, i, j], bm)
-                dq[:, :, rows].add_(dqb)
+                dkb, dvb = box_backward_(dq, dout, q, kr, vr, out, lse, box_slices(box, c)[0],
+                                         _pair_mask(mask, box, src, c), t == 0 and i == j, scale, ctx.aux[t, i, j])
                 keys = slice(box[4] - chunks[j][2], box[5] - chunks[j][2])
                 add_kv_grad_(grads[j][0][:, :, keys], dkb, n_rep)
                 add_kv_grad_(grads[j][1][:, :, keys], dvb, n_rep)
-                del kr, vr, dqb, dkb, dvb
+                del kr, vr, dkb, dvb
 
         def land(pending, send) -> None:
             """The previous step's gradients of this rank's key suffixes ``send``, from the rank that used them."""

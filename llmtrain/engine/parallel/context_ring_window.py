@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, block_backward, block_forward,
-                                                     default_scale, merge_, repeat_kv)
+from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
+                                                     default_scale, repeat_kv)
 from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate, walk_ring
 from llmtrain.plan.ringwindow import step_boxes
 
@@ -65,16 +65,9 @@ class WindowedRingAttention(torch.autograd.Function):
                 i, j = box[:2]
                 rows, keys = box_slices(box, c)
                 kr, vr = repeat_kv(*kv, keys, n_rep)
-                bm = _pair_mask(mask, box, src, c)
-                diagonal = step == 0 and i == j
-                blk_out, blk_lse, aux[step, i, j] = block_forward(q[:, :, rows], kr, vr, diagonal and bm is None, scale,
-                                                                  mask=bm, softcap=softcap)
-                if diagonal:  # first for its rows: every row sees itself
-                    out[:, :, rows].copy_(blk_out)
-                    lse[:, :, rows].copy_(blk_lse)
-                else:
-                    merge_(out[:, :, rows], lse[:, :, rows], blk_out, blk_lse)
-                del blk_out, blk_lse, kr, vr
+                aux[step, i, j] = box_forward_(out, lse, q, kr, vr, rows, _pair_mask(mask, box, src, c),
+                                               step == 0 and i == j, scale, softcap)
+                del kr, vr
         del kv  # the last K/V received: freed before the output's cast
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)  # the mask: the model's, shared by its layers
@@ -101,13 +94,10 @@ class WindowedRingAttention(torch.autograd.Function):
                 i, j = box[:2]
                 rows, keys = box_slices(box, c)
                 kr, vr = repeat_kv(*kv, keys, n_rep)
-                bm = _pair_mask(mask, box, src, c)
-                causal = step == 0 and i == j and bm is None
-                dqb, dkb, dvb = block_backward(dout[:, :, rows], q[:, :, rows], kr, vr, out[:, :, rows], lse[:, :, rows],
-                                               causal, scale, ctx.aux[step, i, j], bm)
-                dq[:, :, rows].add_(dqb)
+                dkb, dvb = box_backward_(dq, dout, q, kr, vr, out, lse, rows, _pair_mask(mask, box, src, c),
+                                         step == 0 and i == j, scale, ctx.aux[step, i, j])
                 computed.append((keys, dkb, dvb))
-                del kr, vr, dqb
+                del kr, vr
             # this step's dK/dV accumulators, one step behind the K/V, arrive while the pairs ran
             if grads_pending is not None:
                 grads, grads_pending = finish_rotate(grads_pending), None
