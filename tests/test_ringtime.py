@@ -114,7 +114,7 @@ def test_windowed_layers_exchange_only_their_keys_and_the_rest_walk_the_ring():
 
 def test_the_ring_hides_behind_the_full_attention_layers_when_the_windowed_ones_exchange():
     """Gemma 3 1B at 8K on cp 4 across 4 nodes: its full-attention layers' hops hide behind those layers' own
-    blocks (flops.ring_layers_executed), not behind the average layer's, which the windowed layers' few
+    blocks (attnshare.ring_layers_executed), not behind the average layer's, which the windowed layers' few
     boxes make short: the same exposed share as the model without a window, where every layer is such a
     layer (0.444; behind the average layer 0.660)."""
     _, mixed = _cp_comms(dict(preset="gemma3-1b"), 8192, nodes=4)
@@ -134,7 +134,7 @@ def test_soft_capped_ring_layers_are_priced_by_the_scores_their_calls_run():
     from dataclasses import replace
 
     from llmtrain.plan import ops
-    from llmtrain.plan.flops import softcap_ring_keys
+    from llmtrain.plan.attnshare import softcap_call_keys
     from llmtrain.plan.ringwindow import ring_window_work
     from llmtrain.recipe.gpus import GPUS
 
@@ -148,6 +148,6 @@ def test_soft_capped_ring_layers_are_priced_by_the_scores_their_calls_run():
     window = ring_window_work(8, 32768, 4096)[1]
     assert len(recipe.model.windowed_layers) * 2 == recipe.model.layers
     assert shape.attention == "softcap" and shape.softcap_keys == round(32768 * (window + 9 / 16) / 2) == 12287
-    assert softcap_ring_keys(recipe, 8, ring_only=True) == 32768 * 9 // 16
+    assert softcap_call_keys(recipe, 8, ring_only=True) == 32768 * 9 // 16
     blocks_only = ops.layer_attention_seconds(replace(shape, softcap_keys=0), gpu)  # every layer as the ring's blocks
     assert ops.layer_attention_seconds(shape, gpu)[0] < 0.75 * blocks_only[0]

@@ -31,8 +31,9 @@ from llmtrain.plan.rankmem import (  # noqa: F401 (re-exported: callers import t
 )
 from llmtrain.plan.stragglers import straggler_factor
 from llmtrain.plan.flops import (
-    cp_attention_shares, cp_exchange, model_flops_per_token, ring_layers_executed, ring_step_shares, softcap_ring_keys, block_flops_per_token, forward_flops_per_token, fp8_matmul_fraction, head_flops_per_token,
-    recompute_flops_per_token, score_flops_per_token,
+    block_flops_per_token, cp_attention_shares, cp_exchange, forward_flops_per_token, fp8_matmul_fraction,
+    head_flops_per_token, model_flops_per_token, recompute_flops_per_token, ring_layers_executed, ring_step_shares,
+    score_flops_per_token, softcap_call_keys,
 )
 from llmtrain.plan.inflight import split_backwards
 from llmtrain.plan.memory import DPMode, best_dp_index, compute_bytes, dp_mode, model_state_bytes, worst_dp_index
@@ -170,7 +171,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
                         tp_bwd_overlap=tp_kind == "backward",
                         dist_opt=recipe.planner.dp_optimizer == "distributed",
                         fp8_gather_numel=fp8_gather_numel(m, inv.layers, dims.tp) if p.fp8_all_gather else 0,
-                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, cp_exchange=cp_exchange(recipe, dims.cp, inv.layers), pp_blocking=recipe.planner.pp_p2p == "blocking",
+                        kv_heads=m.kv_heads, cp_kv=recipe.planner.cp_kv, cp_exchange=cp_exchange(recipe, dims.cp, inv.layers),
+                        pp_blocking=recipe.planner.pp_p2p == "blocking",
                         recompute_whole=whole, v_shaped=p.pp_schedule in V_SHAPED_SCHEDULES)
         comms = step_comms(spec, gpu, spans)
         if recipe.cluster.time_model == "v2":
@@ -181,7 +183,8 @@ def estimate(recipe: Recipe, dims: ParallelDims, batch: BatchMath, placement: Pl
             ring_executed = executed if on_ring is None else on_ring
             if shape is not None:  # v2: the kernel's price, as in the block's time
                 ring_shape = shape if on_ring is None else replace(
-                    shape, attn_executed=on_ring, softcap_keys=shape.softcap_keys and softcap_ring_keys(recipe, dims.cp, True))
+                    shape, attn_executed=on_ring,
+                    softcap_keys=shape.softcap_keys and softcap_call_keys(recipe, dims.cp, ring_only=True))
                 a_f, a_b = (slow * a for a in ops.layer_attention_seconds(ring_shape, gpu))
             else:  # v1: the executed score FLOPs at v1's rate; flash backward runs 2.5x its forward
                 a_f = (score_flops_per_token(max(1, m.heads // dims.tp) * m.head_dim, seq) * tokens_mb * ring_executed

@@ -51,7 +51,7 @@ from llmtrain.plan.attentiontime import (  # noqa: F401 (re-exported: ops is the
     attention_fractions, attention_seconds)
 from llmtrain.plan.cpmerge import cp_attention_bytes
 from llmtrain.plan.elementwise import _compiled_elementwise, _elementwise, _with_dispatch, norm_bytes  # noqa: F401
-from llmtrain.plan.flops import allgather_masked, softcap_ring_keys
+from llmtrain.plan.attnshare import allgather_masked, softcap_call_keys
 from llmtrain.plan.gqa import native_gqa, repeating_layers
 from llmtrain.plan.gemmtime import (  # noqa: F401 (re-exported)
     HBM_EFFICIENCY, MAMF, MAMF_FP8, SMS, TILES, gemm_fwd_bwd, gemm_seconds, mamf, membound_seconds, wave_efficiency)
@@ -109,7 +109,7 @@ class BlockShape:
     norms: int = 2  # RMSNorms per block: 4 with model.post_norms (Gemma), priced like the others
     offset_norm: bool = False  # model.norm_offset (Gemma): eager OffsetRMSNorm ops unless compiled (norm_bytes)
     gqa_native: bool = False  # K/V handed to the kernel with their own heads: nothing repeated (plan/gqa.py)
-    softcap_keys: int = 0  # ring CP's soft-capped calls: keys per query, layers averaged (flops.softcap_ring_keys)
+    softcap_keys: int = 0  # the soft-capped calls' keys per query, layers averaged (attnshare.softcap_call_keys)
 
 
 def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None) -> tuple[float, float]:
@@ -119,7 +119,7 @@ def layer_attention_seconds(x: BlockShape, gpu: GPUSpec, sms: int | None = None)
     keys = x.seq  # the soft-capped kernel runs every score of its calls: the ring's blocks are (cp + 1) / (2 cp) of
     if x.attention == "softcap" and x.cp_method == "ring":  # [s, S], a windowed layer's boxes fewer
         keys = x.softcap_keys or x.seq * (x.cp + 1) // (2 * x.cp)
-    elif x.attention == "softcap" and x.softcap_keys:  # without CP: a windowed layer's boxes (flops.runs_local)
+    elif x.attention == "softcap" and x.softcap_keys:  # without CP: a windowed layer's boxes (attnshare.runs_local)
         keys = x.softcap_keys
     f, b = attention_seconds(x.b, x.s, keys, heads, x.hd, x.attn_executed, gpu, sms, x.attention, x.e, x.kv_len)
     if x.cp_method:
@@ -249,7 +249,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       rope=recipe.planner.rope, norms=2 * m.pre_norms + 2 * m.post_norms, offset_norm=m.norm_offset,
                       # the whole block priced as its layers without a window band (plan/gqa.py)
                       gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp) and not repeating_layers(recipe),
-                      softcap_keys=(softcap_ring_keys(recipe, dims.cp) if attention == "softcap" and (
+                      softcap_keys=(softcap_call_keys(recipe, dims.cp) if attention == "softcap" and (
                           blocks and p.cp_method == "ring" or dims.cp == 1) else 0))
 
 

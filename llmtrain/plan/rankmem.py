@@ -20,7 +20,7 @@ from llmtrain.plan import activations as act
 from llmtrain.plan.batch import BatchMath
 from llmtrain.plan.dims import ParallelDims
 from llmtrain.plan.gqa import native_gqa, repeating_layers
-from llmtrain.plan.flops import runs_local
+from llmtrain.plan.attnshare import runs_local
 from llmtrain.plan.inflight import inflight
 from llmtrain.plan.memory import (
     compute_bytes, dp_mode, fp8_unsharded_numel, grad_buffer_bytes, master_params, master_weight_state,
