@@ -71,3 +71,16 @@ def test_boxes_equal_the_dense_masked_call_in_fp64(seq, window, packed, softcap)
     boxes = run(lambda a, b, c: local_window_attention(a, b, c, mask, window, softcap))
     worst = max((x - y).abs().max().item() for x, y in zip(boxes, dense))
     assert worst < 1e-10, worst
+
+
+@pytest.mark.parametrize("first", ["llmtrain.engine.parallel.context_blocks", "llmtrain.engine.models.window_attention",
+                                   "llmtrain.engine.models.llama"])
+def test_the_kernel_blocks_and_the_models_import_in_any_order(first):
+    """context_blocks imports the models package (the soft-capped kernel), whose llama.py imports
+    window_attention, which uses context_blocks: a fresh interpreter importing any of them first works."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"import {first}; import llmtrain.engine.models.window_attention as w; "
+                           "w.blocks.box_forward_"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]

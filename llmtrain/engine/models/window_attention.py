@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
-                                                     default_scale, repeat_kv)
+# the module, its names looked up at call time: context_blocks imports the models package (the soft-capped
+# kernel), whose llama.py imports this file, so either may be imported first
+from llmtrain.engine.parallel import context_blocks as blocks
 from llmtrain.plan.localwindow import local_boxes, local_chunk
 
 
@@ -36,15 +37,15 @@ class LocalWindowAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mask, softcap, window: int):
         b, h, s, d = q.shape
-        c, n_rep, scale = local_chunk(s, window), h // k.shape[1], default_scale(q)
-        out = torch.empty(b, s, h, d, dtype=acc_dtype(q.dtype), device=q.device).transpose(1, 2)
-        lse = torch.empty(b, h, s, dtype=acc_dtype(q.dtype), device=q.device)
+        c, n_rep, scale = local_chunk(s, window), h // k.shape[1], blocks.default_scale(q)
+        out = torch.empty(b, s, h, d, dtype=blocks.acc_dtype(q.dtype), device=q.device).transpose(1, 2)
+        lse = torch.empty(b, h, s, dtype=blocks.acc_dtype(q.dtype), device=q.device)
         aux = {}
         for box in local_boxes(s, window):  # each query chunk's diagonal first: every row sees itself
             rows, keys = _slices(box, c)
-            kr, vr = repeat_kv(k, v, keys, n_rep)
-            aux[box[:2]] = box_forward_(out, lse, q, kr, vr, rows, mask[..., rows, keys], box[0] == box[1], scale,
-                                        softcap)
+            kr, vr = blocks.repeat_kv(k, v, keys, n_rep)
+            aux[box[:2]] = blocks.box_forward_(out, lse, q, kr, vr, rows, mask[..., rows, keys], box[0] == box[1],
+                                               scale, softcap)
             del kr, vr
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, mask)
@@ -55,18 +56,18 @@ class LocalWindowAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse, mask = ctx.saved_tensors
         s = q.shape[2]
-        c, n_rep, acc = local_chunk(s, ctx.window), q.shape[1] // k.shape[1], acc_dtype(q.dtype)
+        c, n_rep, acc = local_chunk(s, ctx.window), q.shape[1] // k.shape[1], blocks.acc_dtype(q.dtype)
         dout = dout.to(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for box in local_boxes(s, ctx.window):
             rows, keys = _slices(box, c)
-            kr, vr = repeat_kv(k, v, keys, n_rep)
-            dkb, dvb = box_backward_(dq, dout, q, kr, vr, out, lse, rows, mask[..., rows, keys], box[0] == box[1],
-                                     ctx.scale, ctx.aux[box[:2]])
-            add_kv_grad_(dk[:, :, keys], dkb, n_rep)
-            add_kv_grad_(dv[:, :, keys], dvb, n_rep)
+            kr, vr = blocks.repeat_kv(k, v, keys, n_rep)
+            dkb, dvb = blocks.box_backward_(dq, dout, q, kr, vr, out, lse, rows, mask[..., rows, keys],
+                                            box[0] == box[1], ctx.scale, ctx.aux[box[:2]])
+            blocks.add_kv_grad_(dk[:, :, keys], dkb, n_rep)
+            blocks.add_kv_grad_(dv[:, :, keys], dvb, n_rep)
             del kr, vr, dkb, dvb
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
