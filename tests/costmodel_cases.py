@@ -46,6 +46,9 @@ CASES = {
     # (models/llama.py attention_bias); under Ulysses over the whole sequence
     "window_zero1": ["model.sliding_window=16", "train.seq_len=256", "parallel.zero=1"],
     "window_cp2_ulysses": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2", "parallel.cp_method=ulysses"],
+    # Ulysses' whole rows of its heads run a windowed layer's score boxes: selective keeps each call's rows
+    "window_cp2_ulysses_selective": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2",
+                                     "parallel.cp_method=ulysses", "train.activation_checkpointing=selective"],
     # under all-gather: the rank's [s, S] rows of the band (models/masks.py), one masked call over the gathered K/V
     # repeated to the query heads (engine/parallel/context.py)
     "window_cp2_allgather": ["model.sliding_window=16", "train.seq_len=256", "parallel.cp=2",

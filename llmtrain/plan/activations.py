@@ -195,9 +195,9 @@ def attention_terms(x: ActShape, recompute: str, cp_index: int | None = None) ->
                 saved = ring_window_work(x.cp, x.s * x.cp, x.ring_window)[2]
                 blocks = max(saved) if cp_index is None else saved[cp_index]
             out["ring_saved_blocks"] = round(blocks * (e * q + lse))
-        elif x.cp == 1 and x.local_window:  # without CP, a windowed layer's score boxes: each call's output
-            # and lse kept, each box's rows (plan/localwindow.py; engine/models/window_attention.py)
-            out["attn_out"] = round(local_window_work(x.s, x.local_window)[1] * (e * q + lse))
+        elif x.local_window:  # without CP or under Ulysses (whole rows), a windowed layer's score boxes: each
+            # call's output and lse kept, each box's rows (plan/localwindow.py; engine/models/window_attention.py)
+            out["attn_out"] = round(local_window_work(x.s * x.cp, x.local_window)[1] * (e * q + lse))
         elif x.cp > 1 and x.cp_method == "allgather" and not x.masked:  # each zigzag chunk (half the
             # queries): two kernel blocks, before it and the diagonal; rank 0's first chunk has no prefix: 3 of 4
             out["attn_out"] = (3 if cp_index == 0 else 4) * (e * q + lse) // 2

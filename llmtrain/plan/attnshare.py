@@ -73,18 +73,19 @@ def cp_attention_shares(recipe, cp: int) -> tuple[float, float]:
         window_counted, window_executed, _ = ring_window_work(cp, seq, m.sliding_window)
         counted = w * window_counted + (1.0 - w) * counted
         executed = w * window_executed + (1.0 - w) * attention_executed(cp, "ring", float(recipe.data.packing))
-    elif runs_local(recipe, cp):  # without CP: a windowed layer's boxes (plan/localwindow.py)
+    elif runs_local(recipe, cp):  # without CP or under Ulysses: a windowed layer's boxes (plan/localwindow.py)
         local = local_window_work(seq, m.sliding_window)[0]
         counted = w * local + (1.0 - w) * counted
-        executed = w * local + (1.0 - w) * attention_executed(1, p.cp_method, float(recipe.data.packing))
+        executed = w * local + (1.0 - w) * attention_executed(cp, p.cp_method, float(recipe.data.packing))
     return counted, executed
 
 
 def runs_local(recipe, cp: int) -> bool:
-    """Whether the windowed layers run their score boxes instead of the dense masked call: without CP, a
-    window shorter than the row that the row's chunks fit, eager blocks (engine/models/window_attention.py)."""
+    """Whether the windowed layers run their score boxes instead of the dense masked call: without CP or
+    under Ulysses (whole rows of the rank's heads), a window shorter than the row that the row's chunks fit,
+    eager blocks (engine/models/window_attention.py)."""
     m, seq = recipe.model, recipe.train.seq_len
-    return (cp == 1 and windowed(m, seq) > 0 and not recipe.train.compile
+    return ((cp == 1 or recipe.parallel.cp_method == "ulysses") and windowed(m, seq) > 0 and not recipe.train.compile
             and local_window_work(seq, m.sliding_window) is not None)
 
 
@@ -124,7 +125,7 @@ def softcap_call_keys(recipe, cp: int, ring_only: bool = False) -> int:
     boxes (:func:`runs_local`). ``ring_only``: the layers on the ring alone (the full-attention ones when the
     windowed ones exchange their keys: :func:`ring_layers_executed`)."""
     m, seq = recipe.model, recipe.train.seq_len
-    if cp == 1:
+    if cp == 1 or recipe.parallel.cp_method != "ring":  # whole rows (Ulysses: of the rank's heads)
         w = windowed(m, seq) if runs_local(recipe, cp) else 0.0
         return round(seq * (w * local_window_work(seq, m.sliding_window)[0] + (1.0 - w))) if w else seq
     blocks = (cp + 1) / (2 * cp)
@@ -159,11 +160,10 @@ def attention_executed(cp: int, method: str, masked: float = 0.0) -> float:
 
     ``masked`` (the share of layers with a sliding window shorter than the sequence, :func:`windowed`,
     or every layer for packed rows: :func:`masked_layers`) executes all of its blocks, averaged over the layers (exact for the whole model, an average for a
-    pipeline stage holding fewer or more windowed layers than its share). Ulysses runs the window as
-    SDPA with a dense band mask over its heads (models/llama.py ``window_mask``), and kernels given a
-    mask execute every score block, visible or not (CUDA's memory-efficient kernel, CPU's flash kernel).
-    Without CP a windowed layer runs only its score boxes (:func:`cp_attention_shares` with
-    :func:`runs_local`, plan/localwindow.py; since the forty-second session, before the dense band too). The ring's masked blocks are its
+    pipeline stage holding fewer or more windowed layers than its share): kernels given a mask execute
+    every score block, visible or not (CUDA's memory-efficient kernel, CPU's flash kernel). Without CP and
+    under Ulysses a windowed layer runs only its score boxes (:func:`cp_attention_shares` with
+    :func:`runs_local`, plan/localwindow.py; since the forty-second session, before the dense band). The ring's masked blocks are its
     unmasked ones with a mask (context_ring.py): only the diagonal block runs whole instead of half,
     ``(2c)^2 / 2`` more of the ``4 cp c^2`` per rank: ``1/2 + masked / (2 cp)``. (Blocks that packed
     rows' samples leave empty still run: skipping them would make the work depend on the data; a

@@ -250,7 +250,7 @@ def shape_of(recipe, dims, gpu: GPUSpec, attn_executed: float) -> BlockShape:
                       # the whole block priced as its layers without a window band (plan/gqa.py)
                       gqa_native=native_gqa(recipe, gpu.name, dims.cp, dims.tp) and not repeating_layers(recipe),
                       softcap_keys=(softcap_call_keys(recipe, dims.cp) if attention == "softcap" and (
-                          blocks and p.cp_method == "ring" or dims.cp == 1) else 0))
+                          blocks and p.cp_method == "ring" or dims.cp == 1 or p.cp_method == "ulysses") else 0))
 
 
 def rank_seconds(x: BlockShape, gpu: GPUSpec, dense_layers: int, moe_layers: int, last: bool,

@@ -56,6 +56,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from llmtrain.engine.models.llama import causal_sdpa
 from llmtrain.engine.models.masks import zigzag_rows
 from llmtrain.engine.models.softcap import softcap_attention
+from llmtrain.engine.models.window_attention import local_window_attention, runs_local
 from llmtrain.engine.parallel.context_blocks import PrefixCausalAttention
 from llmtrain.engine.parallel.context_ring import RingAttention, ring_attention  # noqa: F401 (re-exported)
 from llmtrain.engine.parallel.context_exchange import window_exchange_attention
@@ -186,7 +187,7 @@ def _take_chunks(x: torch.Tensor, order: list[int]) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Tensor | None = None,
-                      softcap: float | None = None):
+                      softcap: float | None = None, window: int | None = None):
     """All-to-all from (all heads, local sequence) to (heads / cp, full sequence) and back.
 
     ``mask``: the model's additive mask over the whole sequence, built once per forward: a sliding
@@ -201,7 +202,9 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Te
     ``i // (h / kv)``), so the all-to-alls move ``heads / kv_heads`` times fewer K/V bytes and causal
     SDPA takes them unrepeated where the kernel can (``models/llama.py`` ``causal_sdpa``); a mask or
     the soft-capped kernel gets them repeated after the exchange. K/V heads that do not split over
-    ``cp`` are repeated to the query heads first, as before the thirty-eighth session."""
+    ``cp`` are repeated to the query heads first, as before the thirty-eighth session. ``window``: a
+    windowed layer's, whose whole rows run only their score boxes (``models/window_attention.py``,
+    forty-second session; the dense band before) where the row's chunks fit."""
     heads, kv_heads = q.shape[1], k.shape[1]
     if kv_heads != heads and kv_heads % cp:
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
@@ -211,7 +214,9 @@ def ulysses_attention(q, k, v, group: dist.ProcessGroup, cp: int, mask: torch.Te
     if kh.shape[1] != qh.shape[1]:
         rep = qh.shape[1] // kh.shape[1]
         kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
-    if softcap is not None:
+    if mask is not None and runs_local(qh.shape[2], window):  # a window: its boxes, soft-capped or not
+        out = local_window_attention(qh, kh, vh, mask, window, softcap)
+    elif softcap is not None:
         out = softcap_attention(qh, kh, vh, mask, softcap)
     else:
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
@@ -246,7 +251,7 @@ def make_cp_attention(method: str, group: dist.ProcessGroup, cp: int, cp_rank: i
     length) each rank fetches just those from their owners instead (``context_exchange.py``)."""
     if method == "ulysses":
         def ulysses(q, k, v, mask=None, softcap=None):
-            return ulysses_attention(q, k, v, group, cp, mask, softcap)
+            return ulysses_attention(q, k, v, group, cp, mask, softcap, window)
         ulysses.takes_mask = ulysses.takes_softcap = ulysses.takes_kv_heads = True
         return ulysses
     if method == "ring":
