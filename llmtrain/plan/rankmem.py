@@ -121,14 +121,12 @@ def rank_memory(recipe: Recipe, dims: ParallelDims, batch: BatchMath, pp_rank: i
     if banded:
         rep = act.layer_terms(replace(x, gqa_native=False, masked=True), False, recompute, cp_index=cp_index)
         per_layer.append((banded, {k: rep.get(k, 0) - kinds[False].get(k, 0) for k in rep.keys() | kinds[False].keys()}))
-    # ring CP runs a windowed layer's chunk pairs inside the window only: selective keeps fewer kernel outputs there
-    if dims.cp > 1 and p.cp_method == "ring" and recompute in ("selective", "selective_mm") and repeating_layers(recipe):
-        win = act.layer_terms(replace(x, ring_window=m.sliding_window), False, recompute, cp_index=cp_index)
-        per_layer.append((repeating_layers(recipe),
-                          {k: win.get(k, 0) - kinds[False].get(k, 0) for k in win.keys() | kinds[False].keys()}))
-    # without CP the windowed layers run their score boxes: selective keeps each box call's output and lse
-    if runs_local(recipe, dims.cp) and recompute in ("selective", "selective_mm"):
-        win = act.layer_terms(replace(x, local_window=m.sliding_window), False, recompute, cp_index=cp_index)
+    # a windowed layer runs only its score boxes, under ring CP (its chunk pairs') and without CP or under Ulysses
+    # (its row's): selective keeps each box call's output and lse, fewer or more than its kind's terms
+    boxes = ({"ring_window": m.sliding_window} if dims.cp > 1 and p.cp_method == "ring" and repeating_layers(recipe)
+             else {"local_window": m.sliding_window} if runs_local(recipe, dims.cp) else None)
+    if boxes and recompute in ("selective", "selective_mm"):
+        win = act.layer_terms(replace(x, **boxes), False, recompute, cp_index=cp_index)
         per_layer.append((repeating_layers(recipe),
                           {k: win.get(k, 0) - kinds[False].get(k, 0) for k in win.keys() | kinds[False].keys()}))
     per_layer = [(layers, delta) for layers, delta in per_layer if any(delta.values())]

@@ -25,11 +25,6 @@ from llmtrain.engine.parallel import context_blocks as blocks
 from llmtrain.plan.localwindow import local_boxes, local_chunk
 
 
-def _slices(box: tuple[int, ...], c: int) -> tuple[slice, slice]:
-    g, h, r0, r1, k0, k1 = box
-    return slice(g * c + r0, g * c + r1), slice(h * c + k0, h * c + k1)
-
-
 class LocalWindowAttention(torch.autograd.Function):
     """q ``[b, heads, s, d]``, k and v ``[b, heads or kv_heads, s, d]``, ``mask`` the model's additive mask of
     the layer (window band, packed rows' samples) broadcastable to ``[b, heads, s, s]``."""
@@ -42,7 +37,7 @@ class LocalWindowAttention(torch.autograd.Function):
         lse = torch.empty(b, h, s, dtype=blocks.acc_dtype(q.dtype), device=q.device)
         aux = {}
         for box in local_boxes(s, window):  # each query chunk's diagonal first: every row sees itself
-            rows, keys = _slices(box, c)
+            rows, keys = blocks.box_slices(box, c)
             kr, vr = blocks.repeat_kv(k, v, keys, n_rep)
             aux[box[:2]] = blocks.box_forward_(out, lse, q, kr, vr, rows, mask[..., rows, keys], box[0] == box[1],
                                                scale, softcap)
@@ -62,7 +57,7 @@ class LocalWindowAttention(torch.autograd.Function):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for box in local_boxes(s, ctx.window):
-            rows, keys = _slices(box, c)
+            rows, keys = blocks.box_slices(box, c)
             kr, vr = blocks.repeat_kv(k, v, keys, n_rep)
             dkb, dvb = blocks.box_backward_(dq, dout, q, kr, vr, out, lse, rows, mask[..., rows, keys],
                                             box[0] == box[1], ctx.scale, ctx.aux[box[:2]])

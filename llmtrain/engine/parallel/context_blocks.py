@@ -243,6 +243,14 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse:
     lse.copy_(new)
 
 
+def box_slices(box: tuple[int, ...], chunk: int) -> tuple[slice, slice]:
+    """The rows and key positions of box ``(i, j, r0, r1, k0, k1)``: rows ``r0 .. r1`` of query chunk ``i``, keys
+    ``k0 .. k1`` of key chunk ``j``, chunks of ``chunk`` tokens (``plan/ringwindow.py`` ``pair_box``; the ring's
+    local chunks, or the row's chunks without CP: ``plan/localwindow.py``)."""
+    i, j, r0, r1, k0, k1 = box
+    return slice(i * chunk + r0, i * chunk + r1), slice(j * chunk + k0, j * chunk + k1)
+
+
 def box_forward_(out, lse, q, k, v, rows: slice, mask, first: bool, scale: float, softcap):
     """One box of a windowed layer (ring CP's pairs, the neighbour exchange's, or without CP): its kernel call
     on q's ``rows`` against ``k``/``v`` (the box's keys, repeated for GQA), under ``mask`` (its view of the

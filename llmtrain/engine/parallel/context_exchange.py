@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
-                                                     default_scale, repeat_kv)
-from llmtrain.engine.parallel.context_ring_window import _pair_mask, box_slices
+                                                     box_slices, default_scale, repeat_kv)
+from llmtrain.engine.parallel.context_ring_window import _pair_mask
 from llmtrain.plan.ringwindow import exchange_plan, step_boxes
 
 
@@ -83,7 +83,8 @@ def _received(recv, tensors: list[torch.Tensor]) -> dict[int, tuple[torch.Tensor
 
 
 def _own(k, v, c: int) -> dict[int, tuple[torch.Tensor, torch.Tensor, int]]:
-    return {j: (k[:, :, j * c:(j + 1) * c], v[:, :, j * c:(j + 1) * c], 0) for j in range(2)}
+    """``j -> (K, V, 0)`` of this rank's two local chunks (views), as :func:`_received` lays them out."""
+    return {j: (_part(k, j, 0, c), _part(v, j, 0, c), 0) for j in range(2)}
 
 
 def _box_kv(chunks, box, c: int, n_rep: int):
@@ -159,7 +160,7 @@ class WindowExchangeAttention(torch.autograd.Function):
                 _part(dk, j, k0, c).add_(got[2 * n])
                 _part(dv, j, k0, c).add_(got[2 * n + 1])
 
-        run(0, _own(k, v, c), {j: (dk[:, :, j * c:(j + 1) * c], dv[:, :, j * c:(j + 1) * c]) for j in range(2)})
+        run(0, _own(k, v, c), _own(dk, dv, c))  # the own chunks' gradients straight into dk / dv
         landing = None
         for t, recv, send in exchange_plan(cp, c, window)[rank]:
             got = _received(recv, _wait(_post_kv(k, v, rank, cp, c, (t, recv, send), group)))

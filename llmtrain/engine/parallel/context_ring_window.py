@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from llmtrain.engine.parallel.context_blocks import (acc_dtype, add_kv_grad_, box_backward_, box_forward_,
-                                                     default_scale, repeat_kv)
+                                                     box_slices, default_scale, repeat_kv)
 from llmtrain.engine.parallel.context_ring import finish_rotate, start_rotate, walk_ring
 from llmtrain.plan.ringwindow import step_boxes
 
@@ -39,12 +39,6 @@ def _pair_mask(mask: torch.Tensor | None, box: tuple[int, ...], src: int, chunk:
     i, j, r0, r1, k0, k1 = box
     lo = src * 2 * chunk + j * chunk
     return mask[..., i * chunk + r0:i * chunk + r1, lo + k0:lo + k1]
-
-
-def box_slices(box: tuple[int, ...], chunk: int) -> tuple[slice, slice]:
-    """The local rows and key positions of box ``(i, j, r0, r1, k0, k1)`` (``plan/ringwindow.py`` ``pair_box``)."""
-    i, j, r0, r1, k0, k1 = box
-    return slice(i * chunk + r0, i * chunk + r1), slice(j * chunk + k0, j * chunk + k1)
 
 
 class WindowedRingAttention(torch.autograd.Function):
